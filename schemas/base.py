@@ -1,0 +1,46 @@
+"""The fields every event carries, and helpers shared by the event families."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["Event", "JobId", "new_event_id", "now_ns"]
+
+JobId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/@+-]+$")]
+
+
+def new_event_id() -> str:
+    """A fresh random event id (32 hex characters) used for deduplication."""
+    return uuid.uuid4().hex
+
+
+def now_ns() -> int:
+    """The current Unix time in integer nanoseconds."""
+    return time.time_ns()
+
+
+class Event(BaseModel):
+    """Base of every event: versioned, frozen, integer-nanosecond event time.
+
+    >>> class Ping(Event):
+    ...     KIND: ClassVar[str] = "ping"
+    >>> p = Ping(ts_ns=1, job_id="j1", node="n0", rank=0)
+    >>> p.schema_version, len(p.event_id)
+    (1, 32)
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", str_max_length=4096)
+
+    KIND: ClassVar[str] = "event"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    schema_version: int = Field(1, ge=1)
+    event_id: str = Field(default_factory=new_event_id, min_length=1, max_length=64)
+    ts_ns: int = Field(ge=0, description="Event time, Unix nanoseconds.")
+    job_id: JobId
+    node: str = Field(min_length=1, max_length=255)
+    rank: int = Field(ge=-1, le=1 << 20, description="Process rank; -1 means the whole job.")
