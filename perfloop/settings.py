@@ -1,0 +1,116 @@
+"""Settings: one frozen pydantic-settings class per service, env prefix ``PERFLOOP_``.
+
+Settings are read once at an entry point (the CLI or a service's ``main``) and passed down;
+library code never reads ``os.environ``.
+
+Addresses resolve the same way everywhere: ``PERFLOOP_KAFKA_BOOTSTRAP`` and
+``PERFLOOP_CLICKHOUSE_URL`` name an external Kafka-API cluster and ClickHouse server; when
+they are unset, the embedded stack's loopback addresses (``PERFLOOP_KAFKA_PORT``,
+``PERFLOOP_CLICKHOUSE_PORT``) are used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = [
+    "ActuatorSettings",
+    "BaseServiceSettings",
+    "SinkSettings",
+    "StackSettings",
+    "StreamsSettings",
+    "WarehouseServerSettings",
+]
+
+_CONFIG = SettingsConfigDict(env_prefix="PERFLOOP_", frozen=True, extra="ignore")
+
+
+class BaseServiceSettings(BaseSettings):
+    """What every perfloop process needs: where state lives and how to reach the stack."""
+
+    model_config = _CONFIG
+
+    home: Path = Field(Path(".perfloop"), description="Logs and state of the embedded stack.")
+    host: str = Field("127.0.0.1", description="Loopback address the embedded stack binds.")
+    kafka_port: int = Field(19092, ge=1, le=65535)
+    clickhouse_port: int = Field(18123, ge=1, le=65535)
+    kafka_bootstrap_override: str | None = Field(
+        None, alias="PERFLOOP_KAFKA_BOOTSTRAP", description="External Kafka-API bootstrap."
+    )
+    clickhouse_url_override: str | None = Field(
+        None, alias="PERFLOOP_CLICKHOUSE_URL", description="External ClickHouse HTTP URL."
+    )
+    clickhouse_database: str = Field("perfloop", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+    clickhouse_user: str = "default"
+    clickhouse_password: SecretStr = SecretStr("")
+    topic_partitions: int = Field(4, ge=1, le=1024)
+
+    @property
+    def external_kafka(self) -> bool:
+        return bool(self.kafka_bootstrap_override)
+
+    @property
+    def external_clickhouse(self) -> bool:
+        return bool(self.clickhouse_url_override)
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        return self.kafka_bootstrap_override or f"{self.host}:{self.kafka_port}"
+
+    @property
+    def clickhouse_url(self) -> str:
+        return self.clickhouse_url_override or f"http://{self.host}:{self.clickhouse_port}"
+
+    @property
+    def home_dir(self) -> Path:
+        return self.home.expanduser().resolve()
+
+
+class StackSettings(BaseServiceSettings):
+    """`perfloop up/down/status/demo`: which services to supervise and how long to wait."""
+
+    start_timeout_s: float = Field(60.0, gt=0)
+    stop_timeout_s: float = Field(15.0, gt=0)
+    restart_backoff_s: float = Field(2.0, ge=0)
+
+
+class WarehouseServerSettings(BaseServiceSettings):
+    """The embedded warehouse: chDB on a data directory, served over ClickHouse HTTP."""
+
+    data_dir: Path | None = Field(None, description="Defaults to $PERFLOOP_HOME/warehouse.")
+    max_body_bytes: int = Field(1 << 30, gt=0)
+
+
+class StreamsSettings(BaseServiceSettings):
+    """The Faust stream workers (windows and the data-wait rule)."""
+
+    app_id: str = "perfloop-streams"
+    broker_session_timeout_s: float = Field(6.0, gt=0)
+    window_s: float = Field(10.0, gt=0)
+    allowed_lateness_s: float = Field(2.0, ge=0)
+    data_wait_share_threshold: float = Field(0.3, gt=0, lt=1)
+    recommendation_cooldown_s: float = Field(30.0, ge=0)
+    max_skew_s: float = Field(300.0, gt=0)
+
+
+class SinkSettings(BaseServiceSettings):
+    """The warehouse sink: batches every topic into the warehouse."""
+
+    group_id: str = "perfloop-sink"
+    flush_interval_s: float = Field(1.0, gt=0)
+    max_batch_rows: int = Field(50_000, gt=0)
+    session_timeout_ms: int = Field(6000, ge=1000)
+
+
+class ActuatorSettings(BaseServiceSettings):
+    """The actuator service: recommendations to signed commands."""
+
+    group_id: str = "perfloop-actuator"
+    tier: str = Field("auto", pattern="^(observe|recommend|approve|auto)$")
+    signing_key: SecretStr = SecretStr("perfloop-embedded-dev-key")
+    command_ttl_s: float = Field(60.0, gt=0)
+    cooldown_s: float = Field(30.0, ge=0)
+    session_timeout_ms: int = Field(6000, ge=1000)

@@ -1,0 +1,81 @@
+"""Warehouse access: clickhouse-connect clients and the versioned, idempotent migrations."""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+import clickhouse_connect
+from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import ClickHouseError
+
+from perfloop.catalog import MIGRATIONS
+from perfloop.exceptions import WarehouseError
+from perfloop.settings import BaseServiceSettings
+
+__all__ = ["client", "migrate"]
+
+_MIGRATIONS_TABLE = """CREATE TABLE IF NOT EXISTS schema_migrations (
+    version UInt32,
+    name String,
+    applied_at DateTime64(3, 'UTC') DEFAULT now64(3)
+) ENGINE = ReplacingMergeTree ORDER BY version"""
+
+
+def client(
+    settings: BaseServiceSettings, *, database: str | None = None, timeout_s: float = 30.0
+) -> Client:
+    """A clickhouse-connect client for the configured warehouse (one per thread).
+
+    Raises `WarehouseError` with one line if the warehouse cannot be reached.
+    """
+    url = urlparse(settings.clickhouse_url)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise WarehouseError(
+            f"PERFLOOP_CLICKHOUSE_URL={settings.clickhouse_url!r} is not an http(s) URL"
+        )
+    try:
+        return clickhouse_connect.get_client(
+            host=url.hostname,
+            port=url.port or (8443 if url.scheme == "https" else 8123),
+            secure=url.scheme == "https",
+            username=url.username or settings.clickhouse_user,
+            password=url.password or settings.clickhouse_password.get_secret_value(),
+            database=settings.clickhouse_database if database is None else database,
+            connect_timeout=min(timeout_s, 5.0),
+            send_receive_timeout=timeout_s,
+            autogenerate_session_id=False,
+        )
+    except ClickHouseError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise WarehouseError(
+            f"ClickHouse at {settings.clickhouse_url} is unreachable or refused: {first}"
+        ) from e
+
+
+def migrate(settings: BaseServiceSettings) -> list[int]:
+    """Create the database and apply pending migrations in order; return versions applied."""
+    db = settings.clickhouse_database
+    admin = client(settings, database="")
+    try:
+        admin.command(f"CREATE DATABASE IF NOT EXISTS `{db}`")
+    except ClickHouseError as e:
+        raise WarehouseError(f"cannot create database {db}: {e}") from e
+    finally:
+        admin.close()
+    ch = client(settings)
+    applied: list[int] = []
+    try:
+        ch.command(_MIGRATIONS_TABLE)
+        done = {r[0] for r in ch.query("SELECT version FROM schema_migrations").result_rows}
+        for m in MIGRATIONS:
+            if m.version in done:
+                continue
+            for stmt in m.statements:
+                ch.command(stmt)
+            ch.insert("schema_migrations", [[m.version, m.name]], column_names=["version", "name"])
+            applied.append(m.version)
+    except ClickHouseError as e:
+        raise WarehouseError(f"migration failed: {str(e).strip().splitlines()[0]}") from e
+    finally:
+        ch.close()
+    return applied
