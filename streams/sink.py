@@ -1,0 +1,264 @@
+"""The warehouse sink: every topic in `TABLES`, batched into its table, at least once.
+
+Rows accumulate in memory per table and are inserted column by column about once a second
+(or at ``max_batch_rows``). Each insert carries a deduplication token built from the source
+offsets, so a retried or replayed batch lands once; offsets are committed only after every
+insert they cover succeeded. While the warehouse is down the sink pauses its consumer (memory
+stays bounded by one batch) and retries with backoff; nothing is lost. A message that does not
+decode goes to ``perfloop.dlq`` with the reason and the source, and is committed past.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from clickhouse_connect.driver.exceptions import ClickHouseError
+from confluent_kafka import KafkaError, Message, TopicPartition
+
+from perfloop.catalog import TABLES, Topics
+from perfloop.exceptions import PerfloopError
+from perfloop.kafka import consumer, producer
+from perfloop.schemas import SchemaError, decode_batch, decode_event
+from perfloop.settings import SinkSettings
+from perfloop.streams.app import dlq_headers
+from perfloop.warehouse import client
+
+__all__ = ["ROW_BUILDERS", "Sink", "rows_from_message"]
+
+log = logging.getLogger("perfloop.sink")
+
+Rows = dict[str, list[Any]]
+
+
+def _str(v: Any) -> str:
+    return "" if v is None else str(v)
+
+
+def _telemetry(data: bytes) -> Rows:
+    batch = decode_batch(data)
+    n = len(batch)
+    cols: Rows = {
+        "ts": batch.columns["ts_ns"].tolist(),
+        "event_id": batch.event_ids(),
+        "job_id": [batch.job_id] * n,
+        "node": [batch.node] * n,
+    }
+    for name, arr in batch.columns.items():
+        if name != "ts_ns":
+            cols[name] = arr.tolist()
+    return cols
+
+
+def _windows(data: bytes) -> Rows:
+    try:
+        doc = orjson.loads(data)
+        rows = doc["rows"]
+        cols: Rows = {"ts": [], "event_id": []}
+        for r in rows:
+            cols["ts"].append(int(r["ts_ns"]))
+            cols["event_id"].append(f"{r['job_id']}:{r['rank']}:{r['metric']}:{r['ts_ns']}")
+            for k in (
+                "job_id",
+                "node",
+                "rank",
+                "metric",
+                "window_s",
+                "count",
+                "mean",
+                "min",
+                "max",
+                "p50",
+                "p95",
+                "p99",
+                "rate_per_s",
+                "slope_per_s",
+            ):
+                cols.setdefault(k, []).append(r[k])
+            cols.setdefault("window_end", []).append(int(r["window_end_ns"]))
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise SchemaError(f"windows message is malformed: {type(e).__name__}: {e}") from None
+    return cols
+
+
+def _event_row(data: bytes) -> dict[str, Any]:
+    ev = decode_event(data)
+    row = ev.model_dump()
+    row["ts"] = row.pop("ts_ns")
+    row.pop("schema_version")
+    return row
+
+
+def _recommendation(data: bytes) -> Rows:
+    row = _event_row(data)
+    row["rec_id"] = row["event_id"]
+    row["from_value"], row["to_value"] = _str(row["from_value"]), _str(row["to_value"])
+    return {k: [v] for k, v in row.items()}
+
+
+def _command(data: bytes) -> Rows:
+    row = _event_row(data)
+    row["command_id"] = row["event_id"]
+    row["from_value"], row["value"] = _str(row["from_value"]), _str(row["value"])
+    row["expires_ts"] = row.pop("expires_ts_ns")
+    return {k: [v] for k, v in row.items()}
+
+
+def _actuation(data: bytes) -> Rows:
+    row = _event_row(data)
+    row["value"] = _str(row["value"])
+    return {k: [v] for k, v in row.items()}
+
+
+ROW_BUILDERS: dict[str, Callable[[bytes], Rows]] = {
+    Topics.STEP: _telemetry,
+    Topics.GPU: _telemetry,
+    Topics.WINDOWS: _windows,
+    Topics.RECOMMENDATIONS: _recommendation,
+    Topics.CONTROL: _command,
+    Topics.ACTUATIONS: _actuation,
+}
+
+
+def rows_from_message(topic: str, data: bytes) -> Rows:
+    """Columns for the topic's table from one message; raise `SchemaError` if it is bad."""
+    return ROW_BUILDERS[topic](data)
+
+
+@dataclass
+class _Pending:
+    columns: Rows = field(default_factory=dict)
+    rows: int = 0
+    sources: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def extend(self, cols: Rows, topic: str, partition: int, offset: int) -> None:
+        # Every builder of one table yields the same columns (defaults are filled at decode).
+        for k, v in cols.items():
+            self.columns.setdefault(k, []).extend(v)
+        self.rows += len(cols["ts"])
+        self.sources.append((topic, partition, offset))
+
+    def token(self) -> str:
+        h = hashlib.sha256(orjson.dumps(sorted(self.sources)))
+        return h.hexdigest()[:32]
+
+
+class Sink:
+    """Consumes the catalog's topics and inserts them into the warehouse."""
+
+    def __init__(self, settings: SinkSettings) -> None:
+        self.settings = settings
+        self._stop = threading.Event()
+        self._consumer = consumer(
+            settings, settings.group_id, **{"session.timeout.ms": settings.session_timeout_ms}
+        )
+        self._dlq = producer(settings)
+        self._ch = client(settings)
+        self._pending: dict[str, _Pending] = {}
+        self._offsets: dict[tuple[str, int], int] = {}
+        self._paused = False
+        self.inserted_rows = 0
+        self.dead_letters = 0
+
+    def start(self) -> None:
+        self._consumer.subscribe(list(TABLES))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        self.start()
+        last_flush = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                msgs = [] if self._paused else self._consumer.consume(5000, 0.2)
+                for msg in msgs:
+                    self._take(msg)
+                buffered = sum(p.rows for p in self._pending.values())
+                due = time.monotonic() - last_flush >= self.settings.flush_interval_s
+                if (
+                    due and (buffered or self._offsets)
+                ) or buffered >= self.settings.max_batch_rows:
+                    self._flush()
+                    last_flush = time.monotonic()
+                elif self._paused:
+                    time.sleep(0.2)
+            self._flush()
+        finally:
+            self._consumer.close()
+            self._dlq.flush(5)
+            self._ch.close()
+
+    def _take(self, msg: Message) -> None:
+        if msg.error():
+            if msg.error().code() != KafkaError._PARTITION_EOF:
+                log.warning("consumer error: %s", msg.error())
+            return
+        topic, part, off = msg.topic(), msg.partition(), msg.offset()
+        try:
+            cols = rows_from_message(topic, msg.value() or b"")
+        except SchemaError as e:
+            log.warning("dead letter %s[%s]@%s: %s", topic, part, off, e)
+            self._dlq.produce(
+                Topics.DLQ,
+                key=msg.key(),
+                value=msg.value(),
+                headers=dlq_headers(str(e), topic, part, off),
+            )
+            self._dlq.poll(0)
+            self.dead_letters += 1
+        else:
+            table = TABLES[topic]
+            self._pending.setdefault(table, _Pending()).extend(cols, topic, part, off)
+        self._offsets[(topic, part)] = off + 1
+
+    def _flush(self) -> None:
+        for table in list(self._pending):
+            pending = self._pending[table]
+            try:
+                self._ch.insert(
+                    table,
+                    list(pending.columns.values()),
+                    column_names=list(pending.columns),
+                    column_oriented=True,
+                    settings={"insert_deduplication_token": pending.token()},
+                )
+            except (ClickHouseError, PerfloopError, OSError) as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                log.warning("insert into %s failed, pausing consumption: %s", table, first)
+                self._pause()
+                return
+            self.inserted_rows += pending.rows
+            del self._pending[table]
+        if self._offsets:
+            self._dlq.flush(5)
+            self._consumer.commit(
+                offsets=[TopicPartition(t, p, o) for (t, p), o in self._offsets.items()],
+                asynchronous=False,
+            )
+            self._offsets.clear()
+        self._resume()
+
+    def _pause(self) -> None:
+        if not self._paused:
+            self._consumer.pause(self._consumer.assignment())
+            self._paused = True
+        time.sleep(min(5.0, self.settings.flush_interval_s))
+
+    def _resume(self) -> None:
+        if self._paused:
+            self._consumer.resume(self._consumer.assignment())
+            self._paused = False
+
+
+def install_signals(stop: Callable[[], None]) -> None:
+    """SIGTERM and SIGINT call ``stop``."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop())
