@@ -1,0 +1,234 @@
+"""The `perfloop` command line. Every failure is one line on stderr and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from pydantic import ValidationError
+
+from perfloop import __version__
+from perfloop.exceptions import ConfigError, PerfloopError
+
+__all__ = ["build_parser", "main"]
+
+SERVICE_NAMES = ("warehouse", "streams", "sink", "actuator")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"perfloop: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="perfloop", description="Predictive performance intelligence for AI training.")
+    p.add_argument("--version", action="version", version=f"perfloop {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    up = sub.add_parser("up", help="bring the stack up (embedded broker and warehouse by default)")
+    up.add_argument("--detach", action="store_true", help="run in the background and return")
+    sub.add_parser("down", help="stop everything `up` started")
+    st = sub.add_parser("status", help="what is running and whether it answers")
+    st.add_argument("--json", action="store_true", help="print JSON")
+    sub.add_parser("migrate", help="create the topics and apply warehouse migrations")
+
+    demo = sub.add_parser("demo", help="close the loop on a simulated job with a data-loader fault")
+    demo.add_argument("--ranks", type=int, default=4, help="simulated ranks (default 4)")
+    demo.add_argument(
+        "--fault-at",
+        type=float,
+        default=12.0,
+        metavar="S",
+        help="seconds into the run when starvation starts (default 12)",
+    )
+
+    sql = sub.add_parser("sql", help="run a SQL query against the warehouse")
+    sql.add_argument("query")
+    sql.add_argument("--format", choices=("table", "json"), default="table")
+
+    svc = sub.add_parser("service", help="run one perfloop service in the foreground")
+    svc.add_argument("name", choices=SERVICE_NAMES)
+    return p
+
+
+def _settings(cls: type[Any]) -> Any:
+    try:
+        return cls()
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(
+            f"invalid setting PERFLOOP_{str(err['loc'][0]).upper()}: {err['msg']}"
+        ) from None
+
+
+def _up(args: argparse.Namespace) -> int:
+    from perfloop.settings import StackSettings
+    from perfloop.stack import Supervisor, check_external, up_detached
+
+    settings = _settings(StackSettings)
+    if args.detach:
+        state = up_detached(settings)
+        print(
+            f"perfloop is up: kafka {state['kafka_bootstrap']}, "
+            f"clickhouse {state['clickhouse_url']}, home {state['home']}"
+        )
+        return 0
+    check_external(settings)
+    Supervisor(settings).run()
+    return 0
+
+
+def _down(_: argparse.Namespace) -> int:
+    from perfloop.settings import StackSettings
+    from perfloop.stack import down
+
+    print("perfloop stopped" if down(_settings(StackSettings)) else "perfloop was not running")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from perfloop.settings import StackSettings
+    from perfloop.stack import status
+
+    doc = status(_settings(StackSettings))
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(f"perfloop {doc['state']}  (home {doc['home']})")
+        print(
+            f"  kafka      {doc['kafka_bootstrap']}  "
+            f"{'reachable' if doc['kafka_reachable'] else 'UNREACHABLE'}"
+        )
+        print(
+            f"  clickhouse {doc['clickhouse_url']}  "
+            f"{'reachable' if doc['clickhouse_reachable'] else 'UNREACHABLE'}"
+        )
+        for name, svc in doc["services"].items():
+            rss = f"{svc['rss_bytes'] / 2**20:.0f} MiB" if svc["rss_bytes"] else "-"
+            print(
+                f"  {name:<10} {svc['state']:<10} pid {svc['pid']}  rss {rss}  "
+                f"restarts {svc['restarts']}"
+            )
+        if "broker_retention" in doc:
+            print(f"  note: {doc['broker_retention']}")
+    return 0 if doc["state"] == "up" else 3
+
+
+def _migrate(_: argparse.Namespace) -> int:
+    from perfloop.kafka import ensure_topics
+    from perfloop.settings import StackSettings
+    from perfloop.warehouse import migrate
+
+    settings = _settings(StackSettings)
+    topics = ensure_topics(settings)
+    versions = migrate(settings)
+    print(f"topics created: {len(topics)}; migrations applied: {versions or 'none pending'}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from perfloop.demo import format_table, run_demo, verify_in_warehouse
+    from perfloop.settings import StackSettings
+    from perfloop.stack import read_state, up_detached
+
+    settings = _settings(StackSettings)
+    if read_state(settings) is None:
+        print("bringing the embedded stack up…", flush=True)
+        up_detached(settings)
+    res = run_demo(settings, ranks=args.ranks, fault_at_s=args.fault_at)
+    verify_in_warehouse(settings, res)
+    print("\nwhat the warehouse holds (perfloop sql …):")
+    for sql, cols, rows in res.queries:
+        print(f"\n» {sql}\n{format_table(cols, rows)}")
+    if res.closed:
+        print("\nloop closed: detected → recommended → commanded → applied → acked → faster")
+        return 0
+    print(
+        "\nloop NOT closed: see `perfloop status` and the logs under $PERFLOOP_HOME/logs",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _sql(args: argparse.Namespace) -> int:
+    from clickhouse_connect.driver.exceptions import ClickHouseError
+
+    from perfloop.demo import format_table
+    from perfloop.settings import StackSettings
+    from perfloop.warehouse import client
+
+    ch = client(_settings(StackSettings))
+    try:
+        r = ch.query(args.query)
+    except ClickHouseError as e:
+        raise PerfloopError(" ".join(str(e).split())[:500]) from e
+    finally:
+        ch.close()
+    if args.format == "json":
+        for row in r.result_rows:
+            print(json.dumps(dict(zip(r.column_names, row, strict=True)), default=str))
+    else:
+        print(format_table(list(r.column_names), r.result_rows))
+    return 0
+
+
+def _service(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.name == "warehouse":
+        from perfloop.chserver import main as warehouse_main
+
+        return warehouse_main([]) or 0
+    if args.name == "streams":
+        from perfloop.settings import StreamsSettings
+        from perfloop.streams.app import StreamsService
+
+        StreamsService(_settings(StreamsSettings)).run()
+        return 0
+    from perfloop.streams.sink import install_signals
+
+    service: Any
+    if args.name == "sink":
+        from perfloop.settings import SinkSettings
+        from perfloop.streams.sink import Sink
+
+        service = Sink(_settings(SinkSettings))
+    else:
+        from perfloop.actuators.service import ActuatorService
+        from perfloop.settings import ActuatorSettings
+
+        service = ActuatorService(_settings(ActuatorSettings))
+    install_signals(service.stop)
+    service.run()
+    return 0
+
+
+_COMMANDS = {
+    "up": _up,
+    "down": _down,
+    "status": _status,
+    "migrate": _migrate,
+    "demo": _demo,
+    "sql": _sql,
+    "service": _service,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except PerfloopError as e:
+        print(f"perfloop: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
