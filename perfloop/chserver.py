@@ -1,0 +1,648 @@
+"""The embedded warehouse server: chDB served over the ClickHouse HTTP interface.
+
+A chDB data directory can be opened by one process only, so this server owns it and every
+other perfloop process talks to it the way it would talk to a real ClickHouse server:
+``clickhouse_connect.get_client(host=..., port=...)`` or ``curl``. One chDB session serves
+all requests; calls into it are serialized by a lock.
+
+What the HTTP layer supports: ``GET /ping``; ``GET|POST /`` with the query in the ``query``
+parameter and/or the body (multipart form fields too); ``database`` /
+``X-ClickHouse-Database``; ``param_<name>`` bound by the engine; ``default_format`` and
+``FORMAT x``; query settings as URL parameters (applied with ``SET`` for the one request;
+HTTP-only and unknown names are ignored); ``INSERT ... FORMAT x`` with the data in the body,
+plain or ``Content-Encoding`` gzip / deflate / lz4 / zstd, or ClickHouse ``decompress=1``
+framing (lz4, zstd, none). Responses are never compressed. Errors come back as ClickHouse
+sends them: status, ``X-ClickHouse-Exception-Code`` and ``Code: N. DB::Exception: ...``.
+
+Example (``python -m perfloop.chserver`` runs the same from the environment):
+
+>>> from perfloop.settings import WarehouseServerSettings
+>>> server = WarehouseServer(WarehouseServerSettings(clickhouse_port=18123))  # doctest: +SKIP
+>>> server.run()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import email.parser
+import email.policy
+import errno
+import json
+import logging
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from perfloop.exceptions import WarehouseError
+from perfloop.settings import WarehouseServerSettings
+
+__all__ = ["WarehouseServer", "main"]
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 1 << 20
+_DISPLAY_NAME = socket.gethostname()
+
+# URL parameters that belong to the HTTP layer, never forwarded to the engine as settings.
+# readonly is here because a session that once set it cannot unset it.
+_HTTP_ONLY = frozenset(
+    {
+        "query", "database", "default_format", "query_id", "session_id", "session_timeout",
+        "session_check", "compress", "decompress", "user", "password", "quota_key",
+        "buffer_size", "wait_end_of_query", "client_protocol_version", "role", "stacktrace",
+        "enable_http_compression", "http_zlib_compression_level", "send_progress_in_http_headers",
+        "http_headers_progress_interval_ms", "cancel_http_readonly_queries_on_client_close",
+        "add_http_cors_header", "http_wait_end_of_query", "http_response_buffer_size",
+        "readonly", "async_insert", "wait_for_async_insert", "async_insert_deduplicate",
+    }
+)  # fmt: skip
+
+# ClickHouse's HTTP status for an exception code (HTTPHandler::exceptionCodeToHTTPStatus).
+_STATUS_BY_CODE = {
+    **dict.fromkeys((6, 25, 26, 27, 38, 41, 72, 376, 15, 44, 53, 62, 117, 321, 167, 168, 169), 400),
+    **dict.fromkeys((60, 46, 47, 50, 56, 81, 115, 63, 73, 336, 124, 511), 404),
+    516: 401,
+    307: 413,
+    48: 501,
+    209: 503,
+}
+_NAMES = {
+    36: "BAD_ARGUMENTS",
+    48: "NOT_IMPLEMENTED",
+    62: "SYNTAX_ERROR",
+    73: "UNKNOWN_FORMAT",
+    271: "CANNOT_DECOMPRESS",
+    307: "TOO_MANY_BYTES",
+    1001: "STD_EXCEPTION",
+}
+_CODE_RE = re.compile(r"Code: (\d+)\. DB::Exception: ")
+_LEADING_COMMENTS = re.compile(r"\A(?:\s+|--[^\n]*(?:\n|\Z)|/\*.*?\*/)*", re.S)
+_INSERT_FORMAT = re.compile(r"\A(INSERT\s+INTO\s.*?)\bFORMAT\s+([A-Za-z0-9_]+)", re.S | re.I)
+_TRAILING_FORMAT = re.compile(r"\bFORMAT\s+([A-Za-z0-9_]+)(?:\s+SETTINGS\b[^;]*)?\s*;?\s*\Z", re.I)
+_STATEMENT = re.compile(r"\A([A-Za-z]+)(?:\s+([A-Za-z]+))?")
+_PYTHON_ONLY_FORMATS = frozenset({"dataframe", "df", "arrowtable", "debug"})
+
+
+class _ClickHouseError(Exception):
+    """An error to send back the ClickHouse way."""
+
+    def __init__(self, code: int, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = status or _STATUS_BY_CODE.get(code, 500)
+
+    @classmethod
+    def of(cls, code: int, text: str, status: int | None = None) -> _ClickHouseError:
+        """Our own error, worded as the engine words its own."""
+        name = _NAMES.get(code, "UNKNOWN_EXCEPTION")
+        return cls(code, f"Code: {code}. DB::Exception: {text}. ({name})", status)
+
+    @classmethod
+    def wrap(cls, exc: BaseException) -> _ClickHouseError:
+        """An engine error; chDB's text already holds ``Code: N. DB::Exception: ...``."""
+        text = str(exc)
+        match = _CODE_RE.search(text)
+        if match is None:
+            return cls.of(1001, text.strip().rstrip(".") or type(exc).__name__)
+        return cls(int(match.group(1)), text[match.start() :].strip())
+
+
+def _content_type(fmt: str) -> str:
+    lower = fmt.lower()
+    if lower.startswith(("tabseparated", "tsv")):
+        return "text/tab-separated-values; charset=UTF-8"
+    if lower.startswith("csv"):
+        return "text/csv; charset=UTF-8; header=absent"
+    if lower.startswith("json"):
+        return "application/json; charset=UTF-8"
+    if lower.startswith(("pretty", "vertical", "markdown", "values", "xml", "template")):
+        return "text/plain; charset=UTF-8"
+    return "application/octet-stream"
+
+
+class _Decoder:
+    """Incremental decompressor for concatenated frames (gzip members, lz4/zstd frames)."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self._factory = factory
+        self._obj = factory()
+
+    def feed(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            out.append(self._obj.decompress(data))
+            if not self._obj.eof:
+                break
+            data = self._obj.unused_data
+            self._obj = self._factory()
+        return b"".join(out)
+
+
+def _decoder(encoding: str) -> _Decoder | None:
+    enc = encoding.strip().lower()
+    if enc in ("", "identity"):
+        return None
+    if enc in ("gzip", "x-gzip"):
+        return _Decoder(lambda: zlib.decompressobj(wbits=31))
+    if enc == "deflate":
+        return _Decoder(lambda: zlib.decompressobj(wbits=15))
+    if enc == "lz4":
+        import lz4.frame
+
+        return _Decoder(lz4.frame.LZ4FrameDecompressor)
+    if enc == "zstd":
+        from backports import zstd
+
+        return _Decoder(zstd.ZstdDecompressor)
+    raise _ClickHouseError.of(
+        36, f"Unknown Content-Encoding {encoding!r}; valid: gzip, deflate, lz4, zstd"
+    )
+
+
+def _unframe(data: bytes) -> bytes:
+    """Decode ClickHouse's native compression framing (``decompress=1``); checksums unchecked."""
+    out, pos = [], 0
+    while pos < len(data):
+        if len(data) - pos < 25:
+            raise _ClickHouseError.of(271, "Truncated compressed block")
+        method = data[pos + 16]
+        size = int.from_bytes(data[pos + 17 : pos + 21], "little")
+        raw_size = int.from_bytes(data[pos + 21 : pos + 25], "little")
+        payload = data[pos + 25 : pos + 16 + size]
+        if method == 0x02:
+            out.append(payload)
+        elif method == 0x82:
+            import lz4.block
+
+            out.append(lz4.block.decompress(payload, uncompressed_size=raw_size))
+        elif method == 0x90:
+            from backports import zstd
+
+            out.append(zstd.decompress(payload))
+        else:
+            raise _ClickHouseError.of(271, f"Unknown compression method 0x{method:02x}")
+        pos += 16 + size
+    return b"".join(out)
+
+
+def _leading_keywords(sql: str) -> tuple[str, str]:
+    rest = sql[_LEADING_COMMENTS.match(sql).end() :]  # type: ignore[union-attr]
+    match = _STATEMENT.match(rest)
+    if match is None:
+        return "", ""
+    return match.group(1).upper(), (match.group(2) or "").upper()
+
+
+class _Engine:
+    """One chDB session, the lock that serializes it, and its per-request state."""
+
+    def __init__(self, data_dir: Path) -> None:
+        from chdb import session as chdb_session
+
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.lock = threading.Lock()
+        try:
+            self._session = chdb_session.Session(str(data_dir))
+            self.version = self._tsv("SELECT version()")
+            names = self._tsv("SELECT name FROM system.settings")
+        except Exception as e:
+            raise WarehouseError(f"cannot open the warehouse at {data_dir}: {e}") from e
+        self._known = frozenset(names.splitlines()) - _HTTP_ONLY
+        self._database: str | None = None
+        self._applied: dict[str, str] = {}
+
+    def _tsv(self, sql: str) -> str:
+        return bytes(self._session.query(sql, "TabSeparatedRaw").bytes()).decode().strip()
+
+    def close(self) -> None:
+        with self.lock:
+            self._session.close()
+
+    def _use(self, database: str, sql: str) -> None:
+        if database == self._database:
+            return
+        try:
+            self._session.query(f"USE `{database.replace('`', '``')}`", "TSV")
+        except Exception as e:
+            err = _ClickHouseError.wrap(e)
+            if err.code != 81 or _leading_keywords(sql) != ("CREATE", "DATABASE"):
+                raise err from e
+            database = "default"  # bootstrap: a client bound to a database creates it
+            self._session.query("USE default", "TSV")
+        self._database = database
+
+    def _apply(self, settings: dict[str, str]) -> None:
+        wanted = {k: v for k, v in settings.items() if k in self._known}
+        changes = [f"{k} = DEFAULT" for k in self._applied if k not in wanted]
+        for key, value in wanted.items():
+            if self._applied.get(key) != value:
+                quoted = value.replace("\\", "\\\\").replace("'", "\\'")
+                changes.append(f"{key} = '{quoted}'")
+        if not changes:
+            return
+        try:
+            self._session.query("SET " + ", ".join(changes), "TSV")
+        except Exception as e:
+            for key in {*self._applied, *wanted}:
+                try:
+                    self._session.query(f"SET {key} = DEFAULT", "TSV")
+                except Exception:
+                    log.warning("cannot reset setting %s", key)
+            self._applied = {}
+            raise _ClickHouseError.wrap(e) from e
+        self._applied = wanted
+
+    def query(
+        self, sql: str, fmt: str, params: dict[str, str], database: str, settings: dict[str, str]
+    ) -> tuple[bytes, dict[str, int]]:
+        """Run one statement; return its output and summary counters."""
+        with self.lock:
+            self._use(database, sql)
+            self._apply(settings)
+            try:
+                result = self._session.query(sql, fmt, params=params or None)
+            except Exception as e:
+                raise _ClickHouseError.wrap(e) from e
+            finally:
+                if _leading_keywords(sql)[0] == "USE":
+                    self._database = None
+            if not hasattr(result, "bytes"):
+                raise _ClickHouseError.of(73, f"Format {fmt} is not an HTTP output format")
+            body = bytes(result.bytes() or b"")
+            stats = {
+                "read_rows": result.rows_read(),
+                "read_bytes": result.bytes_read(),
+                "written_rows": result.rows_written(),
+                "written_bytes": result.bytes_written(),
+                "elapsed_ns": int(result.elapsed() * 1e9),
+            }
+            return body, stats
+
+    def insert(
+        self, head: str, fmt: str, chunks: Sequence[bytes], database: str, settings: dict[str, str]
+    ) -> dict[str, int]:
+        """Stream already-read data chunks into ``head`` (an INSERT without FORMAT)."""
+        with self.lock:
+            self._use(database, head)
+            self._apply(settings)
+            try:
+                inserter = self._session.send_insert(head, fmt)
+            except Exception as e:
+                raise _ClickHouseError.wrap(e) from e
+            try:
+                for chunk in chunks:
+                    if chunk:
+                        inserter.append(chunk)
+                result = inserter.finish()
+            except Exception as e:
+                try:
+                    inserter.cancel()
+                except Exception:
+                    log.debug("cancel after a failed insert failed", exc_info=True)
+                raise _ClickHouseError.wrap(e) from e
+            return {
+                "written_rows": result.rows_written,
+                "written_bytes": result.bytes_written,
+                "elapsed_ns": int(result.elapsed * 1e9),
+            }
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """One HTTP request against the shared engine."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "perfloop-chserver"
+    server: _HTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def do_GET(self) -> None:
+        self._handle()
+
+    def do_POST(self) -> None:
+        self._handle()
+
+    def _handle(self) -> None:
+        query_id = ""
+        try:
+            url = urlsplit(self.path)
+            params = dict(parse_qsl(url.query, keep_blank_values=True))
+            query_id = params.get("query_id") or str(uuid.uuid4())
+            if url.path.rstrip("/") in ("/ping", ""):
+                if url.path.rstrip("/") == "/ping" or ("query" not in params and self._no_body()):
+                    self._drain()
+                    self._reply(200, b"Ok.\n", {"Content-Type": "text/html; charset=UTF-8"})
+                    return
+            else:
+                self._drain()
+                raise _ClickHouseError.of(
+                    36, f"No handler for path {url.path!r}; valid: /, /ping", 404
+                )
+            self._execute(params, query_id)
+        except _ClickHouseError as e:
+            self._error(e, query_id)
+        except Exception as e:  # a bad request must never kill the server
+            log.exception("unexpected error serving %s", self.path)
+            self._error(_ClickHouseError.of(1001, f"{type(e).__name__}: {e}"), query_id)
+
+    def _no_body(self) -> bool:
+        return not self.headers.get("Transfer-Encoding") and not int(
+            self.headers.get("Content-Length") or 0
+        )
+
+    def _drain(self) -> None:
+        for _ in self._read_body():
+            pass
+
+    def _read_body(self) -> Iterator[bytes]:
+        """The raw request body in pieces, chunked or not; over the limit is an error."""
+        limit = self.server.max_body_bytes
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            total = 0
+            while True:
+                size = int(self.rfile.readline(1024).split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline(1024).strip():
+                        pass  # trailers
+                    return
+                total += size
+                if total > limit:
+                    self.close_connection = True
+                    raise self._too_big(limit)
+                yield self.rfile.read(size)
+                self.rfile.readline(1024)
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > limit:
+            self.close_connection = True
+            raise self._too_big(limit)
+        while length > 0:
+            piece = self.rfile.read(min(_CHUNK, length))
+            if not piece:
+                self.close_connection = True
+                return
+            length -= len(piece)
+            yield piece
+
+    @staticmethod
+    def _too_big(limit: int) -> _ClickHouseError:
+        return _ClickHouseError.of(
+            307,
+            f"Request body is larger than max_body_bytes={limit};"
+            " raise PERFLOOP_MAX_BODY_BYTES or send smaller batches",
+        )
+
+    def _body(self, params: dict[str, str]) -> list[bytes]:
+        """The decoded body as chunks (Content-Encoding, then ``decompress=1`` framing)."""
+        decoder = _decoder(self.headers.get("Content-Encoding", ""))
+        limit, total, chunks = self.server.max_body_bytes, 0, []
+        try:
+            for piece in self._read_body():
+                data = decoder.feed(piece) if decoder else piece
+                total += len(data)
+                if total > limit:
+                    self.close_connection = True
+                    raise self._too_big(limit)
+                chunks.append(data)
+        except _ClickHouseError:
+            raise
+        except Exception as e:
+            self.close_connection = True
+            raise _ClickHouseError.of(271, f"Cannot decode the request body: {e}") from e
+        if params.get("decompress") == "1":
+            chunks = [_unframe(b"".join(chunks))]
+        return chunks
+
+    def _form_fields(self, body: bytes) -> dict[str, str]:
+        ctype = self.headers.get("Content-Type", "")
+        message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+            b"Content-Type: " + ctype.encode() + b"\r\n\r\n" + body
+        )
+        fields = {}
+        for part in message.iter_parts():  # type: ignore[attr-defined]
+            if part.get_filename():
+                raise _ClickHouseError.of(48, "External data (file form fields) is not supported")
+            name = part.get_param("name", header="content-disposition")
+            fields[str(name)] = bytes(part.get_payload(decode=True) or b"").decode()
+        return fields
+
+    def _execute(self, params: dict[str, str], query_id: str) -> None:
+        chunks = self._body(params)
+        if self.headers.get("Content-Type", "").startswith("multipart/form-data"):
+            params.update(self._form_fields(b"".join(chunks)))
+            chunks = []
+        database = params.get("database") or self.headers.get("X-ClickHouse-Database") or "default"
+        default_fmt = (
+            params.get("default_format")
+            or self.headers.get("X-ClickHouse-Format")
+            or "TabSeparated"
+        )
+        binds = {k[6:]: v for k, v in params.items() if k.startswith("param_")}
+        settings = {k: v for k, v in params.items() if not k.startswith("param_")}
+        sql, data = self._split(params.get("query", ""), chunks)
+        if not sql.strip():
+            raise _ClickHouseError.of(62, "Empty query", 400)
+        engine = self.server.engine
+        insert = _INSERT_FORMAT.match(sql[_LEADING_COMMENTS.match(sql).end() :])  # type: ignore[union-attr]
+        if insert is not None:
+            head, fmt = insert.group(1).strip(), insert.group(2)
+            stats = engine.insert(head, fmt, data, database, settings)
+            self._reply(200, b"", {"X-ClickHouse-Query-Id": query_id}, stats)
+            return
+        trailing = _TRAILING_FORMAT.search(sql)
+        fmt = trailing.group(1) if trailing else default_fmt
+        if fmt.lower() in _PYTHON_ONLY_FORMATS or default_fmt.lower() in _PYTHON_ONLY_FORMATS:
+            raise _ClickHouseError.of(73, f"Unknown output format {fmt}")
+        body, stats = engine.query(sql, default_fmt, binds, database, settings)
+        headers = {
+            "X-ClickHouse-Query-Id": query_id,
+            "X-ClickHouse-Format": fmt,
+            "Content-Type": _content_type(fmt),
+        }
+        self._reply(200, body, headers, stats)
+
+    @staticmethod
+    def _split(param_sql: str, chunks: list[bytes]) -> tuple[str, list[bytes]]:
+        """The statement text and, for ``INSERT ... FORMAT x``, the data chunks after it."""
+        if param_sql:
+            head = param_sql[_LEADING_COMMENTS.match(param_sql).end() :]  # type: ignore[union-attr]
+            if _INSERT_FORMAT.match(head) or not any(chunks):
+                return param_sql, chunks
+            return param_sql + " " + b"".join(chunks).decode("utf-8", "replace"), []
+        body = b"".join(chunks)
+        text = body[: 1 << 16].decode("latin-1")
+        start = _LEADING_COMMENTS.match(text).end()  # type: ignore[union-attr]
+        insert = _INSERT_FORMAT.match(text[start:])
+        if insert is None:
+            return body.decode("utf-8", "replace"), []
+        pos = start + insert.end()
+        while pos < len(body) and body[pos] in b" \t\r":
+            pos += 1
+        if pos < len(body) and body[pos] == 0x0A:
+            pos += 1
+        return body[:pos].decode("utf-8", "replace"), [body[pos:]]
+
+    def _reply(
+        self, status: int, body: bytes, headers: dict[str, str], stats: dict[str, int] | None = None
+    ) -> None:
+        self.send_response(status)
+        self.send_header("X-ClickHouse-Server-Display-Name", _DISPLAY_NAME)
+        self.send_header("X-ClickHouse-Timezone", "UTC")
+        for key, value in headers.items():
+            self.send_header(key, value)
+        if stats is not None:
+            summary = {
+                "read_rows": 0,
+                "read_bytes": 0,
+                "written_rows": 0,
+                "written_bytes": 0,
+                "total_rows_to_read": 0,
+            }
+            summary.update(stats)
+            summary.setdefault("result_rows", 0)
+            summary.setdefault("result_bytes", len(body))
+            self.send_header(
+                "X-ClickHouse-Summary",
+                json.dumps({k: str(v) for k, v in summary.items()}, separators=(",", ":")),
+            )
+        self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _error(self, err: _ClickHouseError, query_id: str) -> None:
+        text = str(err)
+        if "(version " not in text:
+            text = f"{text} (version {self.server.engine.version})"
+        headers = {
+            "X-ClickHouse-Exception-Code": str(err.code),
+            "X-ClickHouse-Query-Id": query_id,
+            "Content-Type": "text/plain; charset=UTF-8",
+        }
+        try:
+            self._reply(err.status, (text + "\n").encode(), headers)
+        except OSError:
+            self.close_connection = True
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    engine: _Engine
+    max_body_bytes: int
+
+
+class WarehouseServer:
+    """chDB on ``data_dir`` served over ClickHouse HTTP on ``host:clickhouse_port``."""
+
+    def __init__(self, settings: WarehouseServerSettings) -> None:
+        self.settings = settings
+        self.data_dir = settings.data_dir or settings.home_dir / "warehouse"
+        self._httpd: _HTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+
+    @property
+    def url(self) -> str:
+        """The ClickHouse HTTP address this server answers on."""
+        return f"http://{self.settings.host}:{self.settings.clickhouse_port}"
+
+    def start(self) -> None:
+        """Bind the port, open the data directory and serve in a background thread."""
+        if self._httpd is not None:
+            return
+        address = (self.settings.host, self.settings.clickhouse_port)
+        try:
+            httpd = _HTTPServer(address, _Handler, bind_and_activate=True)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise WarehouseError(
+                    f"port {address[1]} on {address[0]} is in use;"
+                    " stop the other server or set PERFLOOP_CLICKHOUSE_PORT"
+                ) from e
+            raise WarehouseError(f"cannot bind {address[0]}:{address[1]}: {e.strerror}") from e
+        try:
+            httpd.engine = _Engine(self.data_dir)
+        except BaseException:
+            httpd.server_close()
+            raise
+        httpd.max_body_bytes = self.settings.max_body_bytes
+        self._httpd = httpd
+        self._stopped.clear()
+        self._thread = threading.Thread(
+            target=httpd.serve_forever, name="perfloop-chserver", daemon=True
+        )
+        self._thread.start()
+        log.info("warehouse serving %s from %s", self.url, self.data_dir)
+
+    def stop(self) -> None:
+        """Stop serving and close the data directory; safe to call twice."""
+        httpd, self._httpd = self._httpd, None
+        self._stopped.set()
+        if httpd is None:
+            return
+        httpd.shutdown()
+        httpd.server_close()
+        httpd.engine.close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        log.info("warehouse stopped")
+
+    def run(self) -> None:
+        """Start, then block until ``stop()``, SIGTERM or SIGINT."""
+        self.start()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self._stopped.set())
+        try:
+            while not self._stopped.wait(0.5):
+                pass
+        finally:
+            self.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m perfloop.chserver [--host H] [--port P] [--data-dir D]``; rest from env."""
+    parser = argparse.ArgumentParser(
+        prog="python -m perfloop.chserver", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--host", help="address to bind (PERFLOOP_HOST)")
+    parser.add_argument("--port", type=int, help="port to bind (PERFLOOP_CLICKHOUSE_PORT)")
+    parser.add_argument("--data-dir", type=Path, help="chDB data directory (PERFLOOP_DATA_DIR)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    overrides = {
+        k: v
+        for k, v in (
+            ("host", args.host),
+            ("clickhouse_port", args.port),
+            ("data_dir", args.data_dir),
+        )
+        if v
+    }
+    settings = WarehouseServerSettings().model_copy(update=overrides)
+    started = time.monotonic()
+    try:
+        WarehouseServer(settings).run()
+    except WarehouseError as e:
+        print(f"perfloop.chserver: {e}", file=sys.stderr)
+        return 2
+    log.debug("served for %.0f s", time.monotonic() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""The embedded warehouse speaks ClickHouse HTTP well enough for clickhouse-connect and curl."""
+
+from __future__ import annotations
+
+import datetime as dt
+import gzip
+import socket
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import clickhouse_connect
+import numpy as np
+import pytest
+from clickhouse_connect.driver.client import Client
+from clickhouse_connect.driver.exceptions import DatabaseError
+
+from perfloop.chserver import WarehouseServer
+from perfloop.exceptions import WarehouseError
+from perfloop.settings import WarehouseServerSettings
+
+pytestmark = pytest.mark.integration
+
+N = 100_000
+T0 = 1_700_000_000_123_456_789  # ns since the epoch, with all nine fractional digits
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarehouseServer]:
+    data_dir: Path = tmp_path_factory.mktemp("warehouse")
+    srv = WarehouseServer(WarehouseServerSettings(clickhouse_port=_free_port(), data_dir=data_dir))
+    srv.start()
+    boot = clickhouse_connect.get_client(host="127.0.0.1", port=srv.settings.clickhouse_port)
+    boot.command("CREATE DATABASE IF NOT EXISTS perfloop")
+    boot.close()
+    yield srv
+    srv.stop()
+
+
+def _client(server: WarehouseServer, **kwargs: object) -> Client:
+    return clickhouse_connect.get_client(
+        host="127.0.0.1", port=server.settings.clickhouse_port, database="perfloop", **kwargs
+    )
+
+
+@pytest.fixture(scope="module")
+def client(server: WarehouseServer) -> Iterator[Client]:
+    c = _client(server)
+    yield c
+    c.close()
+
+
+def _http(
+    server: WarehouseServer, query: str | None = None, body: bytes | None = None, **params: str
+):
+    """A raw request as curl would send it; returns (status, headers, body)."""
+    if query is not None:
+        params["query"] = query
+    url = f"{server.url}/?{urllib.parse.urlencode(params)}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=10) as resp:
+            return resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read()
+
+
+def _columns() -> list[list[object]]:
+    return [
+        [T0 + i for i in range(N)],
+        [f"host-{i % 7}" for i in range(N)],
+        [None if i % 5 == 0 else i * 0.25 for i in range(N)],
+        [[float(i), -1.5] for i in range(N)],
+        [{"sm": float(i), "mem": 0.5} for i in range(N)],
+    ]
+
+
+def test_columnar_insert_round_trips_exactly(client: Client) -> None:
+    client.command(
+        "CREATE TABLE samples (ts DateTime64(9), host LowCardinality(String),"
+        " power_w Nullable(Float64), clocks Array(Float32), util Map(String, Float64))"
+        " ENGINE = MergeTree ORDER BY ts"
+    )
+    cols = _columns()
+    names = ["ts", "host", "power_w", "clocks", "util"]
+    summary = client.insert("samples", cols, column_names=names, column_oriented=True)
+    assert summary.written_rows == N
+
+    got = client.query(
+        "SELECT toUnixTimestamp64Nano(ts), host, power_w, clocks, util FROM samples ORDER BY ts"
+    )
+    assert got.result_columns == cols
+    ts = client.query_np("SELECT ts FROM samples ORDER BY ts")[:, 0]
+    assert ts.astype("datetime64[ns]").astype(np.int64).tolist() == cols[0]
+
+
+def test_parameterised_select(client: Client) -> None:
+    query = "SELECT count() FROM samples WHERE host = {h:String} AND ts >= {t:DateTime64(9)}"
+    start = dt.datetime.fromtimestamp((T0 + 50_000) // 10**9, dt.UTC)
+    result = client.query(query, parameters={"h": "host-3", "t": start})
+    expected = sum(1 for i in range(N) if i % 7 == 3 and T0 + i >= (T0 + 50_000) // 10**9 * 10**9)
+    assert result.result_rows == [(expected,)]
+    arrays = client.query(
+        "SELECT {a:Array(String)}, {s:String}", parameters={"a": ["it's", "b"], "s": "tab\tq"}
+    )
+    assert arrays.result_rows == [(["it's", "b"], "tab\tq")]
+
+
+def test_command_and_dataframes(client: Client) -> None:
+    assert client.command("SELECT count() FROM samples") == N
+    client.command("CREATE TABLE IF NOT EXISTS scratch (a UInt8) ENGINE = Memory")
+    assert client.command("EXISTS TABLE scratch") == 1
+    client.command("DROP TABLE scratch")
+    arr = client.query_np("SELECT number, number * 2 FROM numbers(3)")
+    assert arr.tolist() == [[0, 0], [1, 2], [2, 4]]
+    try:
+        import pandas  # noqa: F401
+    except ImportError:
+        pytest.skip("pandas is not installed; query_df not checked")
+    df = client.query_df("SELECT host, count() AS n FROM samples GROUP BY host ORDER BY host")
+    assert df["n"].sum() == N and list(df["host"])[:2] == ["host-0", "host-1"]
+
+
+@pytest.mark.parametrize("compress", [False, "gzip", "zstd", "lz4"])
+def test_insert_with_each_compression(server: WarehouseServer, compress: object) -> None:
+    with _client(server, compress=compress) as c:
+        table = f"comp_{compress}"
+        c.command(f"CREATE TABLE {table} (a UInt64, s String) ENGINE = MergeTree ORDER BY a")
+        c.insert(table, [[1, 2, 3], ["x", "y", "z"]], column_names=["a", "s"], column_oriented=True)
+        assert c.query(f"SELECT sum(a), groupArray(s) FROM {table}").result_rows == [
+            (6, ["x", "y", "z"])
+        ]
+
+
+def test_concurrent_clients_insert(server: WarehouseServer, client: Client) -> None:
+    client.command(
+        "CREATE TABLE conc (worker UInt8, i UInt32) ENGINE = MergeTree ORDER BY (worker, i)"
+    )
+    errors: list[BaseException] = []
+
+    def work(worker: int) -> None:
+        try:
+            with _client(server) as c:
+                for batch in range(10):
+                    rows = list(range(batch * 1000, (batch + 1) * 1000))
+                    c.insert(
+                        "conc",
+                        [[worker] * 1000, rows],
+                        column_names=["worker", "i"],
+                        column_oriented=True,
+                    )
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert client.command("SELECT count() FROM conc") == 20_000
+
+
+def test_errors_are_clickhouse_errors(server: WarehouseServer, client: Client) -> None:
+    with pytest.raises(DatabaseError, match=r"Code: 62\. DB::Exception: Syntax error") as syntax:
+        client.query("SELEC 1")
+    assert "SYNTAX_ERROR" in str(syntax.value)
+    with pytest.raises(DatabaseError, match=r"Code: 60\..*nope"):
+        client.query("SELECT * FROM nope")
+    status, headers, body = _http(server, "SELECT * FROM nope")
+    assert status == 404 and headers["X-ClickHouse-Exception-Code"] == "60"
+    assert body.startswith(b"Code: 60. DB::Exception: ") and b"(version " in body
+
+
+def test_curl_style_http(server: WarehouseServer) -> None:
+    with urllib.request.urlopen(f"{server.url}/ping", timeout=5) as resp:
+        assert resp.read() == b"Ok.\n"
+    status, headers, body = _http(server, "SELECT 1")
+    assert (status, body) == (200, b"1\n")
+    assert (
+        headers["X-ClickHouse-Format"] == "TabSeparated"
+        and headers["X-ClickHouse-Timezone"] == "UTC"
+    )
+    assert headers["X-ClickHouse-Query-Id"] and "read_rows" in headers["X-ClickHouse-Summary"]
+    _, headers, body = _http(server, "SELECT 1 AS x FORMAT JSONEachRow")
+    assert body == b'{"x":1}\n' and headers["X-ClickHouse-Format"] == "JSONEachRow"
+    _, _, body = _http(server, "SELECT {n:UInt8} + 1", param_n="41", default_format="CSV")
+    assert body == b"42\n"
+    _, _, body = _http(server, body=b"SELECT currentDatabase()", database="perfloop")
+    assert body == b"perfloop\n"
+    status, _, _ = _http(
+        server, "INSERT INTO perfloop.conc FORMAT CSV", body=gzip.compress(b"9,1\n")
+    )
+    assert status == 500  # gzip bytes without Content-Encoding are garbage CSV
+    status, headers, _ = _http(server, body=b"INSERT INTO perfloop.conc FORMAT CSV\n9,1\n9,2\n")
+    assert status == 200 and '"written_rows":"2"' in headers["X-ClickHouse-Summary"]
+
+
+def test_gzip_body_over_raw_http(server: WarehouseServer) -> None:
+    query = urllib.parse.urlencode({"query": "INSERT INTO perfloop.conc FORMAT TSV"})
+    req = urllib.request.Request(
+        f"{server.url}/?{query}",
+        data=gzip.compress(b"8\t1\n8\t2\n8\t3\n"),
+        headers={"Content-Encoding": "gzip"},
+    )
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        assert resp.status == 200
+    assert _http(server, "SELECT count() FROM perfloop.conc WHERE worker = 8")[2] == b"3\n"
+
+
+def test_garbage_insert_fails_and_server_keeps_serving(
+    server: WarehouseServer, client: Client
+) -> None:
+    before = client.command("SELECT count() FROM samples")
+    status, headers, body = _http(
+        server, "INSERT INTO perfloop.samples FORMAT Native", body=b"\xff\x00garbage" * 100
+    )
+    assert status >= 400 and headers["X-ClickHouse-Exception-Code"] and body.startswith(b"Code: ")
+    with pytest.raises(DatabaseError):
+        client.raw_insert("samples", ["ts"], insert_block=b"\x01\x02\x03", fmt="RowBinary")
+    assert client.command("SELECT count() FROM samples") == before
+    assert _http(server, "SELECT 2")[2] == b"2\n"
+
+
+def test_body_over_limit_is_a_clear_error(
+    server: WarehouseServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server._httpd, "max_body_bytes", 1000)
+    status, headers, body = _http(
+        server, "INSERT INTO perfloop.conc FORMAT CSV", body=b"1,1\n" * 1000
+    )
+    assert status == 413 and headers["X-ClickHouse-Exception-Code"] == "307"
+    assert b"max_body_bytes=1000" in body
+    monkeypatch.undo()
+    assert _http(server, "SELECT 3")[2] == b"3\n"
+
+
+def test_insert_deduplication_token(client: Client) -> None:
+    client.command(
+        "CREATE TABLE dedup (a UInt32) ENGINE = MergeTree ORDER BY a"
+        " SETTINGS non_replicated_deduplication_window = 100"
+    )
+    for _ in range(2):
+        client.insert(
+            "dedup",
+            [[1, 2, 3]],
+            column_names=["a"],
+            column_oriented=True,
+            settings={"insert_deduplication_token": "abc"},
+        )
+    client.insert(
+        "dedup",
+        [[1, 2, 3]],
+        column_names=["a"],
+        column_oriented=True,
+        settings={"insert_deduplication_token": "xyz"},
+    )
+    assert client.command("SELECT count() FROM dedup") == 6
+
+
+def test_port_in_use_is_a_warehouse_error(server: WarehouseServer, tmp_path: Path) -> None:
+    other = WarehouseServer(server.settings.model_copy(update={"data_dir": tmp_path}))
+    with pytest.raises(WarehouseError, match="in use"):
+        other.start()
+
+
+def test_clickhouse_compressed_framing(server: WarehouseServer) -> None:
+    import lz4.block
+
+    raw = b"7\t1\n7\t2\n"
+    packed = lz4.block.compress(raw, store_size=False)
+    header = (
+        bytes([0x82]) + (9 + len(packed)).to_bytes(4, "little") + len(raw).to_bytes(4, "little")
+    )
+    body = b"\0" * 16 + header + packed  # checksum is not verified by the embedded server
+    status, _, _ = _http(server, "INSERT INTO perfloop.conc FORMAT TSV", body=body, decompress="1")
+    assert status == 200
+    assert _http(server, "SELECT count() FROM perfloop.conc WHERE worker = 7")[2] == b"2\n"
