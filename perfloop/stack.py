@@ -164,6 +164,7 @@ class Supervisor:
         self._children.extend(services)
         for child in services:
             self._spawn(child)
+            child.state = "running"
         self._write_state("up")
 
     def run(self) -> None:
