@@ -221,6 +221,9 @@ _COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "service":
+        # Client libraries log their retries; a command's answer is its own one line.
+        logging.getLogger().addHandler(logging.NullHandler())
     try:
         return _COMMANDS[args.command](args)
     except PerfloopError as e:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Iterable
 from typing import Any
@@ -15,12 +16,17 @@ from perfloop.settings import BaseServiceSettings
 
 __all__ = ["consumer", "ensure_topics", "ping", "producer"]
 
+_CLIENT_LOG = logging.getLogger("perfloop.kafka.client")
+
 
 def _common(settings: BaseServiceSettings) -> dict[str, Any]:
     return {
         "bootstrap.servers": settings.kafka_bootstrap,
         "client.id": f"perfloop-{socket.gethostname()}",
         "log_level": 3,
+        # librdkafka's own log lines go through Python logging (perfloop.kafka.client), so a
+        # CLI command prints one clear line, and services log them with everything else.
+        "logger": _CLIENT_LOG,
     }
 
 

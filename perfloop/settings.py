@@ -25,7 +25,9 @@ __all__ = [
     "WarehouseServerSettings",
 ]
 
-_CONFIG = SettingsConfigDict(env_prefix="PERFLOOP_", frozen=True, extra="ignore")
+_CONFIG = SettingsConfigDict(
+    env_prefix="PERFLOOP_", frozen=True, extra="ignore", populate_by_name=True
+)
 
 
 class BaseServiceSettings(BaseSettings):

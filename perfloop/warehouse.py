@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlparse
 
 import clickhouse_connect
@@ -46,10 +47,17 @@ def client(
             autogenerate_session_id=False,
         )
     except ClickHouseError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise WarehouseError(
-            f"ClickHouse at {settings.clickhouse_url} is unreachable or refused: {first}"
+            f"ClickHouse at {settings.clickhouse_url} is unreachable or refused: {_reason(e)}"
         ) from e
+
+
+def _reason(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    errno = re.search(r"\[Errno -?\d+\] ([^\"')]+)", text)
+    if errno:
+        return errno.group(1).strip()
+    return text[:200] or type(e).__name__
 
 
 def migrate(settings: BaseServiceSettings) -> list[int]:
@@ -75,7 +83,7 @@ def migrate(settings: BaseServiceSettings) -> list[int]:
             ch.insert("schema_migrations", [[m.version, m.name]], column_names=["version", "name"])
             applied.append(m.version)
     except ClickHouseError as e:
-        raise WarehouseError(f"migration failed: {str(e).strip().splitlines()[0]}") from e
+        raise WarehouseError(f"migration failed: {_reason(e)}") from e
     finally:
         ch.close()
     return applied
