@@ -1,0 +1,99 @@
+"""One real embedded stack (Tansu broker, chDB warehouse, perfloop services) per test session."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perfloop.settings import StackSettings
+from perfloop.stack import read_state
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def perfloop_cli(
+    *args: str, env: dict[str, str], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run the installed CLI as a user would."""
+    return subprocess.run(
+        [sys.executable, "-m", "perfloop.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def stack_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERFLOOP_")}
+    env.update(
+        PERFLOOP_HOME=str(home),
+        PERFLOOP_KAFKA_PORT=str(free_port()),
+        PERFLOOP_CLICKHOUSE_PORT=str(free_port()),
+    )
+    return env
+
+
+def settings_for(env: dict[str, str]) -> StackSettings:
+    return StackSettings(
+        home=Path(env["PERFLOOP_HOME"]),
+        kafka_port=int(env["PERFLOOP_KAFKA_PORT"]),
+        clickhouse_port=int(env["PERFLOOP_CLICKHOUSE_PORT"]),
+    )
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return False
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackSettings]:
+    env = stack_env(tmp_path_factory.mktemp("perfloop-home"))
+    up = perfloop_cli("up", "--detach", env=env)
+    assert up.returncode == 0, f"perfloop up failed: {up.stdout}{up.stderr}"
+    settings = settings_for(env)
+    state = read_state(settings)
+    assert state is not None
+    yield settings
+    down = perfloop_cli("down", env=env)
+    assert down.returncode == 0, down.stderr
+    pids = [state["supervisor_pid"]] + [s["pid"] for s in state["services"].values()]
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 20, "the stack's processes to exit")
+
+
+@pytest.fixture(scope="session")
+def stack_env_vars(stack: StackSettings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PERFLOOP_")}
+    env.update(
+        PERFLOOP_HOME=str(stack.home),
+        PERFLOOP_KAFKA_PORT=str(stack.kafka_port),
+        PERFLOOP_CLICKHOUSE_PORT=str(stack.clickhouse_port),
+    )
+    return env
