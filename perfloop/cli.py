@@ -132,14 +132,15 @@ def _migrate(_: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from perfloop.demo import format_table, run_demo, verify_in_warehouse
-    from perfloop.settings import StackSettings
+    from perfloop.settings import ActuatorSettings, StackSettings
     from perfloop.stack import read_state, up_detached
 
     settings = _settings(StackSettings)
     if read_state(settings) is None:
         print("bringing the embedded stack up…", flush=True)
         up_detached(settings)
-    res = run_demo(settings, ranks=args.ranks, fault_at_s=args.fault_at)
+    key = _settings(ActuatorSettings).signing_key.get_secret_value().encode()
+    res = run_demo(settings, signing_key=key, ranks=args.ranks, fault_at_s=args.fault_at)
     verify_in_warehouse(settings, res)
     print("\nwhat the warehouse holds (perfloop sql …):")
     for sql, cols, rows in res.queries:

@@ -24,7 +24,7 @@ from perfloop.kafka import consumer
 from perfloop.producers.publisher import Publisher
 from perfloop.producers.simulator import SimConfig, SimulatedJob, StepReport
 from perfloop.schemas import ActuationResult, Command, Recommendation, SchemaError, decode_event
-from perfloop.settings import ActuatorSettings, StackSettings
+from perfloop.settings import StackSettings
 from perfloop.warehouse import client
 
 __all__ = ["DemoResult", "run_demo", "verify_in_warehouse"]
@@ -107,6 +107,7 @@ class _Watcher:
 def run_demo(
     settings: StackSettings,
     *,
+    signing_key: bytes,
     ranks: int = 4,
     fault_at_s: float = 12.0,
     max_s: float = 75.0,
@@ -130,7 +131,6 @@ def run_demo(
     )
     publisher = Publisher(settings)
     job = SimulatedJob(SimConfig(job_id=job_id, ranks=ranks, fault_at_s=fault_at_s), publisher)
-    key = ActuatorSettings().signing_key.get_secret_value().encode()
 
     def on_result(r: ActuationResult) -> None:
         res.result = r

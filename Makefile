@@ -1,0 +1,35 @@
+# The two set-up commands in README.md are `make demo` and `make test`; each installs what it
+# needs into .venv first. CI (.ci/run) calls `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-dev
+
+.PHONY: demo test lint bench clean down
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch stays an optional extra; the dev set-up pins the local CPU build explicitly.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/perfloop demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy perfloop/ schemas/ models/ --no-incremental
+
+bench: $(STAMP)
+	$(PY) bench/e2e.py
+
+down:
+	$(VENV)/bin/perfloop down
+
+clean:
+	rm -rf $(VENV) .perfloop build *.egg-info
