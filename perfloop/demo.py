@@ -145,7 +145,7 @@ def run_demo(
         settings,
         job_id=job_id,
         node=job.cfg.node,
-        signing_key=key,
+        signing_key=signing_key,
         handlers={KNOB: job.set_num_workers},
         on_result=on_result,
     )
