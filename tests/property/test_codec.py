@@ -1,0 +1,143 @@
+"""Codec round trip under hypothesis: any valid columns come back exactly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import annotated_types
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from perfloop.schemas import BATCH_KINDS, SchemaError, decode_batch, encode_batch
+
+_ENVELOPE = {"schema_version", "event_id", "job_id", "node"}
+
+
+@dataclass(frozen=True)
+class _Field:
+    """One column as the pydantic model declares it (read here, not from the codec)."""
+
+    name: str
+    is_int: bool
+    default: Any
+    lo: float | None
+    lo_strict: bool
+    hi: float | None
+
+
+def _fields(kind: str) -> list[_Field]:
+    out = []
+    for name, info in BATCH_KINDS[kind].model_fields.items():
+        if name in _ENVELOPE:
+            continue
+        lo = hi = None
+        lo_strict = False
+        for m in info.metadata:
+            if isinstance(m, annotated_types.Ge):
+                lo = float(m.ge)
+            elif isinstance(m, annotated_types.Gt):
+                lo, lo_strict = float(m.gt), True
+            elif isinstance(m, annotated_types.Le):
+                hi = float(m.le)
+        default = None if info.is_required() else info.default
+        out.append(_Field(name, info.annotation is int, default, lo, lo_strict, hi))
+    return out
+
+
+_SPECS = {kind: _fields(kind) for kind in BATCH_KINDS}
+
+# Enough examples to find edge cases, few enough to keep the suite fast.
+FAST = settings(max_examples=60, deadline=None)
+
+
+def _column_strategy(kind: str, name: str) -> st.SearchStrategy[Any]:
+    """Values the schema accepts for one column, read from the model's declared bounds."""
+    spec = {c.name: c for c in _SPECS[kind]}[name]
+    if spec.is_int:
+        lo = int(spec.lo) if spec.lo is not None else -(2**62)
+        hi = int(spec.hi) if spec.hi is not None else 2**62
+        return st.integers(lo, hi)
+    return st.floats(
+        min_value=spec.lo if spec.lo is not None else -1e12,
+        max_value=spec.hi if spec.hi is not None else 1e12,
+        exclude_min=spec.lo_strict,
+        allow_nan=False,
+        allow_infinity=False,
+    )
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> tuple[str, dict[str, list[Any]], set[str]]:
+    """A kind, valid columns for it, and which optional columns were left out."""
+    kind = draw(st.sampled_from(sorted(BATCH_KINDS)))
+    n = draw(st.integers(0, 40))
+    cols: dict[str, list[Any]] = {}
+    left_out: set[str] = set()
+    for c in _SPECS[kind]:
+        if c.default is not None and c.name != "ts_ns" and draw(st.booleans()):
+            left_out.add(c.name)
+            continue
+        cols[c.name] = draw(st.lists(_column_strategy(kind, c.name), min_size=n, max_size=n))
+    return kind, cols, left_out
+
+
+job_ids = st.from_regex(r"[A-Za-z0-9._:/@+-]{1,64}", fullmatch=True)
+
+
+@FAST
+@given(batches(), job_ids, st.text(min_size=1, max_size=40), st.integers(0, 2**31))
+def test_round_trip_preserves_every_value(
+    b: tuple[str, dict[str, list[Any]], set[str]], job_id: str, node: str, seq: int
+) -> None:
+    kind, cols, left_out = b
+    data = encode_batch(kind, cols, job_id=job_id, node=node, producer_id="p", seq=seq)
+    batch = decode_batch(data)
+
+    assert (batch.kind, batch.job_id, batch.node, batch.seq) == (kind, job_id, node, seq)
+    n = len(cols["ts_ns"])
+    assert len(batch) == n
+    assert set(batch.columns) == {c.name for c in _SPECS[kind]}
+    for name, values in cols.items():
+        assert batch.columns[name].tolist() == values, name
+    for c in _SPECS[kind]:
+        if c.name in left_out:
+            assert batch.columns[c.name].tolist() == [c.default] * n
+    assert batch.event_ids() == [f"{batch.batch_id}-{i}" for i in range(n)]
+    assert len(set(batch.event_ids())) == n
+
+
+@FAST
+@given(batches(), job_ids)
+def test_decoded_samples_are_valid_events(
+    b: tuple[str, dict[str, list[Any]], set[str]], job_id: str
+) -> None:
+    kind, cols, _ = b
+    batch = decode_batch(encode_batch(kind, cols, job_id=job_id, node="n"))
+    events = list(batch.events())
+    assert len(events) == len(batch)
+    for i, e in enumerate(events):
+        assert isinstance(e, BATCH_KINDS[kind])
+        assert e.ts_ns == cols["ts_ns"][i]
+
+
+@FAST
+@given(batches(), st.data())
+def test_one_out_of_range_value_fails_the_batch(
+    b: tuple[str, dict[str, list[Any]], set[str]], data: st.DataObject
+) -> None:
+    kind, cols, _ = b
+    bounded = [c for c in _SPECS[kind] if c.name in cols and (c.lo is not None or c.hi is not None)]
+    if not cols["ts_ns"] or not bounded:
+        return
+    c = data.draw(st.sampled_from(bounded))
+    i = data.draw(st.integers(0, len(cols["ts_ns"]) - 1))
+    if c.hi is not None and (c.lo is None or data.draw(st.booleans())):
+        bad: float = c.hi + 1
+    else:
+        assert c.lo is not None
+        bad = c.lo if c.lo_strict else c.lo - 1
+    cols[c.name][i] = int(bad) if c.is_int else float(bad)
+    with pytest.raises(SchemaError, match=f"column '{c.name}' sample {i} "):
+        decode_batch(encode_batch(kind, cols, job_id="j", node="n"))

@@ -1,0 +1,60 @@
+"""The catalog: every table has a topic, migrations are ordered, tables share their key columns."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+
+from perfloop.catalog import MIGRATIONS, TABLES, TOPICS, Topics
+
+STATEMENTS = [s for m in MIGRATIONS for s in m.statements]
+
+
+def _table_ddl(name: str) -> str:
+    for stmt in STATEMENTS:
+        if re.match(rf"CREATE TABLE IF NOT EXISTS {name} \(", stmt):
+            return stmt
+    raise AssertionError(f"no CREATE TABLE for {name}")
+
+
+def test_every_table_topic_is_a_known_topic() -> None:
+    assert set(TABLES) <= set(TOPICS)
+
+
+def test_topics_are_unique_and_namespaced() -> None:
+    assert len(TOPICS) == len(set(TOPICS))
+    assert all(t.startswith("perfloop.") for t in TOPICS)
+    assert Topics.CONTROL in TOPICS and Topics.DLQ in TOPICS
+
+
+def test_migration_versions_increase_from_one() -> None:
+    versions = [m.version for m in MIGRATIONS]
+    assert versions[0] == 1
+    assert all(b > a for a, b in itertools.pairwise(versions))
+
+
+def test_every_statement_is_idempotent() -> None:
+    for stmt in STATEMENTS:
+        assert "IF NOT EXISTS" in stmt.split("(")[0], stmt.splitlines()[0]
+
+
+def test_each_table_is_created_once() -> None:
+    names = [re.match(r"CREATE TABLE IF NOT EXISTS (\w+)", s).group(1) for s in STATEMENTS]  # type: ignore[union-attr]
+    assert len(names) == len(set(names))
+    assert set(TABLES.values()) <= set(names)
+
+
+@pytest.mark.parametrize("table", sorted(set(TABLES.values())))
+def test_every_table_has_time_job_and_rank(table: str) -> None:
+    ddl = _table_ddl(table)
+    assert re.search(r"^\s*ts DateTime64\(9, 'UTC'\),$", ddl, re.M)
+    assert re.search(r"^\s*job_id \S", ddl, re.M)
+    assert re.search(r"^\s*rank Int\d+", ddl, re.M)
+    assert "ORDER BY (job_id, rank, ts)" in ddl
+
+
+@pytest.mark.parametrize("table", ["steps", "gpu_samples"])
+def test_raw_telemetry_expires(table: str) -> None:
+    assert "TTL" in _table_ddl(table)
