@@ -45,7 +45,11 @@ class Policy:
     'cooldown: dataloader.num_workers changed 0 s ago (minimum 30 s)'
     """
 
+    TIERS = ("observe", "recommend", "approve", "auto")
+
     def __init__(self, *, tier: str, cooldown_s: float, ttl_s: float) -> None:
+        if tier not in self.TIERS:
+            raise ValueError(f"unknown automation tier {tier!r}; valid: {list(self.TIERS)}")
         self.tier = tier
         self.cooldown_ns = int(cooldown_s * 1e9)
         self.ttl_ns = int(ttl_s * 1e9)
@@ -73,7 +77,7 @@ class Policy:
             return None, f"{rec.knob} target {value} is outside [{bounds[0]:g}, {bounds[1]:g}]"
         key = (rec.job_id, rec.knob)
         last = self._last_change.get(key)
-        if last is not None and now_ns - last < self.cooldown_ns:
+        if last is not None and self.cooldown_ns and now_ns - last < self.cooldown_ns:
             return None, (
                 f"cooldown: {rec.knob} changed {(now_ns - last) / 1e9:.0f} s ago "
                 f"(minimum {self.cooldown_ns / 1e9:.0f} s)"

@@ -47,7 +47,11 @@ def expected_step_gain(data_wait_share: float, current_workers: int, new_workers
     >>> round(expected_step_gain(0.5, 2, 3), 3)
     0.333
     """
-    if new_workers <= current_workers or data_wait_share <= 0.0:
+    if not 0.0 <= data_wait_share <= 1.0:
+        raise ValueError(f"data_wait_share must be in [0, 1], got {data_wait_share!r}")
+    if current_workers < 0 or new_workers < 0:
+        raise ValueError(f"workers must be >= 0, got {current_workers}, {new_workers}")
+    if new_workers <= current_workers or data_wait_share == 0.0:
         return 0.0
     w0, w1 = max(current_workers, 1), max(new_workers, 1)
     compute = 1.0 - data_wait_share  # in units of the current step time

@@ -8,9 +8,10 @@ from typing import Annotated, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["Event", "JobId", "new_event_id", "now_ns"]
+__all__ = ["JOB_ID_PATTERN", "Event", "JobId", "new_event_id", "now_ns"]
 
-JobId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/@+-]+$")]
+JOB_ID_PATTERN = r"^[A-Za-z0-9._:/@+-]{1,128}$"
+JobId = Annotated[str, Field(min_length=1, max_length=128, pattern=JOB_ID_PATTERN)]
 
 
 def new_event_id() -> str:

@@ -16,6 +16,7 @@ their ``kind``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ import numpy as np
 import orjson
 from pydantic import ValidationError
 
-from perfloop.schemas.base import Event, new_event_id
+from perfloop.schemas.base import JOB_ID_PATTERN, Event, new_event_id
 from perfloop.schemas.control import ActuationResult, Command, Recommendation
 from perfloop.schemas.exceptions import SchemaError
 from perfloop.schemas.telemetry import GpuSample, StepEvent
@@ -48,6 +49,7 @@ EVENT_KINDS: dict[str, type[Event]] = {
     m.KIND: m for m in (Recommendation, Command, ActuationResult)
 }
 _ENVELOPE = ("schema_version", "event_id", "job_id", "node")
+_JOB_ID = re.compile(JOB_ID_PATTERN)
 _HEADER_KEYS = frozenset(
     {"kind", "schema_version", "job_id", "node", "batch_id", "producer_id", "seq", "columns"}
 )
@@ -137,11 +139,12 @@ class BatchBuilder:
 
     def add(self, **values: Any) -> None:
         """Append one sample; fields left out take their schema default."""
-        for c in self._spec:
-            v = values.get(c.name, c.default)
+        row = [(c.name, values.get(c.name, c.default)) for c in self._spec]
+        for name, v in row:
             if v is None:
-                raise SchemaError(f"{self.kind} sample is missing required field {c.name!r}")
-            self._rows[c.name].append(v)
+                raise SchemaError(f"{self.kind} sample is missing required field {name!r}")
+        for name, v in row:  # all or nothing: a rejected sample leaves no partial row
+            self._rows[name].append(v)
 
     def encode(self) -> bytes:
         """Encode the pending samples as one message and start a new batch."""
@@ -189,6 +192,10 @@ def _bad(kind: str, col: str, arr: np.ndarray, mask: np.ndarray, why: str) -> Sc
     return SchemaError(f"{kind} batch: column {col!r} sample {i} = {arr[i]!r} {why}")
 
 
+_INT_TYPES = frozenset({int})
+_FLOAT_TYPES = frozenset({int, float})
+
+
 def _check_column(kind: str, c: _Column, raw: Any, n: int) -> np.ndarray:
     if not isinstance(raw, list):
         raise SchemaError(
@@ -196,26 +203,39 @@ def _check_column(kind: str, c: _Column, raw: Any, n: int) -> np.ndarray:
         )
     if len(raw) != n:
         raise SchemaError(f"{kind} batch: column {c.name!r} has {len(raw)} values, expected {n}")
+    # Exact JSON types, checked at C speed: no bools, strings or nulls pass as numbers.
+    types = set(map(type, raw))
+    if list in types or dict in types:
+        raise SchemaError(f"{kind} batch: column {c.name!r} must be flat (one number per sample)")
+    if c.dtype is np.int64 and not types <= _INT_TYPES:
+        bad = sorted(t.__name__ for t in types - _INT_TYPES)
+        if types <= _FLOAT_TYPES:
+            raise SchemaError(f"{kind} batch: column {c.name!r} must hold integers, got float")
+        raise SchemaError(f"{kind} batch: column {c.name!r} is not numeric: holds {bad}")
+    if c.dtype is np.float64 and not types <= _FLOAT_TYPES:
+        bad = sorted(t.__name__ for t in types - _FLOAT_TYPES)
+        if bad == ["NoneType"]:
+            i = raw.index(None)
+            raise SchemaError(f"{kind} batch: column {c.name!r} sample {i} is null, not finite")
+        raise SchemaError(f"{kind} batch: column {c.name!r} is not numeric: holds {bad}")
     try:
         arr = np.asarray(raw, dtype=c.dtype)
     except (TypeError, ValueError, OverflowError) as e:
         raise SchemaError(f"{kind} batch: column {c.name!r} is not numeric: {e}") from None
-    if arr.ndim != 1:
-        raise SchemaError(f"{kind} batch: column {c.name!r} must be flat")
-    if c.dtype is np.int64 and any(isinstance(v, float) for v in raw[:1]):
-        raise SchemaError(f"{kind} batch: column {c.name!r} must hold integers")
     if c.dtype is np.float64:
-        bad = ~np.isfinite(arr)
-        if bad.any():
-            raise _bad(kind, c.name, arr, bad, "is not finite")
+        bad_mask = ~np.isfinite(arr)
+        if bad_mask.any():
+            raise _bad(kind, c.name, arr, bad_mask, "is not finite")
     if c.lo is not None:
-        bad = arr <= c.lo if c.lo_strict else arr < c.lo
-        if bad.any():
-            raise _bad(kind, c.name, arr, bad, f"is below {'>' if c.lo_strict else '>='}{c.lo:g}")
+        bad_mask = arr <= c.lo if c.lo_strict else arr < c.lo
+        if bad_mask.any():
+            raise _bad(
+                kind, c.name, arr, bad_mask, f"is below {'>' if c.lo_strict else '>='}{c.lo:g}"
+            )
     if c.hi is not None:
-        bad = arr > c.hi
-        if bad.any():
-            raise _bad(kind, c.name, arr, bad, f"is above {c.hi:g}")
+        bad_mask = arr > c.hi
+        if bad_mask.any():
+            raise _bad(kind, c.name, arr, bad_mask, f"is above {c.hi:g}")
     return arr
 
 
@@ -252,6 +272,11 @@ def decode_batch(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Batch:
         if not isinstance(v, str) or not v or len(v) > 255:
             raise SchemaError(f"{kind} batch: {key!r} must be a non-empty string, got {v!r}")
         header[key] = v
+    if not _JOB_ID.fullmatch(header["job_id"]):
+        raise SchemaError(
+            f"{kind} batch: job_id {header['job_id'][:140]!r} must be 1-128 characters "
+            "of [A-Za-z0-9._:/@+-]"
+        )
     cols = doc.get("columns")
     if not isinstance(cols, dict) or not isinstance(cols.get("ts_ns"), list):
         raise SchemaError(f"{kind} batch: 'columns' must be an object with a 'ts_ns' list")
@@ -302,7 +327,8 @@ def decode_event(data: bytes, *, max_bytes: int = 1 << 20) -> Event:
     model = EVENT_KINDS.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise SchemaError(f"event has unknown kind {kind!r}; valid kinds: {sorted(EVENT_KINDS)}")
-    if doc.get("schema_version", 1) != model.SCHEMA_VERSION:
+    version = doc.get("schema_version", 1)
+    if type(version) is not int or version != model.SCHEMA_VERSION:
         raise SchemaError(
             f"{kind} event has schema_version {doc.get('schema_version')!r}; "
             f"supported: {model.SCHEMA_VERSION}"

