@@ -168,7 +168,8 @@ class Sink:
         self.dead_letters = 0
 
     def start(self) -> None:
-        self._consumer.subscribe(list(TABLES))
+        # Land and commit what was read from partitions before they move to another sink.
+        self._consumer.subscribe(list(TABLES), on_revoke=lambda c, parts: self._flush())
 
     def stop(self) -> None:
         self._stop.set()
@@ -178,7 +179,8 @@ class Sink:
         last_flush = time.monotonic()
         try:
             while not self._stop.is_set():
-                msgs = [] if self._paused else self._consumer.consume(5000, 0.2)
+                # Paused partitions yield nothing, but polling keeps the group membership.
+                msgs = self._consumer.consume(5000, 0.2)
                 for msg in msgs:
                     self._take(msg)
                 buffered = sum(p.rows for p in self._pending.values())
@@ -188,8 +190,6 @@ class Sink:
                 ) or buffered >= self.settings.max_batch_rows:
                     self._flush()
                     last_flush = time.monotonic()
-                elif self._paused:
-                    time.sleep(0.2)
             self._flush()
         finally:
             self._consumer.close()

@@ -88,8 +88,13 @@ def test_unknown_option_is_one_line(tmp_path: Path) -> None:
 
 
 def test_sql_command_against_the_stack(stack_env_vars: dict[str, str]) -> None:
-    out = perfloop_cli("sql", "SELECT version FROM schema_migrations ORDER BY version",
-                       "--format", "json", env=stack_env_vars)
+    out = perfloop_cli(
+        "sql",
+        "SELECT version FROM schema_migrations ORDER BY version",
+        "--format",
+        "json",
+        env=stack_env_vars,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == '{"version": 1}'
     bad = perfloop_cli("sql", "SELEC nonsense", env=stack_env_vars)

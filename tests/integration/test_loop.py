@@ -61,8 +61,14 @@ def test_telemetry_is_queryable_and_windowed(stack: StackSettings) -> None:
     for i in range(300):
         for rank in (0, 1):
             ts = t0 + i * 100_000_000
-            steps.add(ts_ns=ts, rank=rank, step=i, step_time_ms=100.0 + rank, data_wait_ms=10.0,
-                      num_workers=2)
+            steps.add(
+                ts_ns=ts,
+                rank=rank,
+                step=i,
+                step_time_ms=100.0 + rank,
+                data_wait_ms=10.0,
+                num_workers=2,
+            )
             gpu.add(ts_ns=ts, rank=rank, device=rank, sm_util_pct=90.0, power_w=500.0)
     pub = Publisher(stack)
     assert pub.publish(Topics.STEP, job, steps.encode())
@@ -70,22 +76,44 @@ def test_telemetry_is_queryable_and_windowed(stack: StackSettings) -> None:
     assert pub.flush(10) == 0
     assert pub.stats.delivered == 2
 
-    wait_for(lambda: _count(stack, "SELECT count() FROM steps WHERE job_id = {j:String}", j=job)
-             == 600, 30, "600 step rows")
+    wait_for(
+        lambda: _count(stack, "SELECT count() FROM steps WHERE job_id = {j:String}", j=job) == 600,
+        30,
+        "600 step rows",
+    )
     assert _count(stack, "SELECT count() FROM gpu_samples WHERE job_id = {j:String}", j=job) == 600
     ch = client(stack)
     try:
-        r = ch.query("SELECT rank, avg(step_time_ms), min(ts), max(ts) FROM steps "
-                     "WHERE job_id = {j:String} GROUP BY rank ORDER BY rank", parameters={"j": job})
+        r = ch.query(
+            "SELECT rank, avg(step_time_ms), min(ts), max(ts) FROM steps "
+            "WHERE job_id = {j:String} GROUP BY rank ORDER BY rank",
+            parameters={"j": job},
+        )
         (r0, mean0, lo, _), (r1, mean1, _, hi) = r.result_rows
-        assert (r0, r1) == (0, 1) and mean0 == pytest.approx(100.0) and mean1 == pytest.approx(101.0)
+        assert (
+            (r0, r1) == (0, 1) and mean0 == pytest.approx(100.0) and mean1 == pytest.approx(101.0)
+        )
         assert lo.timestamp() == pytest.approx(t0 / 1e9)
         assert hi.timestamp() == pytest.approx((t0 + 299 * 100_000_000) / 1e9)
-        wait_for(lambda: _count(stack, "SELECT count() FROM windows WHERE job_id = {j:String} "
-                                "AND metric = 'step_time_ms'", j=job) >= 4, 30, "closed windows")
-        w = ch.query("SELECT rank, count, mean, p50, window_s FROM windows "
-                     "WHERE job_id = {j:String} AND metric = 'step_time_ms' ORDER BY ts, rank "
-                     "LIMIT 2", parameters={"j": job}).result_rows
+        wait_for(
+            lambda: (
+                _count(
+                    stack,
+                    "SELECT count() FROM windows WHERE job_id = {j:String} "
+                    "AND metric = 'step_time_ms'",
+                    j=job,
+                )
+                >= 4
+            ),
+            30,
+            "closed windows",
+        )
+        w = ch.query(
+            "SELECT rank, count, mean, p50, window_s FROM windows "
+            "WHERE job_id = {j:String} AND metric = 'step_time_ms' ORDER BY ts, rank "
+            "LIMIT 2",
+            parameters={"j": job},
+        ).result_rows
         assert [row[0] for row in w] == [0, 1]
         assert all(row[1] == 100 and row[4] == 10.0 for row in w)
         assert np.allclose([row[2] for row in w], [100.0, 101.0])
@@ -98,8 +126,13 @@ def test_command_reaches_the_job_and_is_acked(stack: StackSettings) -> None:
     pub = Publisher(stack)
     sim = SimulatedJob(SimConfig(job_id=job, ranks=2, fault_at_s=2.0, speed=4.0), pub)
     key = ActuatorSettings().signing_key.get_secret_value().encode()
-    agent = JobAgent(stack, job_id=job, node=sim.cfg.node, signing_key=key,
-                     handlers={KNOB_NUM_WORKERS: sim.set_num_workers})
+    agent = JobAgent(
+        stack,
+        job_id=job,
+        node=sim.cfg.node,
+        signing_key=key,
+        handlers={KNOB_NUM_WORKERS: sim.set_num_workers},
+    )
     assert agent.start(20.0), "control topic never assigned"
     applied_at: list[int] = []
 
@@ -119,18 +152,23 @@ def test_command_reaches_the_job_and_is_acked(stack: StackSettings) -> None:
     assert sim.num_workers == result.value > 2
 
     q = {"j": job}
-    wait_for(lambda: _count(stack, "SELECT count() FROM actuations WHERE job_id = {j:String}",
-                            **q), 30, "the ack in the warehouse")
+    wait_for(
+        lambda: _count(stack, "SELECT count() FROM actuations WHERE job_id = {j:String}", **q),
+        30,
+        "the ack in the warehouse",
+    )
     ch = client(stack)
     try:
-        rec_id, to_value = ch.query("SELECT rec_id, to_value FROM recommendations "
-                                    "WHERE job_id = {j:String}", parameters=q).result_rows[0]
+        rec_id, to_value = ch.query(
+            "SELECT rec_id, to_value FROM recommendations WHERE job_id = {j:String}", parameters=q
+        ).result_rows[0]
         cmd_id, cmd_rec, value, sig = ch.query(
             "SELECT command_id, rec_id, value, signature FROM commands WHERE job_id = {j:String}",
-            parameters=q).result_rows[0]
+            parameters=q,
+        ).result_rows[0]
         ack_cmd, ack_status = ch.query(
-            "SELECT command_id, status FROM actuations WHERE job_id = {j:String}",
-            parameters=q).result_rows[0]
+            "SELECT command_id, status FROM actuations WHERE job_id = {j:String}", parameters=q
+        ).result_rows[0]
     finally:
         ch.close()
     assert cmd_rec == rec_id and value == to_value == str(result.value)
