@@ -56,6 +56,11 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
+def _require_free(host: str, port: int, setting: str) -> None:
+    if not _port_free(host, port):
+        raise StackError(f"port {port} on {host} is in use; stop what holds it or set {setting}")
+
+
 def _port_open(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
@@ -131,20 +136,12 @@ class Supervisor:
             )
         py = sys.executable
         if not s.external_kafka:
-            if not _port_free(s.host, s.kafka_port):
-                raise StackError(
-                    f"port {s.kafka_port} on {s.host} is in use; stop what holds it "
-                    "or set PERFLOOP_KAFKA_PORT"
-                )
+            _require_free(s.host, s.kafka_port, "PERFLOOP_KAFKA_PORT")
             self._children.append(
                 self._child("broker", broker_argv(s), lambda: _port_open(s.host, s.kafka_port))
             )
         if not s.external_clickhouse:
-            if not _port_free(s.host, s.clickhouse_port):
-                raise StackError(
-                    f"port {s.clickhouse_port} on {s.host} is in use; stop what holds it "
-                    "or set PERFLOOP_CLICKHOUSE_PORT"
-                )
+            _require_free(s.host, s.clickhouse_port, "PERFLOOP_CLICKHOUSE_PORT")
             self._children.append(
                 self._child(
                     "warehouse",

@@ -239,6 +239,18 @@ def _check_column(kind: str, c: _Column, raw: Any, n: int) -> np.ndarray:
     return arr
 
 
+def _load_object(data: bytes, max_bytes: int, what: str) -> dict[str, Any]:
+    if len(data) > max_bytes:
+        raise SchemaError(f"{what} of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise SchemaError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise SchemaError(f"{what} must be a JSON object, got {type(doc).__name__}")
+    return doc
+
+
 def decode_batch(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Batch:
     """Decode and validate one telemetry batch message; raise `SchemaError` if it is bad.
 
@@ -247,14 +259,7 @@ def decode_batch(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Batch:
     ...
     perfloop.schemas.exceptions.SchemaError: batch has no 'kind'; valid kinds: ['gpu', 'step']
     """
-    if len(data) > max_bytes:
-        raise SchemaError(f"batch of {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    try:
-        doc = orjson.loads(data)
-    except orjson.JSONDecodeError as e:
-        raise SchemaError(f"batch is not valid JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise SchemaError(f"batch must be a JSON object, got {type(doc).__name__}")
+    doc = _load_object(data, max_bytes, "batch")
     kind = doc.get("kind")
     if kind not in _SPECS:
         what = f"unknown kind {kind!r}" if "kind" in doc else "no 'kind'"
@@ -315,14 +320,7 @@ def encode_event(event: Event) -> bytes:
 
 def decode_event(data: bytes, *, max_bytes: int = 1 << 20) -> Event:
     """Decode and validate one control event; raise `SchemaError` naming what is wrong."""
-    if len(data) > max_bytes:
-        raise SchemaError(f"event of {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    try:
-        doc = orjson.loads(data)
-    except orjson.JSONDecodeError as e:
-        raise SchemaError(f"event is not valid JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise SchemaError(f"event must be a JSON object, got {type(doc).__name__}")
+    doc = _load_object(data, max_bytes, "event")
     kind = doc.pop("kind", None)
     model = EVENT_KINDS.get(kind) if isinstance(kind, str) else None
     if model is None:
