@@ -1,0 +1,111 @@
+"""Shared helpers of the benchmarks: an isolated embedded stack, waiting, RSS, results."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+DEFAULT_KAFKA_PORT = 29092
+DEFAULT_CLICKHOUSE_PORT = 28123
+
+
+def isolate_env(home: Path, kafka_port: int, clickhouse_port: int) -> dict[str, str]:
+    """Point this process (an entry point) and its children at a private stack.
+
+    Every inherited ``PERFLOOP_*`` variable is dropped first, so a developer's
+    ``PERFLOOP_KAFKA_BOOTSTRAP`` or ports cannot make the bench touch their stack.
+    """
+    for name in [n for n in os.environ if n.startswith("PERFLOOP_")]:
+        del os.environ[name]
+    os.environ.update(
+        PERFLOOP_HOME=str(home),
+        PERFLOOP_KAFKA_PORT=str(kafka_port),
+        PERFLOOP_CLICKHOUSE_PORT=str(clickhouse_port),
+    )
+    return dict(os.environ)
+
+
+def bench_ports() -> tuple[int, int]:
+    """Ports of the bench's own stack: ``PERFLOOP_BENCH_KAFKA_PORT`` / ``..._CLICKHOUSE_PORT``."""
+    return (
+        int(os.environ.get("PERFLOOP_BENCH_KAFKA_PORT", DEFAULT_KAFKA_PORT)),
+        int(os.environ.get("PERFLOOP_BENCH_CLICKHOUSE_PORT", DEFAULT_CLICKHOUSE_PORT)),
+    )
+
+
+def raise_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so that ``finally`` blocks tear the stack down."""
+
+    def _exit(*_: object) -> None:
+        raise SystemExit(143)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
+@contextlib.contextmanager
+def embedded_stack(log: Callable[[str], None]) -> Iterator[Path]:
+    """`perfloop up --detach` on a temporary home and the bench ports; `down` on exit."""
+    kafka_port, ch_port = bench_ports()
+    given = os.environ.get("PERFLOOP_BENCH_HOME")
+    home = Path(given or tempfile.mkdtemp(prefix="perfloop-bench-"))
+    env = isolate_env(home, kafka_port, ch_port)
+    cli = [sys.executable, "-m", "perfloop.cli"]
+    log(f"bringing up a private stack: home {home}, kafka :{kafka_port}, clickhouse :{ch_port}")
+    t0 = time.monotonic()
+    ok = False
+    try:
+        subprocess.run([*cli, "up", "--detach"], env=env, check=True, cwd=home.parent)
+        log(f"stack up in {time.monotonic() - t0:.1f} s")
+        yield home
+        ok = True
+    finally:
+        subprocess.run([*cli, "down"], env=env, check=False, cwd=home.parent)
+        log("stack down")
+        if ok and not given:
+            shutil.rmtree(home, ignore_errors=True)
+        elif not ok:
+            log(f"failed; logs kept in {home / 'logs'}")
+
+
+def wait_for(pred: Callable[[], bool], timeout_s: float, interval_s: float = 0.25) -> bool:
+    """Poll ``pred`` until it is true or ``timeout_s`` passes; return the last answer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if pred():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process, from /proc/<pid>/status (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def save_result(name: str, doc: dict[str, Any]) -> Path:
+    """Write ``bench/results/<name>-<utc time>.json`` and return its path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return path
+
+
+def say(line: str) -> None:
+    print(line, flush=True)

@@ -1,0 +1,542 @@
+"""End-to-end benchmark on a private embedded stack: throughput, a naive baseline, loop latency.
+
+    python bench/e2e.py                 # 2M step + 1M GPU samples, 20k naive events, the loop
+    python bench/e2e.py --steps 200000 --gpu 100000 --naive 5000   # a quick run
+
+It brings up its own stack (a temporary ``PERFLOOP_HOME``, Kafka on 29092 and ClickHouse on
+28123, or ``PERFLOOP_BENCH_KAFKA_PORT`` / ``PERFLOOP_BENCH_CLICKHOUSE_PORT``) and takes it down
+at the end, also on error or SIGTERM. Three measurements, in this order:
+
+1. **Batched throughput.** Synthetic jobs (``--jobs`` × ``--nodes`` × ``--ranks``) publish
+   columnar step and GPU batches of ``--batch`` samples through the real `Publisher`, with
+   event times in the recent past, interleaved in event-time order. Reported: the producer's
+   rate (encoding included), the time until every row is in ``steps`` and ``gpu_samples``
+   (the end-to-end rate), and the ``windows`` rows the stream worker produced for those jobs
+   against the number expected from the data (and the samples they cover).
+2. **Naive baseline.** One JSON message per step sample, consumed by a plain per-event Faust
+   agent (`bench.naive_app`) that decodes each message and updates one dict. Reported: its
+   events/s (publish start → last event handled) and the ratio batched / naive.
+3. **Fault onset → ack.** `perfloop.demo.run_demo` (simulated job, data-loader starvation,
+   job agent). Seconds from the fault's onset (in the job's event time, which runs at wall
+   speed) to the recommendation's window end, to the recommendation's publication (its Kafka
+   timestamp), to the command and to the applied ack.
+
+The figures go to stdout, to ``bench/results/e2e-<time>.json``, and as one final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/e2e.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import orjson
+
+from bench._common import (
+    REPO,
+    embedded_stack,
+    raise_on_sigterm,
+    save_result,
+    say,
+    wait_for,
+)
+
+NS = 1_000_000_000
+
+
+# -- 1. batched throughput -------------------------------------------------------------------
+def _synthetic_messages(
+    args: argparse.Namespace, run_id: str, now_ns: int
+) -> tuple[list[tuple[int, str, str, str, str, dict[str, np.ndarray]]], set[tuple[Any, ...]]]:
+    """Step and GPU batches for every node, and the (job, node, rank, window) set they cover.
+
+    Returns messages as ``(first ts, topic, kind, job_id, node, columns)``.
+    """
+    from perfloop.catalog import Topics
+
+    rng = np.random.default_rng(0)
+    nodes = args.jobs * args.nodes
+    r = args.ranks
+    steps_per_msg = args.batch // r
+    step_msgs = max(1, math.ceil(args.steps / (steps_per_msg * r * nodes)))
+    gpu_msgs = math.ceil(args.gpu / (steps_per_msg * r * nodes)) if args.gpu else 0
+    step_ns = int(args.step_ms * 1e6)
+    span_ns = step_msgs * steps_per_msg * step_ns
+    gpu_ns = span_ns // max(1, gpu_msgs * steps_per_msg)
+    start_ns = now_ns - span_ns - 30 * NS  # all in the recent past, all windows closable
+    window_ns = int(args.window_s * NS)
+    msgs: list[tuple[int, str, str, str, str, dict[str, np.ndarray]]] = []
+    expected: set[tuple[Any, ...]] = set()
+    for j in range(args.jobs):
+        job_id = f"bench-{run_id}-j{j}"
+        for n in range(args.nodes):
+            node = f"node-{n}"
+            local = np.arange(r)
+            ranks = np.tile(n * r + local, steps_per_msg)
+            for b in range(step_msgs):
+                steps = np.arange(b * steps_per_msg, (b + 1) * steps_per_msg)
+                ts = np.repeat(start_ns + (steps + 1) * step_ns, r) + rng.integers(
+                    0, 1000, len(ranks)
+                )
+                st = np.abs(rng.normal(args.step_ms, 2.0, len(ranks))) + 1.0
+                cols = {
+                    "ts_ns": ts,
+                    "rank": ranks,
+                    "step": np.repeat(steps, r),
+                    "step_time_ms": st,
+                    "data_wait_ms": st * rng.uniform(0.0, 0.1, len(ranks)),
+                    "batch_size": np.full(len(ranks), 32),
+                    "num_workers": np.full(len(ranks), 8),
+                }
+                msgs.append((int(ts[0]), Topics.STEP, "step", job_id, node, cols))
+                starts = ts // window_ns
+                for rank, w in set(zip(ranks.tolist(), starts.tolist(), strict=True)):
+                    expected.add((job_id, rank, w))
+            for b in range(gpu_msgs):
+                ticks = np.arange(b * steps_per_msg, (b + 1) * steps_per_msg)
+                ts = np.repeat(start_ns + ticks * gpu_ns, r)
+                util = rng.uniform(60, 100, len(ranks))
+                cols = {
+                    "ts_ns": ts,
+                    "rank": ranks,
+                    "device": np.tile(local, steps_per_msg),
+                    "sm_util_pct": util,
+                    "mem_util_pct": util * 0.6,
+                    "mem_used_bytes": np.full(len(ranks), 60 << 30),
+                    "mem_total_bytes": np.full(len(ranks), 80 << 30),
+                    "power_w": 120 + 5.8 * util,
+                    "temp_c": 45 + 0.3 * util,
+                    "sm_clock_mhz": np.full(len(ranks), 1980.0),
+                }
+                msgs.append((int(ts[0]), Topics.GPU, "gpu", job_id, node, cols))
+    msgs.sort(key=lambda m: m[0])
+    return msgs, expected
+
+
+def _count(ch: Any, sql: str, jobs: list[str]) -> tuple[Any, ...]:
+    return tuple(ch.query(sql, parameters={"jobs": jobs}).result_rows[0])
+
+
+def _stream_crashes(home: Path) -> list[str]:
+    """Agent crashes the stream worker logged (Faust keeps the worker up without the agent)."""
+    try:
+        lines = (home / "logs" / "streams.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [ln.strip()[:400] for ln in lines if "Crashed reason=" in ln]
+
+
+def bench_engine(payloads: list[bytes]) -> dict[str, Any]:
+    """The stream tier's pure core (`WindowEngine`) in this process, on the same step batches."""
+    from perfloop.settings import StreamsSettings
+    from perfloop.streams.app import WindowEngine
+
+    engine = WindowEngine(StreamsSettings())
+    rows = 0
+    t0 = time.perf_counter()
+    for data in payloads:
+        engine.add_step_batch(data)
+        rows += len(engine.tick()[0])
+    rows += len(engine.windows.advance(engine.windows.watermark_ns + 3600 * NS))
+    elapsed = time.perf_counter() - t0
+    say(
+        f"  stream core in-process (WindowEngine, no Kafka): {engine.samples / elapsed:,.0f} "
+        f"step samples/s ({elapsed:.2f} s), {rows:,} windows, "
+        f"{engine.windows.late_samples:,} late samples"
+    )
+    return {
+        "samples": engine.samples,
+        "elapsed_s": elapsed,
+        "samples_per_s": engine.samples / elapsed,
+        "windows": rows,
+        "late_samples": engine.windows.late_samples,
+    }
+
+
+def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[str, Any]:
+    from perfloop.producers import Publisher
+    from perfloop.schemas import encode_batch
+    from perfloop.warehouse import client
+
+    run_id = uuid.uuid4().hex[:6]
+    msgs, expected_windows = _synthetic_messages(args, run_id, time.time_ns())
+    jobs = sorted({m[3] for m in msgs})
+    n_step = sum(len(m[5]["ts_ns"]) for m in msgs if m[2] == "step")
+    n_gpu = sum(len(m[5]["ts_ns"]) for m in msgs if m[2] == "gpu")
+    n_all = n_step + n_gpu
+    say(
+        f"\n[1] batched: {n_step:,} step + {n_gpu:,} GPU samples in {len(msgs)} messages of "
+        f"{args.batch:,}; {len(jobs)} jobs × {args.nodes} nodes × {args.ranks} ranks"
+    )
+    pub = Publisher(settings)
+    seqs: dict[tuple[str, str, str], int] = {}
+    wire_bytes = 0
+    encode_s = 0.0
+    step_payloads: list[bytes] = []
+    t0 = time.perf_counter()
+    for _, topic, kind, job_id, node, cols in msgs:
+        k = (kind, job_id, node)
+        seqs[k] = seqs.get(k, 0) + 1
+        te = time.perf_counter()
+        data = encode_batch(
+            kind, cols, job_id=job_id, node=node, producer_id=f"bench-{node}", seq=seqs[k]
+        )
+        encode_s += time.perf_counter() - te
+        wire_bytes += len(data)
+        if kind == "step":
+            step_payloads.append(data)
+        while not pub.publish(topic, job_id, data):  # local queue full: wait, do not drop
+            pub.flush(1.0)
+    queued_s = time.perf_counter() - t0
+    left = pub.flush(120)
+    publish_s = time.perf_counter() - t0
+    stats = pub.stats
+    say(
+        f"  producer: {n_all / publish_s:,.0f} samples/s ({publish_s:.2f} s incl. broker acks; "
+        f"{n_all / queued_s:,.0f} samples/s handed to the client; encoding {encode_s:.2f} s), "
+        f"{wire_bytes / n_all:.1f} JSON bytes/sample, delivered {stats.delivered}/{len(msgs)}"
+        f", failed {stats.failed}, queue-full retries {stats.dropped}, outstanding {left}"
+    )
+
+    ch = client(settings)
+    landed: dict[str, float] = {}
+    try:
+
+        def all_landed() -> bool:
+            s, g = _count(
+                ch,
+                "SELECT (SELECT count() FROM steps WHERE job_id IN {jobs:Array(String)}), "
+                "(SELECT count() FROM gpu_samples WHERE job_id IN {jobs:Array(String)})",
+                jobs,
+            )
+            now = time.perf_counter() - t0
+            if s >= n_step and "steps" not in landed:
+                landed["steps"] = now
+            if g >= n_gpu and "gpu_samples" not in landed:
+                landed["gpu_samples"] = now
+            landed["_rows"] = s + g
+            return s >= n_step and g >= n_gpu
+
+        ok = wait_for(all_landed, args.land_timeout_s)
+        e2e_s = max(landed.get("steps", math.inf), landed.get("gpu_samples", math.inf))
+        if ok:
+            say(
+                f"  warehouse: all {n_all:,} rows landed {e2e_s:.2f} s after the first publish "
+                f"(steps {landed['steps']:.2f} s, gpu_samples {landed['gpu_samples']:.2f} s) "
+                f"→ end to end {n_all / e2e_s:,.0f} samples/s"
+            )
+        else:
+            say(
+                f"  warehouse: only {landed['_rows']:,}/{n_all:,} rows "
+                f"after {args.land_timeout_s} s"
+            )
+
+        n_expected = 2 * len(expected_windows)  # two metrics per rank and window
+        progress: dict[str, Any] = {"rows": -1, "since": time.perf_counter()}
+
+        def windows_done() -> bool:
+            rows, distinct, covered = _count(
+                ch,
+                "SELECT count(), uniqExact(job_id, rank, metric, ts), "
+                "sumIf(count, metric = 'step_time_ms') FROM windows "
+                "WHERE job_id IN {jobs:Array(String)}",
+                jobs,
+            )
+            if rows != progress["rows"]:
+                progress.update(rows=rows, since=time.perf_counter())
+            progress.update(distinct=distinct, covered=covered, at=time.perf_counter() - t0)
+            stalled = time.perf_counter() - progress["since"] > args.windows_stall_s
+            return distinct >= n_expected or stalled
+
+        wait_for(windows_done, args.windows_timeout_s, 0.5)
+        say(
+            f"  stream: {progress['distinct']:,}/{n_expected:,} windows in the warehouse "
+            f"({progress['rows']:,} rows) {progress['at']:.1f} s after the first publish "
+            f"(the last windows close ~{args.window_s + 2:.0f} s after the data ends); they "
+            f"cover {progress['covered']:,}/{n_step:,} step samples "
+            f"({100 * progress['covered'] / n_step:.2f}%)"
+        )
+    finally:
+        ch.close()
+    crashes = _stream_crashes(home)
+    if crashes:
+        say(f"  ! the stream agent crashed {len(crashes)}× (streams.log): {crashes[0][:300]}")
+    engine = bench_engine(step_payloads)
+    return {
+        "stream_agent_crashes": crashes,
+        "engine_in_process": engine,
+        "run_id": run_id,
+        "jobs": len(jobs),
+        "nodes_per_job": args.nodes,
+        "ranks_per_node": args.ranks,
+        "batch_samples": args.batch,
+        "messages": len(msgs),
+        "step_samples": n_step,
+        "gpu_samples": n_gpu,
+        "json_bytes_per_sample": wire_bytes / n_all,
+        "producer_publish_s": publish_s,
+        "producer_samples_per_s": n_all / publish_s,
+        "producer_enqueue_samples_per_s": n_all / queued_s,
+        "producer_encode_s": encode_s,
+        "publisher_stats": vars(stats),
+        "landed": ok,
+        "steps_landed_s": landed.get("steps"),
+        "gpu_landed_s": landed.get("gpu_samples"),
+        "e2e_s": e2e_s if ok else None,
+        "e2e_samples_per_s": n_all / e2e_s if ok else None,
+        "windows_expected": n_expected,
+        "windows_distinct": progress["distinct"],
+        "windows_rows": progress["rows"],
+        "windows_done_s": progress["at"],
+        "windows_step_samples_covered": progress["covered"],
+    }
+
+
+# -- 2. naive per-event baseline ---------------------------------------------------------------
+def bench_naive(args: argparse.Namespace, settings: Any, home: Path) -> dict[str, Any]:
+    from bench.naive_app import TOPIC
+    from perfloop.kafka import ensure_topics
+    from perfloop.producers import Publisher
+
+    n = args.naive
+    say(f"\n[2] naive baseline: {n:,} samples, one JSON message each, per-event Faust agent")
+    ensure_topics(settings, [TOPIC])
+    status = home / "naive-status.json"
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+        PERFLOOP_BENCH_NAIVE_STATUS=str(status),
+    )
+    log_path = home / "logs" / "bench-naive.log"
+
+    def count() -> tuple[int, int | None]:
+        try:
+            doc = orjson.loads(status.read_bytes())
+        except (FileNotFoundError, orjson.JSONDecodeError):
+            return 0, None
+        return doc["count"], doc["last_wall_ns"]
+
+    pub = Publisher(settings)
+    jobs = [f"naive-j{j}" for j in range(args.jobs)]
+    with open(log_path, "ab") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "bench.naive_app", "worker", "-l", "warn"],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        t_start = time.perf_counter()
+        pub.publish(
+            TOPIC, jobs[0], orjson.dumps({"job_id": jobs[0], "rank": 0, "step_time_ms": 1.0})
+        )
+        pub.flush(10)
+        if not wait_for(lambda: count()[0] >= 1 or worker.poll() is not None, 90) or (
+            worker.poll() is not None
+        ):
+            raise RuntimeError(f"the naive Faust worker did not start; see {log_path}")
+        say(f"  worker ready (warm-up event handled) after {time.perf_counter() - t_start:.1f} s")
+        base = count()[0]
+        rng = np.random.default_rng(1)
+        st = rng.normal(100.0, 2.0, n)
+        t0_ns = time.time_ns()
+        t0 = time.perf_counter()
+        for i in range(n):
+            job = jobs[i % len(jobs)]
+            doc = {
+                "ts_ns": t0_ns + i,
+                "job_id": job,
+                "node": "node-0",
+                "rank": i % args.ranks,
+                "step": i,
+                "step_time_ms": float(st[i]),
+                "data_wait_ms": 5.0,
+                "batch_size": 32,
+                "num_workers": 8,
+            }
+            while not pub.publish(TOPIC, job, orjson.dumps(doc)):
+                pub.flush(1.0)
+        pub.flush(60)
+        publish_s = time.perf_counter() - t0
+        ok = wait_for(lambda: count()[0] >= base + n, args.naive_timeout_s, 0.1)
+        handled, last_ns = count()
+        handled -= base
+        e2e_s = (last_ns - t0_ns) / NS if last_ns else math.inf
+        rate = handled / e2e_s
+        say(
+            f"  producer {n / publish_s:,.0f} events/s; agent handled {handled:,}/{n:,} events "
+            f"in {e2e_s:.2f} s → {rate:,.0f} events/s end to end"
+        )
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(20)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+    return {
+        "events": n,
+        "handled": handled,
+        "complete": ok,
+        "producer_events_per_s": n / publish_s,
+        "e2e_s": e2e_s,
+        "events_per_s": rate,
+    }
+
+
+# -- 3. fault onset → ack --------------------------------------------------------------------
+def _published_ms(settings: Any, topic: str, event_id: str, timeout_s: float = 15.0) -> int | None:
+    """The Kafka timestamp (ms) of the message on ``topic`` carrying ``event_id``."""
+    from perfloop.kafka import consumer
+
+    c = consumer(settings, f"bench-{uuid.uuid4().hex[:8]}")
+    c.subscribe([topic])
+    needle = event_id.encode()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            msg = c.poll(0.2)
+            if msg is None or msg.error():
+                continue
+            if needle in (msg.value() or b""):
+                return int(msg.timestamp()[1])
+    finally:
+        c.close()
+    return None
+
+
+def bench_loop(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
+    from perfloop.catalog import Topics
+    from perfloop.demo import run_demo
+    from perfloop.settings import ActuatorSettings
+    from perfloop.warehouse import client
+
+    say(f"\n[3] closed loop: perfloop.demo.run_demo, fault at {args.fault_at_s:g} s of the job")
+    key = ActuatorSettings().signing_key.get_secret_value().encode()
+    res = run_demo(settings, signing_key=key, fault_at_s=args.fault_at_s, out=sys.stdout)
+    wall_end_ns = time.time_ns()
+    ch = client(settings)
+    try:
+
+        def first_step() -> tuple[int, float] | None:
+            rows = ch.query(
+                "SELECT toUnixTimestamp64Nano(ts), step_time_ms FROM steps "
+                "WHERE job_id = {job:String} AND rank = 0 AND step = 0 LIMIT 1",
+                parameters={"job": res.job_id},
+            ).result_rows
+            return (int(rows[0][0]), float(rows[0][1])) if rows else None
+
+        wait_for(lambda: first_step() is not None, 15)
+        first = first_step()
+        last_ts = ch.query(
+            "SELECT toUnixTimestamp64Nano(max(ts)) FROM steps WHERE job_id = {job:String}",
+            parameters={"job": res.job_id},
+        ).result_rows[0][0]
+    finally:
+        ch.close()
+    if first is None:
+        raise RuntimeError(f"no steps of {res.job_id} reached the warehouse")
+    # The simulator stamps step k's end at t0 + the sum of step times 0..k, so step 0 ends at
+    # t0 + its step time; the fault starts at t0 + fault_at_s in that same event time.
+    sim_t0_ns = first[0] - int(first[1] * 1e6)
+    fault_ns = sim_t0_ns + int(args.fault_at_s * NS)
+    rec, cmd, ack = res.recommendation, res.command, res.result
+    rec_pub_ms = _published_ms(settings, Topics.RECOMMENDATIONS, rec.event_id) if rec else None
+
+    def since_fault(ts_ns: int | None) -> float | None:
+        return None if ts_ns is None else (ts_ns - fault_ns) / NS
+
+    out = {
+        "job_id": res.job_id,
+        "closed": res.closed,
+        "fault_at_s": args.fault_at_s,
+        "fault_onset_ns": fault_ns,
+        "recommendation_window_end_s": since_fault(rec.ts_ns if rec else None),
+        "recommendation_published_s": since_fault(rec_pub_ms * 1_000_000 if rec_pub_ms else None),
+        "command_s": since_fault(cmd.ts_ns if cmd else None),
+        "ack_s": since_fault(ack.ts_ns if ack else None),
+        "ack_status": ack.status if ack else None,
+        "applied_step": res.applied_step,
+        "step_ms_before_median": float(np.median(res.before_ms)) if res.before_ms else None,
+        "step_ms_after_median": float(np.median(res.after_ms)) if res.after_ms else None,
+        "sim_lag_at_end_s": (wall_end_ns - int(last_ts)) / NS,
+    }
+    if rec_pub_ms and ack:
+        out["recommendation_to_ack_s"] = (ack.ts_ns - rec_pub_ms * 1_000_000) / NS
+
+    def fmt(v: float | None) -> str:
+        return "—" if v is None else f"{v:.2f} s"
+
+    say(
+        f"  fault onset → recommendation window end {fmt(out['recommendation_window_end_s'])}, "
+        f"→ recommendation published {fmt(out['recommendation_published_s'])}, "
+        f"→ command {fmt(out['command_s'])}, → {out['ack_status']} ack {fmt(out['ack_s'])}"
+    )
+    say(
+        f"  fast loop (recommendation published → ack): {fmt(out.get('recommendation_to_ack_s'))}"
+        f"; loop closed: {res.closed}; step time {out['step_ms_before_median']} → "
+        f"{out['step_ms_after_median']} ms (medians); sim clock lag at the end "
+        f"{out['sim_lag_at_end_s']:.2f} s"
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=2_000_000, help="step samples to publish")
+    p.add_argument("--gpu", type=int, default=1_000_000, help="GPU samples to publish")
+    p.add_argument("--batch", type=int, default=5000, help="samples per message")
+    p.add_argument("--jobs", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=2, help="nodes per job")
+    p.add_argument("--ranks", type=int, default=8, help="ranks (GPUs) per node")
+    p.add_argument("--step-ms", type=float, default=100.0, help="synthetic step time")
+    p.add_argument("--window-s", type=float, default=10.0, help="the stream's window (default)")
+    p.add_argument("--naive", type=int, default=20_000, help="events for the naive baseline")
+    p.add_argument("--fault-at-s", type=float, default=12.0)
+    p.add_argument("--land-timeout-s", type=float, default=240.0)
+    p.add_argument("--windows-timeout-s", type=float, default=90.0)
+    p.add_argument("--windows-stall-s", type=float, default=20.0)
+    p.add_argument("--naive-timeout-s", type=float, default=120.0)
+    p.add_argument("--skip-naive", action="store_true")
+    p.add_argument("--skip-loop", action="store_true")
+    args = p.parse_args(argv)
+    raise_on_sigterm()
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"bench": "e2e", "args": vars(args), "cpus": os.cpu_count()}
+    with embedded_stack(say) as home:
+        from perfloop.settings import StackSettings
+
+        settings = StackSettings()
+        result["batched"] = bench_batched(args, settings, home)
+        if not args.skip_naive:
+            result["naive"] = bench_naive(args, settings, home)
+            batched = result["batched"]["e2e_samples_per_s"]
+            if batched:
+                result["ratio_batched_over_naive"] = batched / result["naive"]["events_per_s"]
+                say(
+                    f"  ratio: batched end to end / naive = "
+                    f"{result['ratio_batched_over_naive']:.1f}×"
+                )
+        if not args.skip_loop:
+            result["loop"] = bench_loop(args, settings)
+    result["wall_s"] = time.perf_counter() - t0
+    path = save_result("e2e", result)
+    say(f"\nsaved {path.relative_to(REPO)} ({result['wall_s']:.0f} s in all)")
+    print(orjson.dumps(result).decode(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
