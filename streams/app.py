@@ -27,6 +27,9 @@ __all__ = ["StreamsService", "WindowEngine", "create_app", "dlq_headers"]
 
 log = logging.getLogger("perfloop.streams")
 
+# About 300 bytes a row: a message stays far below the 1 MiB default request size.
+WINDOW_ROWS_PER_MESSAGE = 1000
+
 
 def dlq_headers(reason: str, topic: str, partition: int, offset: int) -> list[tuple[str, bytes]]:
     """Headers of a dead letter: why it was rejected and where it came from."""
@@ -56,7 +59,6 @@ class WindowEngine:
             max_workers=max(2, 2 * (os.cpu_count() or 2)),
         )
         self.max_skew_ns = int(settings.max_skew_s * NS)
-        self._advanced_wall_ns = time.time_ns()
         self.samples = 0
 
     def add_step_batch(self, data: bytes) -> None:
@@ -74,22 +76,22 @@ class WindowEngine:
             )
         share = cols["data_wait_ms"] / cols["step_time_ms"]
         ranks = cols["rank"]
+        wall = time.time_ns()
         for rank in set(ranks.tolist()):
             sel = ranks == rank
             for metric, values in (
                 ("step_time_ms", cols["step_time_ms"]),
                 ("data_wait_share", share),
             ):
-                self.windows.add(batch.job_id, batch.node, rank, metric, ts[sel], values[sel])
+                self.windows.add(
+                    batch.job_id, batch.node, rank, metric, ts[sel], values[sel], wall_ns=wall
+                )
         self.rule.observe_workers(batch.job_id, int(cols["num_workers"][-1]))
         self.samples += len(batch)
-        self._advanced_wall_ns = time.time_ns()
 
     def tick(self) -> tuple[list[WindowRow], list[Any]]:
-        """Close due windows; without new events, event time advances with the wall clock."""
-        idle_ns = time.time_ns() - self._advanced_wall_ns
-        rows = self.windows.advance(self.windows.watermark_ns + max(0, idle_ns))
-        self._advanced_wall_ns = time.time_ns()
+        """Close due windows; a series with no new events advances with the wall clock."""
+        rows = self.windows.advance(wall_ns=time.time_ns())
         return rows, self.rule.evaluate(rows)
 
 
@@ -118,9 +120,12 @@ def create_app(settings: StreamsSettings) -> faust.App:
         for r in rows:
             by_job.setdefault(r.job_id, []).append(r.as_dict())
         for job_id, job_rows in by_job.items():
-            await windows_out.send(
-                key=job_id.encode(), value=orjson.dumps({"kind": "windows", "rows": job_rows})
-            )
+            # A backlog can close thousands of windows at once: keep each message small.
+            for i in range(0, len(job_rows), WINDOW_ROWS_PER_MESSAGE):
+                chunk = job_rows[i : i + WINDOW_ROWS_PER_MESSAGE]
+                await windows_out.send(
+                    key=job_id.encode(), value=orjson.dumps({"kind": "windows", "rows": chunk})
+                )
         for rec in recs:
             log.info(
                 "recommendation for %s: %s %s -> %s",

@@ -1,9 +1,12 @@
 """Tumbling event-time windows over batches of samples, computed with numpy.
 
 State lives in memory: per (job, node, rank, metric) and window start, the values and their
-times. A window closes when the watermark — the newest event time seen, or the wall clock when
-no event arrives, minus the allowed lateness — passes its end; a sample older than an already
-closed window is counted as late and dropped.
+times. Each series has its own watermark — the newest event time seen in that series — so a
+node whose clock lags, or a producer that publishes less often, never makes another series'
+samples late. A window closes when its series' watermark minus the allowed lateness passes its
+end; when a series receives nothing, its watermark moves on with the wall clock (pass
+``wall_ns``), so windows close on time even when no new event arrives. A sample older than an
+already closed window of its series is counted as late and dropped.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ __all__ = ["TumblingWindows", "WindowKey", "WindowRow", "summarize"]
 NS = 1_000_000_000
 
 WindowKey = tuple[str, str, int, str]  # job_id, node, rank, metric
+
+# A series silent for this long (wall time) is forgotten, so finished jobs free their state.
+FORGET_AFTER_S = 600
+FORGET_AFTER_WINDOWS = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,13 +107,22 @@ class TumblingWindows:
         self.lateness_ns = int(lateness_s * NS)
         self._open: dict[tuple[WindowKey, int], _Pending] = defaultdict(_Pending)
         self._closed_before: dict[WindowKey, int] = {}
-        self.watermark_ns = 0
+        self._watermark: dict[WindowKey, int] = {}
+        self._seen_wall: dict[WindowKey, int] = {}
         self.late_samples = 0
 
     def add(
-        self, job_id: str, node: str, rank: int, metric: str, ts_ns: np.ndarray, values: np.ndarray
+        self,
+        job_id: str,
+        node: str,
+        rank: int,
+        metric: str,
+        ts_ns: np.ndarray,
+        values: np.ndarray,
+        *,
+        wall_ns: int = 0,
     ) -> None:
-        """Add samples of one series; their windows are found with one vectorised pass."""
+        """Add samples of one series (received at wall time ``wall_ns``), vectorised."""
         key: WindowKey = (job_id, node, rank, metric)
         floor = self._closed_before.get(key, 0)
         starts = ts_ns - ts_ns % self.window_ns
@@ -117,20 +133,30 @@ class TumblingWindows:
             ts_ns, values, starts = ts_ns[keep], values[keep], starts[keep]
         if len(ts_ns) == 0:
             return
-        self.watermark_ns = max(self.watermark_ns, int(ts_ns.max()))
+        self._watermark[key] = max(self._watermark.get(key, 0), int(ts_ns.max()))
+        self._seen_wall[key] = wall_ns
         for start in np.unique(starts):
             sel = starts == start
             pending = self._open[(key, int(start))]
             pending.ts.append(ts_ns[sel])
             pending.values.append(values[sel])
 
-    def advance(self, now_ns: int | None = None) -> list[WindowRow]:
-        """Close every window whose end plus lateness is at or before the watermark."""
+    def advance(self, now_ns: int | None = None, *, wall_ns: int | None = None) -> list[WindowRow]:
+        """Close every window whose end plus lateness is at or before its series' watermark.
+
+        ``now_ns`` moves every series' event time to at least ``now_ns``; ``wall_ns`` moves a
+        series on by the wall time elapsed since it last received a sample.
+        """
         if now_ns is not None:
-            self.watermark_ns = max(self.watermark_ns, now_ns)
-        horizon = self.watermark_ns - self.lateness_ns
+            for key in self._watermark:
+                self._watermark[key] = max(self._watermark[key], now_ns)
+        horizon: dict[WindowKey, int] = {}
+        for key, wm in self._watermark.items():
+            idle = max(0, wall_ns - self._seen_wall[key]) if wall_ns is not None else 0
+            horizon[key] = wm + idle - self.lateness_ns
         rows = []
-        for key, start in [k for k in self._open if k[1] + self.window_ns <= horizon]:
+        due = [k for k in self._open if k[1] + self.window_ns <= horizon[k[0]]]
+        for key, start in due:
             pending = self._open.pop((key, start))
             ts = np.concatenate(pending.ts)
             vals = np.concatenate(pending.values)
@@ -149,8 +175,24 @@ class TumblingWindows:
                 )
             )
         rows.sort(key=lambda r: (r.ts_ns, r.job_id, r.rank, r.metric))
+        if wall_ns is not None:
+            self._forget_idle(wall_ns)
         return rows
+
+    def _forget_idle(self, wall_ns: int) -> None:
+        """Drop the state of series idle for `FORGET_AFTER_WINDOWS` windows (finished jobs)."""
+        limit = max(FORGET_AFTER_S * NS, FORGET_AFTER_WINDOWS * self.window_ns)
+        open_keys = {k for k, _ in self._open}
+        for key in [k for k, seen in self._seen_wall.items() if wall_ns - seen > limit]:
+            if key not in open_keys:
+                del self._seen_wall[key], self._watermark[key]
+                self._closed_before.pop(key, None)
 
     @property
     def open_windows(self) -> int:
         return len(self._open)
+
+    @property
+    def watermark_ns(self) -> int:
+        """The newest event time of any series (0 before the first sample)."""
+        return max(self._watermark.values(), default=0)

@@ -32,5 +32,5 @@ def test_missing_binary_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert spec is not None
     spec.submodule_search_locations = [str(tmp_path)]
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
-    with pytest.raises(StackError, match="tansu broker binary not found at .*reinstall"):
+    with pytest.raises(StackError, match=r"tansu broker binary not found at .*reinstall"):
         broker.tansu_binary()

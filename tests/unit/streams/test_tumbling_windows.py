@@ -80,3 +80,33 @@ def test_rows_carry_their_series_and_are_ordered_by_time() -> None:
     assert rows[0].as_dict()["metric"] == "step_time_ms"
     assert rows[0].as_dict()["job_id"] == "j"
     assert rows[0].rate_per_s == 1.0
+
+
+def test_a_lagging_series_is_not_made_late_by_a_faster_one() -> None:
+    # One watermark per series: a node whose clock or publishing lags loses nothing.
+    w = TumblingWindows(window_s=10, lateness_s=2)
+    _add(w, [100, 130], [1.0, 1.0], rank=0)
+    _add(w, [5], [7.0], rank=1)
+    rows = w.advance()
+    assert [r.rank for r in rows] == [0], "rank 1's window waits for rank 1's own time"
+    _add(w, [8], [9.0], rank=1)
+    assert w.late_samples == 0
+    _add(w, [13], [1.0], rank=1)
+    (row,) = w.advance()
+    assert (row.rank, row.ts_ns, row.count, row.mean) == (1, 0, 2, 8.0)
+
+
+def test_an_idle_series_closes_its_windows_with_the_wall_clock() -> None:
+    w = TumblingWindows(window_s=10, lateness_s=2)
+    w.add("j", "n", 0, "m", np.array([3 * NS]), np.array([1.0]), wall_ns=1000 * NS)
+    assert w.advance(wall_ns=1008 * NS) == []  # event time 3 + 8 idle = 11 < 10 + 2
+    (row,) = w.advance(wall_ns=1009 * NS)  # 3 + 9 = 12: the window is due
+    assert (row.ts_ns, row.count) == (0, 1)
+
+
+def test_state_of_long_idle_series_is_forgotten() -> None:
+    w = TumblingWindows(window_s=1)
+    w.add("j", "n", 0, "m", np.array([NS]), np.array([1.0]), wall_ns=0)
+    assert len(w.advance(wall_ns=5 * NS)) == 1 and w.watermark_ns == NS
+    w.advance(wall_ns=10_000 * NS)
+    assert w.watermark_ns == 0 and w.open_windows == 0
