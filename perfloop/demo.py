@@ -60,6 +60,7 @@ class _Watcher:
         self.job_id, self.emit = job_id, emit
         self.rec: Recommendation | None = None
         self.cmd: Command | None = None
+        self._shown_rec = self._shown_cmd = False
         self._c = consumer(settings, f"perfloop-demo-{job_id}", **{"auto.offset.reset": "latest"})
         self._stop = threading.Event()
         self._assigned = threading.Event()
@@ -76,6 +77,24 @@ class _Watcher:
         self._stop.set()
         self._t.join(5)
 
+    def _show(self) -> None:
+        # The two topics arrive in any order; show them in the loop's order.
+        rec, cmd = self.rec, self.cmd
+        if rec is not None and not self._shown_rec:
+            self._shown_rec = True
+            self.emit(
+                f"  ► recommendation  {rec.knob}: {rec.from_value} → {rec.to_value} "
+                f"(expected gain {rec.expected_gain_pct:.0f}%, "
+                f"confidence {rec.confidence:.2f})\n      {rec.rationale}"
+            )
+        if cmd is not None and self._shown_rec and not self._shown_cmd:
+            self._shown_cmd = True
+            self.emit(
+                f"  ► command         seq {cmd.seq}, {cmd.knob} = {cmd.value}, "
+                f"signed {cmd.signature[:12]}…, expires in "
+                f"{(cmd.expires_ts_ns - time.time_ns()) / 1e9:.0f} s"
+            )
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
@@ -88,18 +107,9 @@ class _Watcher:
                     continue
                 if isinstance(ev, Recommendation) and self.rec is None:
                     self.rec = ev
-                    self.emit(
-                        f"  ► recommendation  {ev.knob}: {ev.from_value} → {ev.to_value} "
-                        f"(expected gain {ev.expected_gain_pct:.0f}%, "
-                        f"confidence {ev.confidence:.2f})\n      {ev.rationale}"
-                    )
                 elif isinstance(ev, Command) and self.cmd is None:
                     self.cmd = ev
-                    self.emit(
-                        f"  ► command         seq {ev.seq}, {ev.knob} = {ev.value}, "
-                        f"signed {ev.signature[:12]}…, expires in "
-                        f"{(ev.expires_ts_ns - time.time_ns()) / 1e9:.0f} s"
-                    )
+                self._show()
         finally:
             self._c.close()
 
