@@ -29,178 +29,37 @@ import email.policy
 import errno
 import json
 import logging
-import re
 import signal
-import socket
 import sys
 import threading
 import time
 import uuid
-import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from perfloop._chwire import (
+    CHUNK,
+    DISPLAY_NAME,
+    HTTP_ONLY,
+    INSERT_FORMAT,
+    LEADING_COMMENTS,
+    PYTHON_ONLY_FORMATS,
+    TRAILING_FORMAT,
+    DBException,
+    body_decoder,
+    content_type,
+    leading_keywords,
+    unframe,
+)
 from perfloop.exceptions import WarehouseError
 from perfloop.settings import WarehouseServerSettings
 
 __all__ = ["WarehouseServer", "main"]
 
 log = logging.getLogger(__name__)
-
-_CHUNK = 1 << 20
-_DISPLAY_NAME = socket.gethostname()
-
-# URL parameters that belong to the HTTP layer, never forwarded to the engine as settings.
-# readonly is here because a session that once set it cannot unset it.
-_HTTP_ONLY = frozenset(
-    {
-        "query", "database", "default_format", "query_id", "session_id", "session_timeout",
-        "session_check", "compress", "decompress", "user", "password", "quota_key",
-        "buffer_size", "wait_end_of_query", "client_protocol_version", "role", "stacktrace",
-        "enable_http_compression", "http_zlib_compression_level", "send_progress_in_http_headers",
-        "http_headers_progress_interval_ms", "cancel_http_readonly_queries_on_client_close",
-        "add_http_cors_header", "http_wait_end_of_query", "http_response_buffer_size",
-        "readonly", "async_insert", "wait_for_async_insert", "async_insert_deduplicate",
-    }
-)  # fmt: skip
-
-# ClickHouse's HTTP status for an exception code (HTTPHandler::exceptionCodeToHTTPStatus).
-_STATUS_BY_CODE = {
-    **dict.fromkeys((6, 25, 26, 27, 38, 41, 72, 376, 15, 44, 53, 62, 117, 321, 167, 168, 169), 400),
-    **dict.fromkeys((60, 46, 47, 50, 56, 81, 115, 63, 73, 336, 124, 511), 404),
-    516: 401,
-    307: 413,
-    48: 501,
-    209: 503,
-}
-_NAMES = {
-    36: "BAD_ARGUMENTS",
-    48: "NOT_IMPLEMENTED",
-    62: "SYNTAX_ERROR",
-    73: "UNKNOWN_FORMAT",
-    271: "CANNOT_DECOMPRESS",
-    307: "TOO_MANY_BYTES",
-    1001: "STD_EXCEPTION",
-}
-_CODE_RE = re.compile(r"Code: (\d+)\. DB::Exception: ")
-_LEADING_COMMENTS = re.compile(r"\A(?:\s+|--[^\n]*(?:\n|\Z)|/\*.*?\*/)*", re.S)
-_INSERT_FORMAT = re.compile(r"\A(INSERT\s+INTO\s.*?)\bFORMAT\s+([A-Za-z0-9_]+)", re.S | re.I)
-_TRAILING_FORMAT = re.compile(r"\bFORMAT\s+([A-Za-z0-9_]+)(?:\s+SETTINGS\b[^;]*)?\s*;?\s*\Z", re.I)
-_STATEMENT = re.compile(r"\A([A-Za-z]+)(?:\s+([A-Za-z]+))?")
-_PYTHON_ONLY_FORMATS = frozenset({"dataframe", "df", "arrowtable", "debug"})
-
-
-class _ClickHouseError(Exception):
-    """An error to send back the ClickHouse way."""
-
-    def __init__(self, code: int, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.status = status or _STATUS_BY_CODE.get(code, 500)
-
-    @classmethod
-    def of(cls, code: int, text: str, status: int | None = None) -> _ClickHouseError:
-        """Our own error, worded as the engine words its own."""
-        name = _NAMES.get(code, "UNKNOWN_EXCEPTION")
-        return cls(code, f"Code: {code}. DB::Exception: {text}. ({name})", status)
-
-    @classmethod
-    def wrap(cls, exc: BaseException) -> _ClickHouseError:
-        """An engine error; chDB's text already holds ``Code: N. DB::Exception: ...``."""
-        text = str(exc)
-        match = _CODE_RE.search(text)
-        if match is None:
-            return cls.of(1001, text.strip().rstrip(".") or type(exc).__name__)
-        return cls(int(match.group(1)), text[match.start() :].strip())
-
-
-def _content_type(fmt: str) -> str:
-    lower = fmt.lower()
-    if lower.startswith(("tabseparated", "tsv")):
-        return "text/tab-separated-values; charset=UTF-8"
-    if lower.startswith("csv"):
-        return "text/csv; charset=UTF-8; header=absent"
-    if lower.startswith("json"):
-        return "application/json; charset=UTF-8"
-    if lower.startswith(("pretty", "vertical", "markdown", "values", "xml", "template")):
-        return "text/plain; charset=UTF-8"
-    return "application/octet-stream"
-
-
-class _Decoder:
-    """Incremental decompressor for concatenated frames (gzip members, lz4/zstd frames)."""
-
-    def __init__(self, factory: Callable[[], Any]) -> None:
-        self._factory = factory
-        self._obj = factory()
-
-    def feed(self, data: bytes) -> bytes:
-        out = []
-        while data:
-            out.append(self._obj.decompress(data))
-            if not self._obj.eof:
-                break
-            data = self._obj.unused_data
-            self._obj = self._factory()
-        return b"".join(out)
-
-
-def _decoder(encoding: str) -> _Decoder | None:
-    enc = encoding.strip().lower()
-    if enc in ("", "identity"):
-        return None
-    if enc in ("gzip", "x-gzip"):
-        return _Decoder(lambda: zlib.decompressobj(wbits=31))
-    if enc == "deflate":
-        return _Decoder(lambda: zlib.decompressobj(wbits=15))
-    if enc == "lz4":
-        import lz4.frame
-
-        return _Decoder(lz4.frame.LZ4FrameDecompressor)
-    if enc == "zstd":
-        from backports import zstd
-
-        return _Decoder(zstd.ZstdDecompressor)
-    raise _ClickHouseError.of(
-        36, f"Unknown Content-Encoding {encoding!r}; valid: gzip, deflate, lz4, zstd"
-    )
-
-
-def _unframe(data: bytes) -> bytes:
-    """Decode ClickHouse's native compression framing (``decompress=1``); checksums unchecked."""
-    out, pos = [], 0
-    while pos < len(data):
-        if len(data) - pos < 25:
-            raise _ClickHouseError.of(271, "Truncated compressed block")
-        method = data[pos + 16]
-        size = int.from_bytes(data[pos + 17 : pos + 21], "little")
-        raw_size = int.from_bytes(data[pos + 21 : pos + 25], "little")
-        payload = data[pos + 25 : pos + 16 + size]
-        if method == 0x02:
-            out.append(payload)
-        elif method == 0x82:
-            import lz4.block
-
-            out.append(lz4.block.decompress(payload, uncompressed_size=raw_size))
-        elif method == 0x90:
-            from backports import zstd
-
-            out.append(zstd.decompress(payload))
-        else:
-            raise _ClickHouseError.of(271, f"Unknown compression method 0x{method:02x}")
-        pos += 16 + size
-    return b"".join(out)
-
-
-def _leading_keywords(sql: str) -> tuple[str, str]:
-    rest = sql[_LEADING_COMMENTS.match(sql).end() :]  # type: ignore[union-attr]
-    match = _STATEMENT.match(rest)
-    if match is None:
-        return "", ""
-    return match.group(1).upper(), (match.group(2) or "").upper()
 
 
 class _Engine:
@@ -217,7 +76,7 @@ class _Engine:
             names = self._tsv("SELECT name FROM system.settings")
         except Exception as e:
             raise WarehouseError(f"cannot open the warehouse at {data_dir}: {e}") from e
-        self._known = frozenset(names.splitlines()) - _HTTP_ONLY
+        self._known = frozenset(names.splitlines()) - HTTP_ONLY
         self._database: str | None = None
         self._applied: dict[str, str] = {}
 
@@ -234,8 +93,8 @@ class _Engine:
         try:
             self._session.query(f"USE `{database.replace('`', '``')}`", "TSV")
         except Exception as e:
-            err = _ClickHouseError.wrap(e)
-            if err.code != 81 or _leading_keywords(sql) != ("CREATE", "DATABASE"):
+            err = DBException.wrap(e)
+            if err.code != 81 or leading_keywords(sql) != ("CREATE", "DATABASE"):
                 raise err from e
             database = "default"  # bootstrap: a client bound to a database creates it
             self._session.query("USE default", "TSV")
@@ -259,7 +118,7 @@ class _Engine:
                 except Exception:
                     log.warning("cannot reset setting %s", key)
             self._applied = {}
-            raise _ClickHouseError.wrap(e) from e
+            raise DBException.wrap(e) from e
         self._applied = wanted
 
     def query(
@@ -272,12 +131,12 @@ class _Engine:
             try:
                 result = self._session.query(sql, fmt, params=params or None)
             except Exception as e:
-                raise _ClickHouseError.wrap(e) from e
+                raise DBException.wrap(e) from e
             finally:
-                if _leading_keywords(sql)[0] == "USE":
+                if leading_keywords(sql)[0] == "USE":
                     self._database = None
             if not hasattr(result, "bytes"):
-                raise _ClickHouseError.of(73, f"Format {fmt} is not an HTTP output format")
+                raise DBException.of(73, f"Format {fmt} is not an HTTP output format")
             body = bytes(result.bytes() or b"")
             stats = {
                 "read_rows": result.rows_read(),
@@ -298,7 +157,7 @@ class _Engine:
             try:
                 inserter = self._session.send_insert(head, fmt)
             except Exception as e:
-                raise _ClickHouseError.wrap(e) from e
+                raise DBException.wrap(e) from e
             try:
                 for chunk in chunks:
                     if chunk:
@@ -309,7 +168,7 @@ class _Engine:
                     inserter.cancel()
                 except Exception:
                     log.debug("cancel after a failed insert failed", exc_info=True)
-                raise _ClickHouseError.wrap(e) from e
+                raise DBException.wrap(e) from e
             return {
                 "written_rows": result.rows_written,
                 "written_bytes": result.bytes_written,
@@ -346,15 +205,13 @@ class _Handler(BaseHTTPRequestHandler):
                     return
             else:
                 self._drain()
-                raise _ClickHouseError.of(
-                    36, f"No handler for path {url.path!r}; valid: /, /ping", 404
-                )
+                raise DBException.of(36, f"No handler for path {url.path!r}; valid: /, /ping", 404)
             self._execute(params, query_id)
-        except _ClickHouseError as e:
+        except DBException as e:
             self._error(e, query_id)
         except Exception as e:  # a bad request must never kill the server
             log.exception("unexpected error serving %s", self.path)
-            self._error(_ClickHouseError.of(1001, f"{type(e).__name__}: {e}"), query_id)
+            self._error(DBException.of(1001, f"{type(e).__name__}: {e}"), query_id)
 
     def _no_body(self) -> bool:
         return not self.headers.get("Transfer-Encoding") and not int(
@@ -387,7 +244,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise self._too_big(limit)
         while length > 0:
-            piece = self.rfile.read(min(_CHUNK, length))
+            piece = self.rfile.read(min(CHUNK, length))
             if not piece:
                 self.close_connection = True
                 return
@@ -395,8 +252,8 @@ class _Handler(BaseHTTPRequestHandler):
             yield piece
 
     @staticmethod
-    def _too_big(limit: int) -> _ClickHouseError:
-        return _ClickHouseError.of(
+    def _too_big(limit: int) -> DBException:
+        return DBException.of(
             307,
             f"Request body is larger than max_body_bytes={limit};"
             " raise PERFLOOP_MAX_BODY_BYTES or send smaller batches",
@@ -404,7 +261,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _body(self, params: dict[str, str]) -> list[bytes]:
         """The decoded body as chunks (Content-Encoding, then ``decompress=1`` framing)."""
-        decoder = _decoder(self.headers.get("Content-Encoding", ""))
+        decoder = body_decoder(self.headers.get("Content-Encoding", ""))
         limit, total, chunks = self.server.max_body_bytes, 0, []
         try:
             for piece in self._read_body():
@@ -414,13 +271,13 @@ class _Handler(BaseHTTPRequestHandler):
                     self.close_connection = True
                     raise self._too_big(limit)
                 chunks.append(data)
-        except _ClickHouseError:
+        except DBException:
             raise
         except Exception as e:
             self.close_connection = True
-            raise _ClickHouseError.of(271, f"Cannot decode the request body: {e}") from e
+            raise DBException.of(271, f"Cannot decode the request body: {e}") from e
         if params.get("decompress") == "1":
-            chunks = [_unframe(b"".join(chunks))]
+            chunks = [unframe(b"".join(chunks))]
         return chunks
 
     def _form_fields(self, body: bytes) -> dict[str, str]:
@@ -431,7 +288,7 @@ class _Handler(BaseHTTPRequestHandler):
         fields = {}
         for part in message.iter_parts():  # type: ignore[attr-defined]
             if part.get_filename():
-                raise _ClickHouseError.of(48, "External data (file form fields) is not supported")
+                raise DBException.of(48, "External data (file form fields) is not supported")
             name = part.get_param("name", header="content-disposition")
             fields[str(name)] = bytes(part.get_payload(decode=True) or b"").decode()
         return fields
@@ -451,23 +308,23 @@ class _Handler(BaseHTTPRequestHandler):
         settings = {k: v for k, v in params.items() if not k.startswith("param_")}
         sql, data = self._split(params.get("query", ""), chunks)
         if not sql.strip():
-            raise _ClickHouseError.of(62, "Empty query", 400)
+            raise DBException.of(62, "Empty query", 400)
         engine = self.server.engine
-        insert = _INSERT_FORMAT.match(sql[_LEADING_COMMENTS.match(sql).end() :])  # type: ignore[union-attr]
+        insert = INSERT_FORMAT.match(sql[LEADING_COMMENTS.match(sql).end() :])  # type: ignore[union-attr]
         if insert is not None:
             head, fmt = insert.group(1).strip(), insert.group(2)
             stats = engine.insert(head, fmt, data, database, settings)
             self._reply(200, b"", {"X-ClickHouse-Query-Id": query_id}, stats)
             return
-        trailing = _TRAILING_FORMAT.search(sql)
+        trailing = TRAILING_FORMAT.search(sql)
         fmt = trailing.group(1) if trailing else default_fmt
-        if fmt.lower() in _PYTHON_ONLY_FORMATS or default_fmt.lower() in _PYTHON_ONLY_FORMATS:
-            raise _ClickHouseError.of(73, f"Unknown output format {fmt}")
+        if fmt.lower() in PYTHON_ONLY_FORMATS or default_fmt.lower() in PYTHON_ONLY_FORMATS:
+            raise DBException.of(73, f"Unknown output format {fmt}")
         body, stats = engine.query(sql, default_fmt, binds, database, settings)
         headers = {
             "X-ClickHouse-Query-Id": query_id,
             "X-ClickHouse-Format": fmt,
-            "Content-Type": _content_type(fmt),
+            "Content-Type": content_type(fmt),
         }
         self._reply(200, body, headers, stats)
 
@@ -475,14 +332,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _split(param_sql: str, chunks: list[bytes]) -> tuple[str, list[bytes]]:
         """The statement text and, for ``INSERT ... FORMAT x``, the data chunks after it."""
         if param_sql:
-            head = param_sql[_LEADING_COMMENTS.match(param_sql).end() :]  # type: ignore[union-attr]
-            if _INSERT_FORMAT.match(head) or not any(chunks):
+            head = param_sql[LEADING_COMMENTS.match(param_sql).end() :]  # type: ignore[union-attr]
+            if INSERT_FORMAT.match(head) or not any(chunks):
                 return param_sql, chunks
             return param_sql + " " + b"".join(chunks).decode("utf-8", "replace"), []
         body = b"".join(chunks)
         text = body[: 1 << 16].decode("latin-1")
-        start = _LEADING_COMMENTS.match(text).end()  # type: ignore[union-attr]
-        insert = _INSERT_FORMAT.match(text[start:])
+        start = LEADING_COMMENTS.match(text).end()  # type: ignore[union-attr]
+        insert = INSERT_FORMAT.match(text[start:])
         if insert is None:
             return body.decode("utf-8", "replace"), []
         pos = start + insert.end()
@@ -496,7 +353,7 @@ class _Handler(BaseHTTPRequestHandler):
         self, status: int, body: bytes, headers: dict[str, str], stats: dict[str, int] | None = None
     ) -> None:
         self.send_response(status)
-        self.send_header("X-ClickHouse-Server-Display-Name", _DISPLAY_NAME)
+        self.send_header("X-ClickHouse-Server-Display-Name", DISPLAY_NAME)
         self.send_header("X-ClickHouse-Timezone", "UTC")
         for key, value in headers.items():
             self.send_header(key, value)
@@ -522,7 +379,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _error(self, err: _ClickHouseError, query_id: str) -> None:
+    def _error(self, err: DBException, query_id: str) -> None:
         text = str(err)
         if "(version " not in text:
             text = f"{text} (version {self.server.engine.version})"
