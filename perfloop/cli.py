@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -191,8 +192,6 @@ def _service(args: argparse.Namespace) -> int:
 
         StreamsService(_settings(StreamsSettings)).run()
         return 0
-    from perfloop.streams.sink import install_signals
-
     service: Any
     if args.name == "sink":
         from perfloop.settings import SinkSettings
@@ -204,7 +203,8 @@ def _service(args: argparse.Namespace) -> int:
         from perfloop.settings import ActuatorSettings
 
         service = ActuatorService(_settings(ActuatorSettings))
-    install_signals(service.stop)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: service.stop())
     service.run()
     return 0
 

@@ -14,7 +14,7 @@ from perfloop.catalog import TOPICS
 from perfloop.exceptions import BrokerError
 from perfloop.settings import BaseServiceSettings
 
-__all__ = ["consumer", "ensure_topics", "ping", "producer"]
+__all__ = ["consumer", "dlq_headers", "ensure_topics", "ping", "producer"]
 
 _CLIENT_LOG = logging.getLogger("perfloop.kafka.client")
 
@@ -95,3 +95,13 @@ def ensure_topics(
             if e.args[0].name() != "TOPIC_ALREADY_EXISTS":
                 raise BrokerError(f"cannot create topic {topic}: {e.args[0].str()}") from e
     return created
+
+
+def dlq_headers(reason: str, topic: str, partition: int, offset: int) -> list[tuple[str, bytes]]:
+    """Headers of a dead letter on ``perfloop.dlq``: why it was rejected, where it came from."""
+    return [
+        ("perfloop.reason", reason[:1000].encode()),
+        ("perfloop.source.topic", topic.encode()),
+        ("perfloop.source.partition", str(partition).encode()),
+        ("perfloop.source.offset", str(offset).encode()),
+    ]

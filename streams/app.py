@@ -18,27 +18,18 @@ import faust
 import orjson
 
 from perfloop.catalog import Topics
+from perfloop.kafka import dlq_headers
 from perfloop.schemas import SchemaError, decode_batch, encode_event
 from perfloop.settings import StreamsSettings
 from perfloop.streams.rules import DataWaitRule
 from perfloop.streams.windows import NS, TumblingWindows, WindowRow
 
-__all__ = ["StreamsService", "WindowEngine", "create_app", "dlq_headers"]
+__all__ = ["StreamsService", "WindowEngine", "create_app"]
 
 log = logging.getLogger("perfloop.streams")
 
 # About 300 bytes a row: a message stays far below the 1 MiB default request size.
 WINDOW_ROWS_PER_MESSAGE = 1000
-
-
-def dlq_headers(reason: str, topic: str, partition: int, offset: int) -> list[tuple[str, bytes]]:
-    """Headers of a dead letter: why it was rejected and where it came from."""
-    return [
-        ("perfloop.reason", reason[:1000].encode()),
-        ("perfloop.source.topic", topic.encode()),
-        ("perfloop.source.partition", str(partition).encode()),
-        ("perfloop.source.offset", str(offset).encode()),
-    ]
 
 
 class WindowEngine:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -25,10 +24,9 @@ from confluent_kafka import KafkaError, Message, TopicPartition
 
 from perfloop.catalog import TABLES, Topics
 from perfloop.exceptions import PerfloopError
-from perfloop.kafka import consumer, producer
+from perfloop.kafka import consumer, dlq_headers, producer
 from perfloop.schemas import SchemaError, decode_batch, decode_event
 from perfloop.settings import SinkSettings
-from perfloop.streams.app import dlq_headers
 from perfloop.warehouse import client
 
 __all__ = ["ROW_BUILDERS", "Sink", "rows_from_message"]
@@ -256,9 +254,3 @@ class Sink:
         if self._paused:
             self._consumer.resume(self._consumer.assignment())
             self._paused = False
-
-
-def install_signals(stop: Callable[[], None]) -> None:
-    """SIGTERM and SIGINT call ``stop``."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop())
