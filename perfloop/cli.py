@@ -68,7 +68,7 @@ def _settings(cls: type[Any]) -> Any:
 
 def _up(args: argparse.Namespace) -> int:
     from perfloop.settings import StackSettings
-    from perfloop.stack import Supervisor, check_external, up_detached
+    from perfloop.stack import Supervisor, up_detached
 
     settings = _settings(StackSettings)
     if args.detach:
@@ -78,8 +78,9 @@ def _up(args: argparse.Namespace) -> int:
             f"clickhouse {state['clickhouse_url']}, home {state['home']}"
         )
         return 0
-    check_external(settings)
-    Supervisor(settings).run()
+    supervisor = Supervisor(settings)
+    supervisor.preflight()  # one-line errors before anything starts
+    supervisor.run()
     return 0
 
 

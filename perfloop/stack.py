@@ -124,24 +124,33 @@ class Supervisor:
         self._children: list[_Child] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> None:
-        """Check the environment, then start every service in dependency order."""
+    def preflight(self) -> None:
+        """Fail with one line before starting anything: already up, port taken, no broker."""
         s = self.settings
-        self.logs.mkdir(parents=True, exist_ok=True)
         existing = read_state(s)
         if existing and _alive(existing["supervisor_pid"]):
             raise StackError(
                 f"the stack is already up (supervisor pid {existing['supervisor_pid']}, "
                 f"home {self.home}); run `perfloop down` first"
             )
+        if not s.external_kafka:
+            broker_argv(s)  # raises if the tansu binary is missing
+            _require_free(s.host, s.kafka_port, "PERFLOOP_KAFKA_PORT")
+        if not s.external_clickhouse:
+            _require_free(s.host, s.clickhouse_port, "PERFLOOP_CLICKHOUSE_PORT")
+        check_external(s)
+
+    def start(self) -> None:
+        """Check the environment, then start every service in dependency order."""
+        s = self.settings
+        self.preflight()
+        self.logs.mkdir(parents=True, exist_ok=True)
         py = sys.executable
         if not s.external_kafka:
-            _require_free(s.host, s.kafka_port, "PERFLOOP_KAFKA_PORT")
             self._children.append(
                 self._child("broker", broker_argv(s), lambda: _port_open(s.host, s.kafka_port))
             )
         if not s.external_clickhouse:
-            _require_free(s.host, s.clickhouse_port, "PERFLOOP_CLICKHOUSE_PORT")
             self._children.append(
                 self._child(
                     "warehouse",
@@ -262,6 +271,14 @@ class Supervisor:
         if self._stop.wait(self.settings.restart_backoff_s * min(child.restarts, 5)):
             return
         self._spawn(child)
+        if child.name == "broker":
+            # The memory engine restarts empty: wait for it, then recreate the topics.
+            try:
+                self._await_ready([child])
+                ensure_topics(self.settings)
+            except PerfloopError as e:
+                with open(child.log, "a") as f:
+                    f.write(f"perfloop supervisor: broker restart incomplete: {e}\n")
         child.state = "running"
         self._write_state("up")
 
@@ -318,10 +335,10 @@ def check_external(settings: StackSettings) -> None:
 
 def up_detached(settings: StackSettings) -> dict[str, Any]:
     """Start a supervisor in the background and wait until the stack is up."""
-    check_external(settings)
     state = read_state(settings)
     if state and _alive(state["supervisor_pid"]):
         return state
+    Supervisor(settings).preflight()
     home = settings.home_dir
     (home / "logs").mkdir(parents=True, exist_ok=True)
     log_path = home / "logs" / "supervisor.log"

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 from pathlib import Path
 
 import pytest
+from confluent_kafka.admin import AdminClient
 
+from perfloop.catalog import TOPICS
 from perfloop.stack import read_state
 
 from .conftest import perfloop_cli, pid_alive, settings_for, stack_env, wait_for
@@ -27,15 +31,34 @@ def test_down_leaves_no_process_behind(tmp_path: Path) -> None:
     assert up.returncode == 0, up.stderr
     state = read_state(settings_for(env))
     assert state is not None
-    pids = [state["supervisor_pid"]] + [s["pid"] for s in state["services"].values()]
-    assert len(pids) == 6 and all(pid_alive(p) for p in pids)
+    first = [state["supervisor_pid"]] + [s["pid"] for s in state["services"].values()]
+    assert len(first) == 6 and all(pid_alive(p) for p in first)
 
     again = perfloop_cli("up", "--detach", env=env)  # idempotent: reports the running stack
     assert again.returncode == 0 and read_state(settings_for(env)) == state
 
+    # A crashed service is restarted; the broker comes back with its topics recreated.
+    os.kill(state["services"]["broker"]["pid"], signal.SIGKILL)
+    restarted = wait_for(
+        lambda: (
+            (s := read_state(settings_for(env)))
+            and s["services"]["broker"]["restarts"] == 1
+            and s["state"] == "up"
+            and s
+        ),
+        30,
+        "the broker to be restarted",
+    )
+    assert set(TOPICS) <= set(
+        AdminClient({"bootstrap.servers": settings_for(env).kafka_bootstrap})
+        .list_topics(timeout=10)
+        .topics
+    )
+    pids = [restarted["supervisor_pid"]] + [s["pid"] for s in restarted["services"].values()]
+
     down = perfloop_cli("down", env=env)
     assert down.returncode == 0 and "stopped" in down.stdout
-    wait_for(lambda: not any(pid_alive(p) for p in pids), 20, "every process to exit")
+    wait_for(lambda: not any(pid_alive(p) for p in pids + first), 20, "every process to exit")
     assert read_state(settings_for(env)) is None
     for port in (env["PERFLOOP_KAFKA_PORT"], env["PERFLOOP_CLICKHOUSE_PORT"]):
         with socket.socket() as s:
