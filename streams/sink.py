@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 from clickhouse_connect.driver.exceptions import ClickHouseError
-from confluent_kafka import KafkaError, Message, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
 from perfloop.catalog import TABLES, Topics
 from perfloop.exceptions import PerfloopError
@@ -237,11 +237,15 @@ class Sink:
             del self._pending[table]
         if self._offsets:
             self._dlq.flush(5)
-            self._consumer.commit(
-                offsets=[TopicPartition(t, p, o) for (t, p), o in self._offsets.items()],
-                asynchronous=False,
-            )
-            self._offsets.clear()
+            try:
+                self._consumer.commit(
+                    offsets=[TopicPartition(t, p, o) for (t, p), o in self._offsets.items()],
+                    asynchronous=False,
+                )
+            except KafkaException as e:  # e.g. a rebalance: the next flush commits again
+                log.warning("offset commit failed, will retry: %s", e)
+            else:
+                self._offsets.clear()
         self._resume()
 
     def _pause(self) -> None:
