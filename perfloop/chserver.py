@@ -61,6 +61,8 @@ __all__ = ["WarehouseServer", "main"]
 
 log = logging.getLogger(__name__)
 
+DRAIN_FACTOR = 4  # an over-limit body up to this multiple of the limit is read, then refused
+
 
 class _Engine:
     """One chDB session, the lock that serializes it, and its per-request state."""
@@ -241,6 +243,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self.rfile.readline(1024)
         length = int(self.headers.get("Content-Length") or 0)
         if length > limit:
+            # Read a moderately oversized body before answering, so that a client that sends
+            # it whole still gets the error instead of a broken pipe; a huge one is cut off.
+            if length <= DRAIN_FACTOR * limit:
+                while length > 0 and (piece := self.rfile.read(min(CHUNK, length))):
+                    length -= len(piece)
             self.close_connection = True
             raise self._too_big(limit)
         while length > 0:

@@ -25,6 +25,7 @@ from perfloop.settings import WarehouseServerSettings
 pytestmark = pytest.mark.integration
 
 N = 100_000
+BODY_LIMIT = 32 << 20  # bytes; the 100k-row insert fits, the over-limit test does not
 T0 = 1_700_000_000_123_456_789  # ns since the epoch, with all nine fractional digits
 
 
@@ -37,7 +38,11 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarehouseServer]:
     data_dir: Path = tmp_path_factory.mktemp("warehouse")
-    srv = WarehouseServer(WarehouseServerSettings(clickhouse_port=_free_port(), data_dir=data_dir))
+    srv = WarehouseServer(
+        WarehouseServerSettings(
+            clickhouse_port=_free_port(), data_dir=data_dir, max_body_bytes=BODY_LIMIT
+        )
+    )
     srv.start()
     boot = clickhouse_connect.get_client(host="127.0.0.1", port=srv.settings.clickhouse_port)
     boot.command("CREATE DATABASE IF NOT EXISTS perfloop")
@@ -230,16 +235,14 @@ def test_garbage_insert_fails_and_server_keeps_serving(
     assert _http(server, "SELECT 2")[2] == b"2\n"
 
 
-def test_body_over_limit_is_a_clear_error(
-    server: WarehouseServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(server._httpd, "max_body_bytes", 1000)
+def test_body_over_limit_is_a_clear_error(server: WarehouseServer, client: Client) -> None:
+    client.command("CREATE TABLE big (a UInt32, b UInt32) ENGINE = MergeTree ORDER BY a")
     status, headers, body = _http(
-        server, "INSERT INTO perfloop.conc FORMAT CSV", body=b"1,1\n" * 1000
+        server, "INSERT INTO perfloop.big FORMAT CSV", body=b"1,1\n" * (BODY_LIMIT // 4 + 1)
     )
     assert status == 413 and headers["X-ClickHouse-Exception-Code"] == "307"
-    assert b"max_body_bytes=1000" in body
-    monkeypatch.undo()
+    assert f"max_body_bytes={BODY_LIMIT}".encode() in body
+    assert client.command("SELECT count() FROM perfloop.big") == 0, "nothing inserted"
     assert _http(server, "SELECT 3")[2] == b"3\n"
 
 
