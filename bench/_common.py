@@ -99,11 +99,14 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def save_result(name: str, doc: dict[str, Any]) -> Path:
-    """Write ``bench/results/<name>-<utc time>.json`` and return its path."""
+def save_result(name: str, doc: dict[str, Any], note: str = "") -> Path:
+    """Write ``bench/results/<name>-<utc time>.json``, say where, and end stdout with the
+    result as one JSON line (so ``… | tail -n 1`` is the result)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    say(f"saved {path.relative_to(REPO)}{note}")
+    print(json.dumps(doc, default=str, separators=(",", ":")), flush=True)
     return path
 
 

@@ -31,9 +31,8 @@ if __package__ in (None, ""):  # run as `python bench/broker_growth.py`
 
 import cramjam
 import numpy as np
-import orjson
 
-from bench._common import REPO, isolate_env, raise_on_sigterm, rss_bytes, save_result, say
+from bench._common import isolate_env, raise_on_sigterm, rss_bytes, save_result, say
 
 MIB = 1 << 20
 
@@ -197,9 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             log_path.unlink()
             shutil.rmtree(home)
-    path = save_result("broker_growth", result)
-    say(f"saved {path.relative_to(REPO)}")
-    print(orjson.dumps(result).decode(), flush=True)
+    save_result("broker_growth", result)
     return 0
 
 

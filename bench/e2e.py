@@ -532,9 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_loop:
             result["loop"] = bench_loop(args, settings)
     result["wall_s"] = time.perf_counter() - t0
-    path = save_result("e2e", result)
-    say(f"\nsaved {path.relative_to(REPO)} ({result['wall_s']:.0f} s in all)")
-    print(orjson.dumps(result).decode(), flush=True)
+    save_result("e2e", result, note=f" ({result['wall_s']:.0f} s in all)")
     return 0
 
 
