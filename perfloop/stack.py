@@ -105,7 +105,7 @@ def _rss_bytes(pid: int) -> int | None:
 class _Child:
     name: str
     argv: list[str]
-    ready: Callable[[], bool]
+    ready: Callable[[], bool] | None  # None: running once spawned
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -164,8 +164,7 @@ class Supervisor:
         ensure_topics(s)
         migrate(s)
         services = [
-            self._child(name, [py, "-m", "perfloop.cli", "service", name], lambda: True)
-            for name in SERVICES
+            self._child(name, [py, "-m", "perfloop.cli", "service", name]) for name in SERVICES
         ]
         self._children.extend(services)
         for child in services:
@@ -207,7 +206,7 @@ class Supervisor:
             (self.home / STATE_FILE).unlink()
 
     # -- internals ---------------------------------------------------------------------------
-    def _child(self, name: str, argv: list[str], ready: Callable[[], bool]) -> _Child:
+    def _child(self, name: str, argv: list[str], ready: Callable[[], bool] | None = None) -> _Child:
         return _Child(name=name, argv=argv, ready=ready, log=self.logs / f"{name}.log")
 
     def _env(self) -> dict[str, str]:
@@ -245,7 +244,7 @@ class Supervisor:
     def _await_ready(self, children: list[_Child]) -> None:
         deadline = time.monotonic() + self.settings.start_timeout_s
         for child in children:
-            while not child.ready():
+            while child.ready is not None and not child.ready():
                 assert child.proc is not None
                 if child.proc.poll() is not None:
                     raise StackError(
