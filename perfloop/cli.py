@@ -51,6 +51,43 @@ def build_parser() -> argparse.ArgumentParser:
     sql.add_argument("query")
     sql.add_argument("--format", choices=("table", "json"), default="table")
 
+    sch = sub.add_parser("schemas", help="the event schemas")
+    sch_sub = sch.add_subparsers(dest="schemas_command", required=True, parser_class=_Parser)
+    exp = sch_sub.add_parser("export", help="write JSON Schema of every event family to DIR")
+    exp.add_argument("dir", metavar="DIR")
+
+    run = sub.add_parser(
+        "run",
+        help="run a training script with perfloop's hooks installed (no code change)",
+        usage="perfloop run [--job-id ID] [--node NAME] -- COMMAND [ARGS...]",
+    )
+    run.add_argument("--job-id", help="job id (default: generated, printed at start)")
+    run.add_argument("--node", help="node name (default: the host name)")
+    run.add_argument("--no-gpu", action="store_true", help="do not start the NVML sampler")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND")
+
+    rep = sub.add_parser("replay", help="stream PyTorch-profiler traces as perfloop telemetry")
+    rep.add_argument("--job-id", help="job id (default: derived from the first trace's name)")
+    rep.add_argument("--node", help="node name (default: from the trace, else 'replay')")
+    rep.add_argument("traces", nargs="+", metavar="TRACE", help=".json or .json.gz, one per rank")
+
+    sim = sub.add_parser("simulate", help="run a simulated multi-node job with a chosen fault")
+    sim.add_argument("--scenario", required=True, help="healthy, dataloader_starvation, …")
+    sim.add_argument("--nodes", type=int, default=1)
+    sim.add_argument("--ranks-per-node", type=int, default=8)
+    sim.add_argument("--duration", type=float, default=60.0, metavar="S")
+    sim.add_argument("--rate", type=float, metavar="HZ", help="target samples/s (benchmarks)")
+    sim.add_argument("--job-id")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--speed", type=float, default=1.0, help="simulated seconds per second")
+    sim.add_argument("--ground-truth", metavar="FILE", help="also write ground truth here")
+
+    smp = sub.add_parser("sample", help="run the node samplers (NVML, host) in the foreground")
+    smp.add_argument("--job-id", required=True)
+    smp.add_argument("--node")
+    smp.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
+    smp.add_argument("--pid", type=int, action="append", help="training process(es) to watch")
+
     svc = sub.add_parser("service", help="run one perfloop service in the foreground")
     svc.add_argument("name", choices=SERVICE_NAMES)
     return p
@@ -179,6 +216,47 @@ def _sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schemas(args: argparse.Namespace) -> int:
+    from perfloop.schemas import export_json_schemas
+
+    try:
+        files = export_json_schemas(args.dir)
+    except OSError as e:
+        raise ConfigError(f"cannot write schemas to {args.dir}: {e.strerror or e}") from e
+    print(f"wrote {len(files)} JSON Schema files to {args.dir}")
+    return 0
+
+
+def _producer_settings() -> Any:
+    from perfloop.settings import ProducerSettings
+
+    return _settings(ProducerSettings)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from perfloop.producers.launch import run_command
+
+    return run_command(args, _producer_settings())
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from perfloop.producers.replay import replay_command
+
+    return replay_command(args, _producer_settings())
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from perfloop.producers.scenarios import simulate_command
+
+    return simulate_command(args, _producer_settings())
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from perfloop.producers.node import sample_command
+
+    return sample_command(args, _producer_settings())
+
+
 def _service(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -217,6 +295,11 @@ _COMMANDS = {
     "migrate": _migrate,
     "demo": _demo,
     "sql": _sql,
+    "schemas": _schemas,
+    "run": _run,
+    "replay": _replay,
+    "simulate": _simulate,
+    "sample": _sample,
     "service": _service,
 }
 

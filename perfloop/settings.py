@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 __all__ = [
     "ActuatorSettings",
     "BaseServiceSettings",
+    "ProducerSettings",
     "SinkSettings",
     "StackSettings",
     "StreamsSettings",
@@ -71,6 +72,35 @@ class BaseServiceSettings(BaseSettings):
         return self.home.expanduser().resolve()
 
 
+class ProducerSettings(BaseServiceSettings):
+    """Producers on a training node: transport, spool, samplers, overhead budget.
+
+    ``job_id`` and ``node`` name where telemetry comes from (``node`` defaults to the host
+    name); ``spool_dir`` defaults to ``$PERFLOOP_HOME/spool/<producer>``.
+    """
+
+    job_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._:/@+-]{1,128}$")
+    node: str | None = Field(None, min_length=1, max_length=255)
+    # transport
+    linger_ms: float = Field(20.0, ge=0, le=10_000)
+    publish_interval_ms: float = Field(250.0, gt=0, description="Batches leave this often.")
+    queue_max_messages: int = Field(10_000, gt=0, description="In-memory bound before spooling.")
+    message_timeout_ms: int = Field(15_000, ge=1000, description="Then a message is spooled.")
+    spool_dir: Path | None = None
+    spool_max_bytes: int = Field(256 << 20, gt=0)
+    spool_segment_bytes: int = Field(4 << 20, gt=0)
+    resend_window_s: float = Field(
+        30.0, ge=0, description="Delivered messages kept to resend if the broker loses them."
+    )
+    stats_interval_s: float = Field(5.0, gt=0)
+    # samplers
+    gpu_interval_ms: float = Field(100.0, ge=10, le=60_000)
+    gpu_min_interval_ms: float = Field(10.0, ge=1)
+    host_interval_ms: float = Field(1000.0, ge=10, le=600_000)
+    overhead_budget_pct: float = Field(0.5, gt=0, le=100)
+    adaptive_sampling: bool = True
+
+
 class StackSettings(BaseServiceSettings):
     """`perfloop up/down/status/demo`: which services to supervise and how long to wait."""
 
@@ -104,6 +134,7 @@ class SinkSettings(BaseServiceSettings):
     group_id: str = "perfloop-sink"
     flush_interval_s: float = Field(1.0, gt=0)
     max_batch_rows: int = Field(50_000, gt=0)
+    dedup_window_messages: int = Field(200_000, gt=0)
     session_timeout_ms: int = Field(6000, ge=1000)
 
 

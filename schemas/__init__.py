@@ -2,15 +2,23 @@
 
 Every event is a frozen pydantic model with ``schema_version``, ``event_id``, integer
 nanosecond event time ``ts_ns``, ``job_id``, ``node`` and ``rank``, and units in its field
-names. Telemetry travels in columnar batches (`BatchBuilder`, `decode_batch`); control
-events travel one per message (`encode_event`, `decode_event`). Bad input raises
-`SchemaError` with a one-line message naming the field and the value.
+names. The catalog:
+
+- telemetry, batched per node in columnar messages (`BatchBuilder`, `decode_batch`):
+  `GpuSample`, `HostSample`, `StepEvent`, `PhaseSpan`, `CollectiveOp`, `KernelSummary`;
+- job-level events, one per message (`encode_event`, `decode_event`): `JobInfo`,
+  `JobLifecycle`, `CapabilityReport`, `ProducerStats`, `GroundTruth`;
+- control events: `Recommendation`, `Command`, `ActuationResult`.
+
+Bad input raises `SchemaError` with a one-line message naming the field and the value.
+`export_json_schemas` writes JSON Schema for consumers in other languages.
 """
 
 from perfloop.schemas.base import Event, new_event_id, now_ns
 from perfloop.schemas.codec import (
     BATCH_KINDS,
     EVENT_KINDS,
+    MAX_MESSAGE_BYTES,
     Batch,
     BatchBuilder,
     decode_batch,
@@ -20,18 +28,51 @@ from perfloop.schemas.codec import (
 )
 from perfloop.schemas.control import ActuationResult, Command, KnobValue, Recommendation
 from perfloop.schemas.exceptions import SchemaError
-from perfloop.schemas.telemetry import GpuSample, StepEvent
+from perfloop.schemas.export import export_json_schemas
+from perfloop.schemas.job import (
+    FAULT_KINDS,
+    CapabilityReport,
+    GroundTruth,
+    JobInfo,
+    JobLifecycle,
+    ProducerStats,
+)
+from perfloop.schemas.telemetry import (
+    COLLECTIVE_OPS,
+    KERNEL_CLASSES,
+    STANDARD_PHASES,
+    CollectiveOp,
+    GpuSample,
+    HostSample,
+    KernelSummary,
+    PhaseSpan,
+    StepEvent,
+)
 
 __all__ = [
     "BATCH_KINDS",
+    "COLLECTIVE_OPS",
     "EVENT_KINDS",
+    "FAULT_KINDS",
+    "KERNEL_CLASSES",
+    "MAX_MESSAGE_BYTES",
+    "STANDARD_PHASES",
     "ActuationResult",
     "Batch",
     "BatchBuilder",
+    "CapabilityReport",
+    "CollectiveOp",
     "Command",
     "Event",
     "GpuSample",
+    "GroundTruth",
+    "HostSample",
+    "JobInfo",
+    "JobLifecycle",
+    "KernelSummary",
     "KnobValue",
+    "PhaseSpan",
+    "ProducerStats",
     "Recommendation",
     "SchemaError",
     "StepEvent",
@@ -39,6 +80,7 @@ __all__ = [
     "decode_event",
     "encode_batch",
     "encode_event",
+    "export_json_schemas",
     "new_event_id",
     "now_ns",
 ]

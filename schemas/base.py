@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Annotated, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = ["JOB_ID_PATTERN", "Event", "JobId", "new_event_id", "now_ns"]
 
@@ -38,6 +38,9 @@ class Event(BaseModel):
 
     KIND: ClassVar[str] = "event"
     SCHEMA_VERSION: ClassVar[int] = 1
+    """The version this code writes; a family bumps it when it adds or changes fields."""
+    MIN_SCHEMA_VERSION: ClassVar[int] = 1
+    """The oldest version this code still reads (older fields keep their meaning)."""
 
     schema_version: int = Field(1, ge=1)
     event_id: str = Field(default_factory=new_event_id, min_length=1, max_length=64)
@@ -45,3 +48,13 @@ class Event(BaseModel):
     job_id: JobId
     node: str = Field(min_length=1, max_length=255)
     rank: int = Field(ge=-1, le=1 << 20, description="Process rank; -1 means the whole job.")
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if not cls.MIN_SCHEMA_VERSION <= v <= cls.SCHEMA_VERSION:
+            raise ValueError(
+                f"{cls.KIND} schema_version {v} is not supported; "
+                f"supported: {cls.MIN_SCHEMA_VERSION}..{cls.SCHEMA_VERSION}"
+            )
+        return v

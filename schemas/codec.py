@@ -2,7 +2,7 @@
 
 A telemetry message carries many samples of one node and one kind, column by column::
 
-    {"kind": "step", "schema_version": 1, "job_id": "j1", "node": "n0",
+    {"kind": "step", "schema_version": 2, "job_id": "j1", "node": "n0",
      "batch_id": "9f…", "producer_id": "sim-n0", "seq": 17,
      "columns": {"ts_ns": [...], "rank": [...], "step": [...], "step_time_ms": [...], ...}}
 
@@ -10,8 +10,12 @@ Every column has one value per sample; a column whose field has a default may be
 Sample ``i`` has event id ``f"{batch_id}-{i}"``, so ids stay unique without being shipped.
 Decoding checks the envelope, the column set, the lengths, the types and the bounds declared
 on the sample model, all vectorised with numpy, and raises `SchemaError` naming the first
-problem. Control events (recommendations, commands, results) are one JSON object each, with
-their ``kind``.
+problem. String columns (phase names, collective ops) are checked for type, length and control
+characters; a nullable float column (``loss``) carries JSON ``null`` and decodes to NaN.
+A batch of an older supported ``schema_version`` decodes with the newer columns at their
+defaults. Job-level events (job info, lifecycle, capability reports, producer self-metrics,
+ground truth) and control events (recommendations, commands, results) are rare and travel one
+JSON object per message, with their ``kind``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,21 @@ from pydantic import ValidationError
 from perfloop.schemas.base import JOB_ID_PATTERN, Event, new_event_id
 from perfloop.schemas.control import ActuationResult, Command, Recommendation
 from perfloop.schemas.exceptions import SchemaError
-from perfloop.schemas.telemetry import GpuSample, StepEvent
+from perfloop.schemas.job import (
+    CapabilityReport,
+    GroundTruth,
+    JobInfo,
+    JobLifecycle,
+    ProducerStats,
+)
+from perfloop.schemas.telemetry import (
+    CollectiveOp,
+    GpuSample,
+    HostSample,
+    KernelSummary,
+    PhaseSpan,
+    StepEvent,
+)
 
 __all__ = [
     "BATCH_KINDS",
@@ -44,9 +62,21 @@ __all__ = [
 ]
 
 MAX_MESSAGE_BYTES = 4 << 20
-BATCH_KINDS: dict[str, type[Event]] = {m.KIND: m for m in (GpuSample, StepEvent)}
+BATCH_KINDS: dict[str, type[Event]] = {
+    m.KIND: m for m in (GpuSample, HostSample, StepEvent, PhaseSpan, CollectiveOp, KernelSummary)
+}
 EVENT_KINDS: dict[str, type[Event]] = {
-    m.KIND: m for m in (Recommendation, Command, ActuationResult)
+    m.KIND: m
+    for m in (
+        JobInfo,
+        JobLifecycle,
+        CapabilityReport,
+        ProducerStats,
+        GroundTruth,
+        Recommendation,
+        Command,
+        ActuationResult,
+    )
 }
 _ENVELOPE = ("schema_version", "event_id", "job_id", "node")
 _JOB_ID = re.compile(JOB_ID_PATTERN)
@@ -58,11 +88,17 @@ _HEADER_KEYS = frozenset(
 @dataclass(frozen=True, slots=True)
 class _Column:
     name: str
-    dtype: type[np.generic]
+    dtype: type[Any]  # np.int64, np.float64 or str
     default: Any
     lo: float | None
     lo_strict: bool
     hi: float | None
+    nullable: bool = False  # float | None: null travels as JSON null, decodes to NaN
+    max_len: int = 0  # strings only
+    min_len: int = 0
+
+
+_MISSING = object()
 
 
 def _columns_of(model: type[Event]) -> tuple[_Column, ...]:
@@ -70,9 +106,20 @@ def _columns_of(model: type[Event]) -> tuple[_Column, ...]:
     for name, info in model.model_fields.items():
         if name in _ENVELOPE:
             continue
-        dtype = np.int64 if info.annotation is int else np.float64
+        ann = info.annotation
+        nullable = ann == (float | None)
+        dtype: type[Any]
+        if ann is int:
+            dtype = np.int64
+        elif ann is float or nullable:
+            dtype = np.float64
+        elif ann is str:
+            dtype = str
+        else:  # pragma: no cover - a schema author's mistake, caught by the unit tests
+            raise TypeError(f"{model.KIND}.{name}: batch columns must be int, float or str")
         lo = hi = None
         lo_strict = False
+        max_len = min_len = 0
         for meta in info.metadata:
             if isinstance(meta, annotated_types.Ge):
                 lo = float(meta.ge)  # type: ignore[arg-type]
@@ -80,8 +127,14 @@ def _columns_of(model: type[Event]) -> tuple[_Column, ...]:
                 lo, lo_strict = float(meta.gt), True  # type: ignore[arg-type]
             elif isinstance(meta, annotated_types.Le):
                 hi = float(meta.le)  # type: ignore[arg-type]
-        default = None if info.is_required() else info.default
-        cols.append(_Column(name, dtype, default, lo, lo_strict, hi))
+            elif isinstance(meta, annotated_types.MaxLen):
+                max_len = meta.max_length
+            elif isinstance(meta, annotated_types.MinLen):
+                min_len = meta.min_length
+        if dtype is str and not max_len:
+            max_len = 4096
+        default = _MISSING if info.is_required() else info.default
+        cols.append(_Column(name, dtype, default, lo, lo_strict, hi, nullable, max_len, min_len))
     return tuple(cols)
 
 
@@ -112,9 +165,21 @@ class Batch:
         """Materialise each sample as its pydantic event (slow path, for tests and tools)."""
         model = BATCH_KINDS[self.kind]
         names = list(self.columns)
+        nullable = {c.name for c in _SPECS[self.kind] if c.nullable}
         for i, eid in enumerate(self.event_ids()):
-            values = {n: self.columns[n][i].item() for n in names}
-            yield model(job_id=self.job_id, node=self.node, event_id=eid, **values)
+            values = {n: _item(self.columns[n][i], n in nullable) for n in names}
+            yield model(
+                job_id=self.job_id,
+                node=self.node,
+                event_id=eid,
+                schema_version=self.schema_version,
+                **values,
+            )
+
+
+def _item(v: Any, nullable: bool) -> Any:
+    v = v.item() if isinstance(v, np.generic) else v
+    return None if nullable and v != v else v  # NaN stands for null
 
 
 class BatchBuilder:
@@ -141,10 +206,40 @@ class BatchBuilder:
         """Append one sample; fields left out take their schema default."""
         row = [(c.name, values.get(c.name, c.default)) for c in self._spec]
         for name, v in row:
-            if v is None:
+            if v is _MISSING:
                 raise SchemaError(f"{self.kind} sample is missing required field {name!r}")
         for name, v in row:  # all or nothing: a rejected sample leaves no partial row
             self._rows[name].append(v)
+
+    def extend(self, **columns: Sequence[Any] | np.ndarray) -> None:
+        """Append many samples at once, column by column (the fast path for numpy producers).
+
+        Every column given must have the same length; columns left out take their default.
+
+        >>> b = BatchBuilder("gpu", job_id="j1", node="n0", producer_id="p")
+        >>> b.extend(ts_ns=np.array([1, 2]), rank=[0, 0], device=[0, 1])
+        >>> len(b)
+        2
+        """
+        unknown = set(columns) - set(self._rows)
+        if unknown:
+            raise SchemaError(f"{self.kind} samples have unknown fields {sorted(unknown)}")
+        lengths = {len(v) for v in columns.values()}
+        if len(lengths) > 1:
+            raise SchemaError(f"{self.kind} columns have different lengths {sorted(lengths)}")
+        n = lengths.pop() if lengths else 0
+        for c in self._spec:
+            if c.name not in columns and c.default is _MISSING:
+                raise SchemaError(f"{self.kind} samples are missing required field {c.name!r}")
+        for c in self._spec:
+            v = columns.get(c.name)
+            col = self._rows[c.name]
+            if v is None:
+                col.extend([c.default] * n)
+            elif isinstance(v, np.ndarray):
+                col.extend(v.tolist())
+            else:
+                col.extend(v)
 
     def encode(self) -> bytes:
         """Encode the pending samples as one message and start a new batch."""
@@ -194,6 +289,33 @@ def _bad(kind: str, col: str, arr: np.ndarray, mask: np.ndarray, why: str) -> Sc
 
 _INT_TYPES = frozenset({int})
 _FLOAT_TYPES = frozenset({int, float})
+_NULLABLE_TYPES = frozenset({int, float, type(None)})
+_CONTROL = re.compile(r"[\x00-\x1f]")
+
+
+def _check_strings(kind: str, c: _Column, raw: list[Any]) -> np.ndarray:
+    if not all(type(v) is str for v in raw):
+        bad = next(v for v in raw if type(v) is not str)
+        i = raw.index(bad)
+        raise SchemaError(f"{kind} batch: column {c.name!r} sample {i} = {bad!r} is not a string")
+    lengths = list(map(len, raw))
+    if lengths and max(lengths) > c.max_len:
+        i = int(np.argmax(lengths))
+        raise SchemaError(
+            f"{kind} batch: column {c.name!r} sample {i} is {lengths[i]} characters long; "
+            f"the limit is {c.max_len}"
+        )
+    if lengths and min(lengths) < c.min_len:
+        i = int(np.argmin(lengths))
+        raise SchemaError(f"{kind} batch: column {c.name!r} sample {i} is empty")
+    for i, v in enumerate(raw):
+        if _CONTROL.search(v):
+            raise SchemaError(
+                f"{kind} batch: column {c.name!r} sample {i} = {v[:64]!r} holds control characters"
+            )
+    arr = np.empty(len(raw), dtype=object)
+    arr[:] = raw
+    return arr
 
 
 def _check_column(kind: str, c: _Column, raw: Any, n: int) -> np.ndarray:
@@ -206,24 +328,27 @@ def _check_column(kind: str, c: _Column, raw: Any, n: int) -> np.ndarray:
     # Exact JSON types, checked at C speed: no bools, strings or nulls pass as numbers.
     types = set(map(type, raw))
     if list in types or dict in types:
-        raise SchemaError(f"{kind} batch: column {c.name!r} must be flat (one number per sample)")
+        raise SchemaError(f"{kind} batch: column {c.name!r} must be flat (one value per sample)")
+    if c.dtype is str:
+        return _check_strings(kind, c, raw)
     if c.dtype is np.int64 and not types <= _INT_TYPES:
         bad = sorted(t.__name__ for t in types - _INT_TYPES)
         if types <= _FLOAT_TYPES:
             raise SchemaError(f"{kind} batch: column {c.name!r} must hold integers, got float")
         raise SchemaError(f"{kind} batch: column {c.name!r} is not numeric: holds {bad}")
-    if c.dtype is np.float64 and not types <= _FLOAT_TYPES:
-        bad = sorted(t.__name__ for t in types - _FLOAT_TYPES)
+    allowed = _NULLABLE_TYPES if c.nullable else _FLOAT_TYPES
+    if c.dtype is np.float64 and not types <= allowed:
+        bad = sorted(t.__name__ for t in types - allowed)
         if bad == ["NoneType"]:
             i = raw.index(None)
             raise SchemaError(f"{kind} batch: column {c.name!r} sample {i} is null, not finite")
         raise SchemaError(f"{kind} batch: column {c.name!r} is not numeric: holds {bad}")
     try:
-        arr = np.asarray(raw, dtype=c.dtype)
+        arr = np.asarray(raw, dtype=c.dtype)  # null → NaN for nullable float columns
     except (TypeError, ValueError, OverflowError) as e:
         raise SchemaError(f"{kind} batch: column {c.name!r} is not numeric: {e}") from None
     if c.dtype is np.float64:
-        bad_mask = ~np.isfinite(arr)
+        bad_mask = np.isinf(arr) if c.nullable else ~np.isfinite(arr)
         if bad_mask.any():
             raise _bad(kind, c.name, arr, bad_mask, "is not finite")
     if c.lo is not None:
@@ -237,6 +362,11 @@ def _check_column(kind: str, c: _Column, raw: Any, n: int) -> np.ndarray:
         if bad_mask.any():
             raise _bad(kind, c.name, arr, bad_mask, f"is above {c.hi:g}")
     return arr
+
+
+def _versions(model: type[Event]) -> str:
+    lo, hi = model.MIN_SCHEMA_VERSION, model.SCHEMA_VERSION
+    return str(hi) if lo == hi else f"{lo}..{hi}"
 
 
 def _load_object(data: bytes, max_bytes: int, what: str) -> dict[str, Any]:
@@ -254,10 +384,10 @@ def _load_object(data: bytes, max_bytes: int, what: str) -> dict[str, Any]:
 def decode_batch(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Batch:
     """Decode and validate one telemetry batch message; raise `SchemaError` if it is bad.
 
-    >>> decode_batch(b"{}")
+    >>> decode_batch(b"{}")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    perfloop.schemas.exceptions.SchemaError: batch has no 'kind'; valid kinds: ['gpu', 'step']
+    perfloop.schemas.exceptions.SchemaError: batch has no 'kind'; valid kinds: [...]
     """
     doc = _load_object(data, max_bytes, "batch")
     kind = doc.get("kind")
@@ -265,9 +395,13 @@ def decode_batch(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Batch:
         what = f"unknown kind {kind!r}" if "kind" in doc else "no 'kind'"
         raise SchemaError(f"batch has {what}; valid kinds: {sorted(_SPECS)}")
     version = doc.get("schema_version")
-    supported = BATCH_KINDS[kind].SCHEMA_VERSION
-    if version != supported:
-        raise SchemaError(f"{kind} batch has schema_version {version!r}; supported: {supported}")
+    model = BATCH_KINDS[kind]
+    if type(version) is not int or not (
+        model.MIN_SCHEMA_VERSION <= version <= model.SCHEMA_VERSION
+    ):
+        raise SchemaError(
+            f"{kind} batch has schema_version {version!r}; supported: {_versions(model)}"
+        )
     extra = set(doc) - _HEADER_KEYS
     if extra:
         raise SchemaError(f"{kind} batch has unknown header keys {sorted(extra)}")
@@ -294,10 +428,13 @@ def decode_batch(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Batch:
     for c in spec:
         if c.name in cols:
             arrays[c.name] = _check_column(kind, c, cols[c.name], n)
-        elif c.default is None:
+        elif c.default is _MISSING:
             raise SchemaError(f"{kind} batch: required column {c.name!r} is missing")
+        elif c.dtype is str:
+            arrays[c.name] = np.full(n, c.default, dtype=object)
         else:
-            arrays[c.name] = np.full(n, c.default, dtype=c.dtype)
+            fill = np.nan if c.default is None else c.default
+            arrays[c.name] = np.full(n, fill, dtype=c.dtype)
     seq = doc.get("seq", 0)
     return Batch(
         kind=kind,
@@ -326,10 +463,12 @@ def decode_event(data: bytes, *, max_bytes: int = 1 << 20) -> Event:
     if model is None:
         raise SchemaError(f"event has unknown kind {kind!r}; valid kinds: {sorted(EVENT_KINDS)}")
     version = doc.get("schema_version", 1)
-    if type(version) is not int or version != model.SCHEMA_VERSION:
+    if type(version) is not int or not (
+        model.MIN_SCHEMA_VERSION <= version <= model.SCHEMA_VERSION
+    ):
         raise SchemaError(
             f"{kind} event has schema_version {doc.get('schema_version')!r}; "
-            f"supported: {model.SCHEMA_VERSION}"
+            f"supported: {_versions(model)}"
         )
     try:
         return model.model_validate(doc)

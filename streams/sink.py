@@ -6,6 +6,10 @@ offsets, so a retried or replayed batch lands once; offsets are committed only a
 insert they cover succeeded. While the warehouse is down the sink pauses its consumer (memory
 stays bounded by one batch) and retries with backoff; nothing is lost. A message that does not
 decode goes to ``perfloop.dlq`` with the reason and the source, and is committed past.
+
+A message that arrives twice (a producer resending what a restarted broker lost) carries the
+same batch or event id; the sink remembers the last ``dedup_window_messages`` ids and drops a
+repeat. The memory is per sink process: after a sink restart, a repeat can land once more.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,14 +27,14 @@ import orjson
 from clickhouse_connect.driver.exceptions import ClickHouseError
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
-from perfloop.catalog import TABLES, Topics
+from perfloop.catalog import KIND_TABLES, KIND_TOPICS, TABLES, Topics
 from perfloop.exceptions import PerfloopError
 from perfloop.kafka import consumer, dlq_headers, producer
 from perfloop.schemas import SchemaError, decode_batch, decode_event
 from perfloop.settings import SinkSettings
 from perfloop.warehouse import client
 
-__all__ = ["ROW_BUILDERS", "Sink", "rows_from_message"]
+__all__ = ["Sink", "rows_from_message"]
 
 log = logging.getLogger("perfloop.sink")
 
@@ -40,7 +45,7 @@ def _str(v: Any) -> str:
     return "" if v is None else str(v)
 
 
-def _telemetry(data: bytes) -> Rows:
+def _telemetry(data: bytes) -> tuple[str, Rows, str]:
     batch = decode_batch(data)
     n = len(batch)
     cols: Rows = {
@@ -50,12 +55,19 @@ def _telemetry(data: bytes) -> Rows:
         "node": [batch.node] * n,
     }
     for name, arr in batch.columns.items():
-        if name != "ts_ns":
-            cols[name] = arr.tolist()
-    return cols
+        if name == "ts_ns":
+            continue
+        values = arr.tolist()
+        if name in _NULLABLE:  # NaN stands for "not reported": store NULL
+            values = [None if v != v else v for v in values]
+        cols[name] = values
+    return KIND_TABLES[batch.kind], cols, batch.batch_id
 
 
-def _windows(data: bytes) -> Rows:
+_NULLABLE = frozenset({"loss", "grad_norm", "lr"})
+
+
+def _windows(data: bytes) -> tuple[str, Rows, str]:
     try:
         doc = orjson.loads(data)
         rows = doc["rows"]
@@ -83,51 +95,83 @@ def _windows(data: bytes) -> Rows:
             cols.setdefault("window_end", []).append(int(r["window_end_ns"]))
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise SchemaError(f"windows message is malformed: {type(e).__name__}: {e}") from None
-    return cols
+    return "windows", cols, ""
 
 
-def _event_row(data: bytes) -> dict[str, Any]:
+def _event(data: bytes, topic: str) -> tuple[str, Rows, str]:
     ev = decode_event(data)
+    if KIND_TOPICS[ev.KIND] != topic:
+        raise SchemaError(f"{ev.KIND} event does not belong on {topic}")
     row = ev.model_dump()
     row["ts"] = row.pop("ts_ns")
     row.pop("schema_version")
-    return row
+    shape = _EVENT_SHAPES.get(ev.KIND)
+    if shape is not None:
+        shape(row)
+    return KIND_TABLES[ev.KIND], {k: [v] for k, v in row.items()}, ev.event_id
 
 
-def _recommendation(data: bytes) -> Rows:
-    row = _event_row(data)
+def _recommendation(row: dict[str, Any]) -> None:
     row["rec_id"] = row["event_id"]
     row["from_value"], row["to_value"] = _str(row["from_value"]), _str(row["to_value"])
-    return {k: [v] for k, v in row.items()}
 
 
-def _command(data: bytes) -> Rows:
-    row = _event_row(data)
+def _command(row: dict[str, Any]) -> None:
     row["command_id"] = row["event_id"]
     row["from_value"], row["value"] = _str(row["from_value"]), _str(row["value"])
     row["expires_ts"] = row.pop("expires_ts_ns")
-    return {k: [v] for k, v in row.items()}
 
 
-def _actuation(data: bytes) -> Rows:
-    row = _event_row(data)
+def _actuation(row: dict[str, Any]) -> None:
     row["value"] = _str(row["value"])
-    return {k: [v] for k, v in row.items()}
 
 
-ROW_BUILDERS: dict[str, Callable[[bytes], Rows]] = {
-    Topics.STEP: _telemetry,
-    Topics.GPU: _telemetry,
-    Topics.WINDOWS: _windows,
-    Topics.RECOMMENDATIONS: _recommendation,
-    Topics.CONTROL: _command,
-    Topics.ACTUATIONS: _actuation,
+def _ground_truth(row: dict[str, Any]) -> None:
+    row["onset"] = row.pop("onset_ns")
+    end = row.pop("end_ns")
+    row["end"] = end or None
+
+
+_EVENT_SHAPES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "recommendation": _recommendation,
+    "command": _command,
+    "actuation": _actuation,
+    "ground_truth": _ground_truth,
 }
+_BATCH_TOPICS = frozenset({Topics.GPU, Topics.HOST, Topics.STEP, Topics.SPAN})
 
 
-def rows_from_message(topic: str, data: bytes) -> Rows:
-    """Columns for the topic's table from one message; raise `SchemaError` if it is bad."""
-    return ROW_BUILDERS[topic](data)
+def rows_from_message(topic: str, data: bytes) -> tuple[str, Rows, str]:
+    """The table, its columns and the message's dedup id for one message of ``topic``.
+
+    Raise `SchemaError` if the message is bad or does not belong on ``topic``. The dedup id
+    is the batch id (telemetry) or the event id (job and control events): a message sent
+    twice carries the same one.
+    """
+    if topic == Topics.WINDOWS:
+        return _windows(data)
+    if topic in _BATCH_TOPICS:
+        table, cols, dedup = _telemetry(data)
+        if table not in TABLES[topic]:
+            raise SchemaError(f"a {table} batch does not belong on {topic}")
+        return table, cols, dedup
+    return _event(data, topic)
+
+
+class _RecentIds:
+    """The ids of the last ``capacity`` messages inserted, to drop a message sent twice."""
+
+    def __init__(self, capacity: int) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._capacity = capacity
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._ids
+
+    def add(self, key: str) -> None:
+        self._ids[key] = None
+        if len(self._ids) > self._capacity:
+            self._ids.popitem(last=False)
 
 
 @dataclass
@@ -164,6 +208,8 @@ class Sink:
         self._paused = False
         self.inserted_rows = 0
         self.dead_letters = 0
+        self.duplicates = 0
+        self._seen = _RecentIds(settings.dedup_window_messages)
 
     def start(self) -> None:
         # Land and commit what was read from partitions before they move to another sink.
@@ -201,7 +247,7 @@ class Sink:
             return
         topic, part, off = msg.topic(), msg.partition(), msg.offset()
         try:
-            cols = rows_from_message(topic, msg.value() or b"")
+            table, cols, dedup = rows_from_message(topic, msg.value() or b"")
         except SchemaError as e:
             log.warning("dead letter %s[%s]@%s: %s", topic, part, off, e)
             self._dlq.produce(
@@ -213,8 +259,12 @@ class Sink:
             self._dlq.poll(0)
             self.dead_letters += 1
         else:
-            table = TABLES[topic]
-            self._pending.setdefault(table, _Pending()).extend(cols, topic, part, off)
+            if dedup and dedup in self._seen:  # sent twice (a producer's resend): drop
+                self.duplicates += 1
+            else:
+                if dedup:
+                    self._seen.add(dedup)
+                self._pending.setdefault(table, _Pending()).extend(cols, topic, part, off)
         self._offsets[(topic, part)] = off + 1
 
     def _flush(self) -> None:

@@ -25,6 +25,9 @@ class _Field:
     lo: float | None
     lo_strict: bool
     hi: float | None
+    is_str: bool = False
+    nullable: bool = False
+    max_len: int = 0
 
 
 def _fields(kind: str) -> list[_Field]:
@@ -34,6 +37,7 @@ def _fields(kind: str) -> list[_Field]:
             continue
         lo = hi = None
         lo_strict = False
+        max_len = 4096
         for m in info.metadata:
             if isinstance(m, annotated_types.Ge):
                 lo = float(m.ge)
@@ -41,11 +45,26 @@ def _fields(kind: str) -> list[_Field]:
                 lo, lo_strict = float(m.gt), True
             elif isinstance(m, annotated_types.Le):
                 hi = float(m.le)
-        default = None if info.is_required() else info.default
-        out.append(_Field(name, info.annotation is int, default, lo, lo_strict, hi))
+            elif isinstance(m, annotated_types.MaxLen):
+                max_len = m.max_length
+        default = _REQUIRED if info.is_required() else info.default
+        out.append(
+            _Field(
+                name,
+                info.annotation is int,
+                default,
+                lo,
+                lo_strict,
+                hi,
+                is_str=info.annotation is str,
+                nullable=info.annotation == (float | None),
+                max_len=max_len,
+            )
+        )
     return out
 
 
+_REQUIRED = object()
 _SPECS = {kind: _fields(kind) for kind in BATCH_KINDS}
 
 # Enough examples to find edge cases, few enough to keep the suite fast.
@@ -55,17 +74,21 @@ FAST = settings(max_examples=60, deadline=None)
 def _column_strategy(kind: str, name: str) -> st.SearchStrategy[Any]:
     """Values the schema accepts for one column, read from the model's declared bounds."""
     spec = {c.name: c for c in _SPECS[kind]}[name]
+    if spec.is_str:
+        chars = st.characters(min_codepoint=0x20, blacklist_categories=("Cs",))
+        return st.text(chars, min_size=1, max_size=min(spec.max_len, 20))
     if spec.is_int:
         lo = int(spec.lo) if spec.lo is not None else -(2**62)
         hi = int(spec.hi) if spec.hi is not None else 2**62
         return st.integers(lo, hi)
-    return st.floats(
+    floats = st.floats(
         min_value=spec.lo if spec.lo is not None else -1e12,
         max_value=spec.hi if spec.hi is not None else 1e12,
         exclude_min=spec.lo_strict,
         allow_nan=False,
         allow_infinity=False,
     )
+    return st.one_of(st.none(), floats) if spec.nullable else floats
 
 
 @st.composite
@@ -76,7 +99,7 @@ def batches(draw: st.DrawFn) -> tuple[str, dict[str, list[Any]], set[str]]:
     cols: dict[str, list[Any]] = {}
     left_out: set[str] = set()
     for c in _SPECS[kind]:
-        if c.default is not None and c.name != "ts_ns" and draw(st.booleans()):
+        if c.default is not _REQUIRED and c.name != "ts_ns" and draw(st.booleans()):
             left_out.add(c.name)
             continue
         cols[c.name] = draw(st.lists(_column_strategy(kind, c.name), min_size=n, max_size=n))
@@ -99,11 +122,15 @@ def test_round_trip_preserves_every_value(
     n = len(cols["ts_ns"])
     assert len(batch) == n
     assert set(batch.columns) == {c.name for c in _SPECS[kind]}
-    for name, values in cols.items():
-        assert batch.columns[name].tolist() == values, name
+    nan = float("nan")
     for c in _SPECS[kind]:
-        if c.name in left_out:
-            assert batch.columns[c.name].tolist() == [c.default] * n
+        got = batch.columns[c.name].tolist()
+        want = [c.default] * n if c.name in left_out else cols[c.name]
+        if c.nullable:  # null travels as JSON null and decodes to NaN
+            got = [None if v != v else v for v in got]
+            want = [None if v is None or v != v else v for v in want]
+            assert nan not in want
+        assert got == want, c.name
     assert batch.event_ids() == [f"{batch.batch_id}-{i}" for i in range(n)]
     assert len(set(batch.event_ids())) == n
 
@@ -128,7 +155,11 @@ def test_one_out_of_range_value_fails_the_batch(
     b: tuple[str, dict[str, list[Any]], set[str]], data: st.DataObject
 ) -> None:
     kind, cols, _ = b
-    bounded = [c for c in _SPECS[kind] if c.name in cols and (c.lo is not None or c.hi is not None)]
+    bounded = [
+        c
+        for c in _SPECS[kind]
+        if c.name in cols and not c.is_str and (c.lo is not None or c.hi is not None)
+    ]
     if not cols["ts_ns"] or not bounded:
         return
     c = data.draw(st.sampled_from(bounded))
@@ -139,5 +170,7 @@ def test_one_out_of_range_value_fails_the_batch(
         assert c.lo is not None
         bad = c.lo if c.lo_strict else c.lo - 1
     cols[c.name][i] = int(bad) if c.is_int else float(bad)
+    if c.nullable:  # a null next to the bad value must not hide it
+        cols[c.name] = [0.0 if v is None and j != i else v for j, v in enumerate(cols[c.name])]
     with pytest.raises(SchemaError, match=f"column '{c.name}' sample {i} "):
         decode_batch(encode_batch(kind, cols, job_id="j", node="n"))

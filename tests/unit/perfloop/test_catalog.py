@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from perfloop.catalog import MIGRATIONS, TABLES, TOPICS, Topics
+from perfloop.catalog import KIND_TABLES, KIND_TOPICS, MIGRATIONS, TABLES, TOPICS, Topics
+from perfloop.schemas import BATCH_KINDS, EVENT_KINDS
 
 STATEMENTS = [s for m in MIGRATIONS for s in m.statements]
 
@@ -37,16 +38,33 @@ def test_migration_versions_increase_from_one() -> None:
 
 def test_every_statement_is_idempotent() -> None:
     for stmt in STATEMENTS:
-        assert "IF NOT EXISTS" in stmt.split("(")[0], stmt.splitlines()[0]
+        if stmt.startswith("ALTER TABLE"):
+            adds = [ln for ln in stmt.splitlines()[1:]]
+            assert adds and all("ADD COLUMN IF NOT EXISTS" in ln for ln in adds), stmt
+        else:
+            assert "IF NOT EXISTS" in stmt.split("(")[0], stmt.splitlines()[0]
 
 
 def test_each_table_is_created_once() -> None:
-    names = [re.match(r"CREATE TABLE IF NOT EXISTS (\w+)", s).group(1) for s in STATEMENTS]  # type: ignore[union-attr]
+    creates = [re.match(r"CREATE TABLE IF NOT EXISTS (\w+)", s) for s in STATEMENTS]
+    names = [m.group(1) for m in creates if m]
     assert len(names) == len(set(names))
-    assert set(TABLES.values()) <= set(names)
+    assert {t for tables in TABLES.values() for t in tables} <= set(names)
 
 
-@pytest.mark.parametrize("table", sorted(set(TABLES.values())))
+def test_every_kind_has_a_topic_and_a_table() -> None:
+    kinds = set(BATCH_KINDS) | set(EVENT_KINDS)
+    assert set(KIND_TOPICS) == kinds == set(KIND_TABLES)
+    for kind, topic in KIND_TOPICS.items():
+        assert KIND_TABLES[kind] in TABLES[topic]
+
+
+def test_telemetry_kinds_travel_on_telemetry_topics() -> None:
+    for kind in BATCH_KINDS:
+        assert KIND_TOPICS[kind].startswith("perfloop.telemetry."), kind
+
+
+@pytest.mark.parametrize("table", sorted({t for ts in TABLES.values() for t in ts}))
 def test_every_table_has_time_job_and_rank(table: str) -> None:
     ddl = _table_ddl(table)
     assert re.search(r"^\s*ts DateTime64\(9, 'UTC'\),$", ddl, re.M)
@@ -55,6 +73,8 @@ def test_every_table_has_time_job_and_rank(table: str) -> None:
     assert "ORDER BY (job_id, rank, ts)" in ddl
 
 
-@pytest.mark.parametrize("table", ["steps", "gpu_samples"])
+@pytest.mark.parametrize(
+    "table", ["steps", "gpu_samples", "host_samples", "spans", "collectives", "kernel_summaries"]
+)
 def test_raw_telemetry_expires(table: str) -> None:
     assert "TTL" in _table_ddl(table)

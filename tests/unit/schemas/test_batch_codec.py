@@ -140,8 +140,8 @@ def test_empty_batch_decodes_to_zero_samples() -> None:
 
 
 def test_builder_rejects_unknown_kind_and_missing_required_field() -> None:
-    with pytest.raises(SchemaError, match="unknown batch kind 'host'"):
-        BatchBuilder("host", job_id="j", node="n", producer_id="p")
+    with pytest.raises(SchemaError, match="unknown batch kind 'bogus'"):
+        BatchBuilder("bogus", job_id="j", node="n", producer_id="p")
     b = BatchBuilder("step", job_id="j", node="n", producer_id="p")
     with pytest.raises(SchemaError, match="missing required field 'step_time_ms'"):
         b.add(ts_ns=1, rank=0, step=0)
@@ -178,11 +178,11 @@ def test_unreadable_message_is_named(data: bytes, expected: str) -> None:
 
 
 def test_unknown_kind_is_named_with_the_valid_ones() -> None:
-    msg = _error(orjson.dumps(_step_doc(kind="host")))
-    assert "'host'" in msg and "gpu" in msg and "step" in msg
+    msg = _error(orjson.dumps(_step_doc(kind="hosts")))
+    assert "'hosts'" in msg and "gpu" in msg and "step" in msg and "span" in msg
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", None])
+@pytest.mark.parametrize("version", [0, 3, "1", None, True])
 def test_wrong_schema_version_is_rejected(version: Any) -> None:
     msg = _error(orjson.dumps(_step_doc(schema_version=version)))
     assert "schema_version" in msg and repr(version) in msg
