@@ -241,6 +241,11 @@ class BatchBuilder:
             else:
                 col.extend(v)
 
+    def take(self) -> dict[str, list[Any]]:
+        """Hand over the pending samples, column by column, and start a new batch."""
+        rows, self._rows = self._rows, {c.name: [] for c in self._spec}
+        return rows
+
     def encode(self) -> bytes:
         """Encode the pending samples as one message and start a new batch."""
         self._seq += 1
