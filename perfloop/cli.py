@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     smp.add_argument("--pid", type=int, action="append", help="training process(es) to watch")
 
+    dlq = sub.add_parser("dlq", help="count dead letters by source topic and reason")
+    dlq.add_argument("--json", action="store_true", help="print JSON")
+    dlq.add_argument("--timeout", type=float, default=10.0, metavar="S", help="read for at most S")
+
     svc = sub.add_parser("service", help="run one perfloop service in the foreground")
     svc.add_argument("name", choices=SERVICE_NAMES)
     return p
@@ -257,6 +261,22 @@ def _sample(args: argparse.Namespace) -> int:
     return sample_command(args, _producer_settings())
 
 
+def _dlq(args: argparse.Namespace) -> int:
+    from perfloop.kafka import dead_letter_counts
+    from perfloop.settings import StackSettings
+
+    counts = dead_letter_counts(_settings(StackSettings), timeout_s=args.timeout)
+    if args.json:
+        rows = [{"topic": t, "reason": r, "count": n} for (t, r), n in counts.items()]
+        print(json.dumps(rows, indent=2))
+        return 0
+    total = sum(counts.values())
+    print(f"{total} dead letters")
+    for (topic, reason), n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        print(f"  {n:>8}  {topic}  {reason}")
+    return 0
+
+
 def _service(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -300,6 +320,7 @@ _COMMANDS = {
     "replay": _replay,
     "simulate": _simulate,
     "sample": _sample,
+    "dlq": _dlq,
     "service": _service,
 }
 

@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import logging
+import re
 import socket
+import time
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from perfloop.catalog import TOPICS
 from perfloop.exceptions import BrokerError
 from perfloop.settings import BaseServiceSettings
 
-__all__ = ["consumer", "dlq_headers", "ensure_topics", "ping", "producer"]
+__all__ = [
+    "consumer",
+    "dead_letter_counts",
+    "dlq_headers",
+    "ensure_topics",
+    "ping",
+    "producer",
+]
 
 _CLIENT_LOG = logging.getLogger("perfloop.kafka.client")
 
@@ -105,3 +115,56 @@ def dlq_headers(reason: str, topic: str, partition: int, offset: int) -> list[tu
         ("perfloop.source.partition", str(partition).encode()),
         ("perfloop.source.offset", str(offset).encode()),
     ]
+
+
+def _reason_class(reason: str) -> str:
+    """A dead letter's reason with its sample-specific values masked, for counting.
+
+    >>> _reason_class("span batch: column 'name' sample 12 = 'x' holds control characters")
+    "span batch: column 'name' sample N = … holds control characters"
+    """
+    reason = re.sub(r" = .*? (is|holds) ", r" = … \1 ", reason)
+    reason = re.sub(r"\(got .*\)$", "(got …)", reason)
+    return re.sub(r"\d+", "N", reason)[:160]
+
+
+def dead_letter_counts(
+    settings: BaseServiceSettings, timeout_s: float = 10.0
+) -> dict[tuple[str, str], int]:
+    """Read ``perfloop.dlq`` from the start and count its messages by source topic and reason.
+
+    Reasons are grouped with their numbers masked (``sample N``), so one kind of bad input is
+    one line however many times it came.
+    """
+    from perfloop.catalog import Topics
+
+    ping(settings)
+    c = consumer(
+        settings,
+        f"perfloop-dlq-reader-{uuid.uuid4().hex[:12]}",
+        **{"enable.partition.eof": True},
+    )
+    counts: dict[tuple[str, str], int] = {}
+    try:
+        md = c.list_topics(Topics.DLQ, timeout=timeout_s).topics.get(Topics.DLQ)
+        parts = len(md.partitions) if md is not None and not md.error else 0
+        if not parts:
+            return counts
+        c.subscribe([Topics.DLQ])
+        done: set[int] = set()
+        deadline = time.monotonic() + timeout_s
+        while len(done) < parts and time.monotonic() < deadline:
+            msg = c.poll(0.2)
+            if msg is None:
+                continue
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    done.add(msg.partition())
+                continue
+            h = {k: v.decode(errors="replace") for k, v in msg.headers() or []}
+            key = (h.get("perfloop.source.topic", "?"), h.get("perfloop.reason", "?"))
+            key = (key[0], _reason_class(key[1]))
+            counts[key] = counts.get(key, 0) + 1
+    finally:
+        c.close()
+    return counts

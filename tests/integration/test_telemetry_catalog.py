@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import random
+import string
 import time
 import uuid
 
@@ -24,7 +27,7 @@ from perfloop.schemas import (
 from perfloop.settings import StackSettings
 from perfloop.warehouse import client
 
-from .conftest import wait_for
+from .conftest import perfloop_cli, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -178,3 +181,23 @@ def test_bad_telemetry_is_dead_lettered_with_a_reason(stack: StackSettings) -> N
     assert "does not belong on" in reasons[Topics.GPU]
     assert "'name'" in reasons[Topics.SPAN] and "empty" in reasons[Topics.SPAN]
     assert all("\n" not in r for r in reasons.values())
+
+
+def test_dlq_command_counts_dead_letters_by_reason(
+    stack: StackSettings, stack_env_vars: dict[str, str]
+) -> None:
+    p = Producer({"bootstrap.servers": stack.kafka_bootstrap})
+    marker = "mk" + "".join(random.choices(string.ascii_lowercase, k=8))  # no digits: unmasked
+    for _ in range(3):  # three of one kind of bad input count as one line with count 3
+        p.produce(Topics.HOST, value=f'{{"kind": "{marker}"}}'.encode())
+    assert p.flush(10) == 0
+
+    def counted() -> int:
+        out = perfloop_cli("dlq", "--json", env=stack_env_vars)
+        assert out.returncode == 0, out.stderr
+        rows = json.loads(out.stdout)
+        return sum(r["count"] for r in rows if r["topic"] == Topics.HOST and marker in r["reason"])
+
+    wait_for(lambda: counted() >= 3, 40, "three dead letters counted")
+    out = perfloop_cli("dlq", env=stack_env_vars)
+    assert out.returncode == 0 and "dead letters" in out.stdout.splitlines()[0]
