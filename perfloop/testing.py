@@ -1,0 +1,168 @@
+"""Fakes that ship with perfloop, for tests, simulations and demos on machines without a GPU.
+
+`FakeGpuBackend` is a `GpuBackend` that generates GPU readings (a busy GPU by default, or any
+function of device and read number), replays recorded rows, or plays the failures a real node
+shows: a driver that is missing, signals a device does not support, a GPU lost mid-run. It
+keeps what it was asked for (``requests``) so tests can check which signals were read.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+from perfloop.producers.gpu import GPU_SIGNALS, GpuBackend, GpuCapability
+from perfloop.schemas.telemetry import GpuSample
+
+__all__ = ["FakeGpuBackend", "busy_gpu"]
+
+Reading = Callable[[int, int], Mapping[str, Any]]
+
+
+def busy_gpu(device: int, n: int) -> dict[str, Any]:
+    """A plausible busy 80 GB GPU on read ``n``: utilisation and power wave, energy grows.
+
+    >>> r = busy_gpu(0, 10)
+    >>> 0 <= r["sm_util_pct"] <= 100, r["mem_total_bytes"]
+    (True, 85899345920)
+    """
+    wave = math.sin(n / 5.0 + device)
+    return {
+        "sm_util_pct": 90.0 + 8.0 * wave,
+        "mem_util_pct": 45.0 + 5.0 * wave,
+        "mem_used_bytes": (60 << 30) + device * (1 << 28),
+        "mem_total_bytes": 80 << 30,
+        "power_w": 550.0 + 100.0 * wave,
+        "power_limit_w": 700.0,
+        "energy_mj": 600_000 * n,
+        "temp_c": 70.0 + 3.0 * wave,
+        "sm_clock_mhz": 1980.0,
+        "mem_clock_mhz": 2619.0,
+        "throttle_reasons": 0,
+        "pcie_rx_bytes_per_s": 2.0e9,
+        "pcie_tx_bytes_per_s": 1.0e9,
+        "nvlink_rx_bytes_per_s": 1.0e11,
+        "nvlink_tx_bytes_per_s": 1.0e11,
+        "ecc_sbe_total": 0,
+        "ecc_dbe_total": 0,
+        "xid_events": 0,
+        "last_xid": 0,
+        "process_mem_bytes": (58 << 30) + device * (1 << 28),
+    }
+
+
+class FakeGpuBackend(GpuBackend):
+    """A GPU backend without hardware.
+
+    ``reading(device, n)`` gives the fields of read ``n`` of ``device`` (default `busy_gpu`);
+    ``replay`` instead gives rows to play in order (each a list with one mapping per device),
+    repeating when they run out. ``missing`` maps signals to the reason they are unsupported;
+    ``unavailable`` makes ``open()`` report no GPU with that reason; ``lose_after`` loses every
+    device after that many reads.
+
+    >>> gpu = FakeGpuBackend(devices=2, missing={"nvlink": "no NVLink"})
+    >>> cap = gpu.open()
+    >>> cap.available, cap.devices, cap.missing
+    (True, 2, ('nvlink',))
+    >>> rows = gpu.sample({"power"})
+    >>> [r["device"] for r in rows], rows[0]["nvlink_rx_bytes_per_s"]
+    ([0, 1], 0.0)
+    >>> FakeGpuBackend(unavailable="no NVIDIA driver").open().available
+    False
+    """
+
+    name = "fake"
+
+    def __init__(
+        self,
+        devices: int = 1,
+        *,
+        reading: Reading | None = None,
+        replay: Sequence[Sequence[Mapping[str, Any]]] | None = None,
+        missing: Mapping[str, str] | None = None,
+        unavailable: str | None = None,
+        lose_after: int | None = None,
+        floors: Mapping[str, float] | None = None,
+    ) -> None:
+        unknown = set(missing or {}) - set(GPU_SIGNALS)
+        if unknown:
+            raise ValueError(f"unknown GPU signals {sorted(unknown)}; valid: {sorted(GPU_SIGNALS)}")
+        self.devices = devices
+        self._reading = reading or busy_gpu
+        self._replay = [list(r) for r in replay] if replay is not None else None
+        self._missing = dict(missing or {})
+        self._unavailable = unavailable
+        self._lose_after = lose_after
+        self._floors = dict(floors or {})
+        self._lock = threading.Lock()
+        self._last: list[dict[str, Any]] = []
+        self._cap = GpuCapability(available=False, reason="not opened")
+        self.reads = 0
+        self.requests: list[frozenset[str]] = []
+        """The signals asked for by each ``sample`` call."""
+        self.opened = self.closed = False
+
+    def open(self) -> GpuCapability:
+        self.opened = True
+        if self._unavailable is not None or self.devices < 1:
+            reason = self._unavailable or "no GPU"
+            self._cap = GpuCapability(
+                available=False, reason=reason, missing=("gpu",), generation=1
+            )
+            return self._cap
+        zero = {f: GpuSample.model_fields[f].default for fs in GPU_SIGNALS.values() for f in fs}
+        self._last = [dict(zero, device=d) for d in range(self.devices)]
+        self._cap = GpuCapability(
+            available=True,
+            devices=self.devices,
+            signals=tuple(s for s in GPU_SIGNALS if s not in self._missing),
+            missing=tuple(self._missing),
+            details=dict(self._missing, gpu_name="FakeGPU"),
+            generation=1,
+        )
+        return self._cap
+
+    def capability(self) -> GpuCapability:
+        return self._cap
+
+    def min_interval_s(self) -> Mapping[str, float]:
+        return dict(self._floors)
+
+    def _fields(self, device: int, n: int) -> Mapping[str, Any]:
+        if self._replay is not None:
+            if not self._replay:
+                return {}
+            tick = self._replay[n % len(self._replay)]
+            return tick[device] if device < len(tick) else {}
+        return self._reading(device, n)
+
+    def sample(
+        self, signals: Collection[str] | None = None, pids: Collection[int] = ()
+    ) -> list[dict[str, Any]]:
+        with self._lock:
+            if not self._cap.available:
+                return []
+            wanted = set(GPU_SIGNALS) if signals is None else set(signals)
+            self.requests.append(frozenset(wanted))
+            if self._lose_after is not None and self.reads >= self._lose_after:
+                self._cap = GpuCapability(
+                    available=False,
+                    missing=("gpu",),
+                    reason="all GPUs lost (GPU is lost)",
+                    generation=self._cap.generation + 1,
+                )
+                return []
+            n = self.reads
+            self.reads += 1
+            for d, last in enumerate(self._last):
+                fields = self._fields(d, n)
+                for signal in wanted - set(self._missing):
+                    for f in GPU_SIGNALS.get(signal, ()):
+                        if f in fields:
+                            last[f] = fields[f]
+            return [dict(r) for r in self._last]
+
+    def close(self) -> None:
+        self.closed = True
