@@ -131,7 +131,7 @@ def _columns_of(model: type[Event]) -> tuple[_Column, ...]:
                 max_len = meta.max_length
             elif isinstance(meta, annotated_types.MinLen):
                 min_len = meta.min_length
-        if dtype is str and not max_len:
+        if ann is str and not max_len:
             max_len = 4096
         default = _MISSING if info.is_required() else info.default
         cols.append(_Column(name, dtype, default, lo, lo_strict, hi, nullable, max_len, min_len))
