@@ -35,9 +35,9 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["AdaptiveController", "OverheadMeter", "SignalSpec"]
 
@@ -245,28 +245,47 @@ class AdaptiveController:
         """Sampling rate per signal, in Hz (what `ProducerStats.rates_hz` carries)."""
         return {n: 1.0 / st.interval for n, st in self._state.items()}
 
-    def due(self, now: float) -> list[str]:
-        """Signals whose next read is due at ``now``."""
-        return [n for n, st in self._state.items() if st.next_t <= now]
+    def due(self, now: float, names: Iterable[str] | None = None) -> list[str]:
+        """Signals (among ``names``, default all) whose next read is due at ``now``."""
+        names = self._state if names is None else names
+        return [n for n in names if self._state[n].next_t <= now]
 
-    def next_due_in(self, now: float) -> float:
-        """Seconds from ``now`` until the next signal is due (0 if one is due already)."""
-        if not self._state:
-            return math.inf
-        return max(0.0, min(st.next_t for st in self._state.values()) - now)
+    def next_due_in(self, now: float, names: Iterable[str] | None = None) -> float:
+        """Seconds from ``now`` until one of ``names`` (default all) is due; 0 if one is."""
+        names = self._state if names is None else names
+        return max(0.0, min((self._state[n].next_t for n in names), default=math.inf) - now)
 
-    def _moved(self, spec: SignalSpec, st: _State, values: Sequence[float], now: float) -> bool:
+    def set_min_interval(self, name: str, seconds: float) -> None:
+        """Raise the floor of ``name`` (a signal that is costly to read); its max follows."""
+        with self._lock:
+            spec = self.specs[name]
+            lo = max(spec.min_interval_s, seconds)
+            hi = max(spec.max_interval_s, lo)
+            start = spec.start_interval_s
+            start = None if start is None else min(hi, max(lo, start))
+            self.specs[name] = replace(
+                spec, min_interval_s=lo, max_interval_s=hi, start_interval_s=start
+            )
+            st = self._state[name]
+            st.base = min(hi, max(lo, st.base))
+            st.interval = min(hi, max(lo, st.interval))
+            self._max_scale = max(s.max_interval_s / s.min_interval_s for s in self.specs.values())
+
+    def _moved(
+        self, spec: SignalSpec, st: _State, values: Sequence[float], now: float
+    ) -> bool | None:
+        """Whether the signal moved; ``None`` when there is nothing to compare with yet."""
         xs = [float(v) for v in values]
         if spec.counter:
             raw, prev, prev_t = xs, st.prev, st.prev_t
             st.prev, st.prev_t = raw, now
             if prev_t is None or len(prev) != len(raw) or now <= prev_t:
                 st.means = []
-                return False
+                return None
             xs = [(a - b) / (now - prev_t) for a, b in zip(raw, prev, strict=True)]
         if len(st.means) != len(xs):  # first read, or the set of devices changed
             st.means = xs
-            return False
+            return None
         moved = False
         for i, x in enumerate(xs):
             m = st.means[i]
@@ -285,7 +304,7 @@ class AdaptiveController:
             st.reads += 1
             if self.enabled:
                 moved = self._moved(spec, st, values, now)
-                if spec.adaptive:
+                if spec.adaptive and moved is not None:
                     st.base = (
                         spec.min_interval_s
                         if moved

@@ -417,6 +417,9 @@ class NvmlBackend(GpuBackend):
                         return
                     reason = f"{_err_text(e)} ({getattr(reader, '__name__', signal)})"
                     continue
+                except Exception as e:  # e.g. NVMLLibraryMismatchError: not an NVMLError
+                    reason = f"{type(e).__name__}: {_err_text(e)}"
+                    continue
                 d.readers[signal] = reader
                 if reader == self._read_pcie_throughput:
                     self._floors["pcie"] = SLOW_PCIE_INTERVAL_S
@@ -561,7 +564,7 @@ class NvmlBackend(GpuBackend):
                 try:
                     d.last.update(reader(d, pids))
                     d.errors.pop(signal, None)
-                except _NVMLError as e:
+                except Exception as e:  # NVML errors and a library that does not match
                     changed |= self._on_error(d, signal, e)
                     if d.lost:
                         break
@@ -574,14 +577,15 @@ class NvmlBackend(GpuBackend):
                 self._refresh_capability()
         return rows
 
-    def _on_error(self, d: _Device, signal: str, e: Any) -> bool:
+    def _on_error(self, d: _Device, signal: str, e: Exception) -> bool:
         """Account one failed read; return True when the capability changed."""
         text = _err_text(e)
-        if e.value in _LOST:
+        code = getattr(e, "value", None) if isinstance(e, _NVMLError) else None
+        if code in _LOST:
             d.lost = text
             log.warning("GPU %d lost (%s); it is no longer sampled", d.index, text)
             return True
-        if e.value in _UNSUPPORTED:
+        if code in _UNSUPPORTED:
             d.readers.pop(signal, None)
             d.missing[signal] = text
             return True

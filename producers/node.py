@@ -1,0 +1,551 @@
+"""The node sampler service: GPU and host samplers on their own threads, feeding an `Emitter`.
+
+`NodeSampler` is a plain service (``start()`` / ``stop()`` / ``run()``). It runs up to three
+daemon threads: ``perfloop-gpu-sampler`` (a `GpuBackend`, NVML by default; opened on that thread
+so ``start()`` returns at once), ``perfloop-host-sampler`` (`HostSampler`) and
+``perfloop-sampler-control`` (overhead budget, self-metrics, and flushing the emitter when
+asked to). What it publishes through the emitter:
+
+- ``gpu`` samples, one row per device per round, ``rank`` = the sampler's rank; ``host``
+  samples, one row per watched process (its rank) or one node-level row (rank -1);
+- a `CapabilityReport` per component (``nvml``, ``host``) at start and whenever it changes
+  (a GPU lost, a signal dropped). Without a GPU or driver the ``nvml`` report says
+  ``available=False`` with the reason, the log says it once, and host sampling carries on;
+- a `ProducerStats` every ``settings.stats_interval_s`` and at stop: its samples, its CPU time,
+  ``overhead_pct`` (from its `OverheadMeter`) and ``rates_hz`` per signal.
+
+Each GPU signal (`GPU_SIGNALS`) has its own interval, between ``settings.gpu_min_interval_ms``
+and ``gpu_max_interval_ms`` (starting at ``settings.gpu_interval_ms``), set by an
+`AdaptiveController` from the signal's variance and the overhead budget
+(``settings.overhead_budget_pct``); fields not read in a round repeat their last value. Host
+sampling runs every ``settings.host_interval_ms``, stretched (up to ``host_max_factor`` times)
+only when over budget. With ``settings.adaptive_sampling`` off, every interval is fixed.
+
+Constructing it inside a training process (``perfloop run``)::
+
+    sampler = NodeSampler(settings, emitter, rank=rank, pids={os.getpid(): rank},
+                          gpu_devices=[nvml_index], meter=meter)   # meter: shared with hooks
+    sampler.start()
+    ...
+    sampler.stop()            # joins its threads, publishes final stats; never raises
+
+``pids`` are the training processes to watch (a mapping pid → rank, or pids whose rank is read
+from their environment); ``enable_gpu=False`` skips NVML (its report then says "disabled");
+``gpu_devices`` restricts GPU sampling to those NVML indices (one rank, one GPU);
+``flush=True`` makes the control thread flush the emitter every ``publish_interval_ms`` and
+count that in the overhead (leave it off when the emitter has its own flusher).
+`sample_command` is ``perfloop sample``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import annotated_types
+
+from perfloop.exceptions import BrokerError, ConfigError
+from perfloop.producers.adaptive import AdaptiveController, OverheadMeter, SignalSpec
+from perfloop.producers.gpu import GPU_SIGNALS, GpuBackend, GpuCapability, NvmlBackend
+from perfloop.producers.host import HOST_SIGNALS, HostSampler
+from perfloop.schemas.base import JOB_ID_PATTERN, Event
+from perfloop.schemas.job import CapabilityReport, ProducerStats
+from perfloop.schemas.telemetry import GpuSample, HostSample
+from perfloop.settings import ProducerSettings
+
+__all__ = ["GPU_TOLERANCES", "NodeSampler", "sample_command"]
+
+log = logging.getLogger("perfloop.producers.node")
+
+GPU_TOLERANCES: dict[str, dict[str, Any]] = {
+    "utilization": {"abs_tol": 2.0},  # percentage points
+    "memory": {"rel_tol": 0.01, "abs_tol": float(16 << 20)},
+    "power": {"rel_tol": 0.03, "abs_tol": 5.0},
+    "power_limit": {"abs_tol": 1.0},
+    "energy": {"counter": True, "rel_tol": 0.05, "abs_tol": 5000.0},  # mJ/s
+    "temperature": {"abs_tol": 1.0},
+    "clocks": {"abs_tol": 15.0},
+    "throttle": {"abs_tol": 0.5},  # any change of the bitmask
+    "pcie": {"rel_tol": 0.1, "abs_tol": 1e6},
+    "nvlink": {"rel_tol": 0.1, "abs_tol": 1e6},
+    "ecc": {"counter": True, "abs_tol": 0.0},  # any new error
+    "xid": {"abs_tol": 0.5},
+    "process_memory": {"rel_tol": 0.01, "abs_tol": float(16 << 20)},
+}
+"""What counts as "unchanged" for each GPU signal (see `SignalSpec`)."""
+
+
+def _bounds(model: type[Event], names: Iterable[str]) -> list[tuple[str, float, float, bool]]:
+    out = []
+    for name in names:
+        info = model.model_fields[name]
+        lo, hi = -math.inf, math.inf
+        for meta in info.metadata:
+            if isinstance(meta, annotated_types.Ge):
+                lo = float(meta.ge)  # type: ignore[arg-type]
+            elif isinstance(meta, annotated_types.Le):
+                hi = float(meta.le)  # type: ignore[arg-type]
+        out.append((name, lo, hi, info.annotation is int))
+    return out
+
+
+_GPU_BOUNDS = _bounds(GpuSample, [f for fs in GPU_SIGNALS.values() for f in fs])
+_HOST_BOUNDS = _bounds(
+    HostSample,
+    [n for n in HostSample.model_fields if n not in Event.model_fields and n != "rank"],
+)
+
+
+def _clean(row: Mapping[str, Any], bounds: list[tuple[str, float, float, bool]]) -> dict[str, Any]:
+    """Schema-valid values: clamped to the field's bounds, ints as int, NaN as the default."""
+    out: dict[str, Any] = {}
+    for name, lo, hi, is_int in bounds:
+        v = row.get(name)
+        if v is None:
+            continue
+        v = float(v)
+        if v != v:
+            continue
+        v = hi if v > hi else lo if v < lo else v
+        if is_int:
+            out[name] = int(v) if math.isfinite(v) else 0
+        elif math.isfinite(v):
+            out[name] = v
+    return out
+
+
+class _Once:
+    """Log a message once per key (a failing sampler must not flood the training job's log)."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, key: str) -> bool:
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            return True
+
+
+class NodeSampler:
+    """GPU and host sampling for one job on one node, within an overhead budget.
+
+    >>> from perfloop.settings import ProducerSettings
+    >>> from perfloop.testing import FakeGpuBackend
+    >>> class Collect:
+    ...     def __init__(self): self.samples, self.events = [], []
+    ...     def add(self, kind, **values): self.samples.append(kind)
+    ...     def event(self, event): self.events.append(event); return True
+    >>> out = Collect()
+    >>> s = NodeSampler(ProducerSettings(host_interval_ms=50), out, job_id="j1", node="n0",
+    ...                 gpu_backend=FakeGpuBackend(devices=2))
+    >>> s.run(duration_s=0.3)
+    >>> {"gpu", "host"} <= set(out.samples)
+    True
+    >>> sorted(e.component for e in out.events if e.KIND == "capability")
+    ['fake', 'host']
+    """
+
+    def __init__(
+        self,
+        settings: ProducerSettings,
+        emitter: Any,
+        *,
+        job_id: str | None = None,
+        node: str | None = None,
+        rank: int = -1,
+        pids: Mapping[int, int] | Iterable[int] = (),
+        enable_gpu: bool = True,
+        gpu_devices: Sequence[int] | None = None,
+        gpu_backend: GpuBackend | None = None,
+        meter: OverheadMeter | None = None,
+        flush: bool = False,
+        producer_id: str | None = None,
+        gpu_max_interval_ms: float = 1000.0,
+        host_max_factor: float = 10.0,
+        stop_when_pids_exit: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.emitter = emitter
+        self.job_id = job_id or emitter.job_id
+        self.node = node or emitter.node
+        self.rank = rank
+        self.producer_id = producer_id or f"sampler-{self.node}-{rank}"
+        self.enable_gpu = enable_gpu
+        self.backend: GpuBackend = gpu_backend or NvmlBackend(gpu_devices)
+        self.host = HostSampler(pids)
+        self.meter = meter or OverheadMeter()
+        self.flush = flush
+        self.stop_when_pids_exit = stop_when_pids_exit
+        self.samples = 0
+        self.capabilities: dict[str, CapabilityReport] = {}
+        """The last capability report published per component."""
+        self._gpu_max_s = gpu_max_interval_ms / 1000.0
+        self._host_max_factor = host_max_factor
+        self.controller = self._controller({})
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._started = self._finished = self._in_run = False
+        self._finish_lock = threading.Lock()
+        self._once = _Once()
+        self._gpu_generation = -1
+
+    # -- configuration ---------------------------------------------------------------------
+
+    def _controller(self, floors: Mapping[str, float]) -> AdaptiveController:
+        st = self.settings
+        gpu_min = st.gpu_min_interval_ms / 1000.0
+        gpu_start = st.gpu_interval_ms / 1000.0
+        specs = []
+        for name in GPU_SIGNALS:
+            lo = max(gpu_min, floors.get(name, 0.0))
+            hi = max(self._gpu_max_s, gpu_start, lo)
+            start = min(hi, max(lo, gpu_start))
+            specs.append(SignalSpec(f"gpu.{name}", lo, hi, start, **GPU_TOLERANCES[name]))
+        host_s = st.host_interval_ms / 1000.0
+        specs.append(
+            SignalSpec("host", host_s, host_s * max(1.0, self._host_max_factor), adaptive=False)
+        )
+        return AdaptiveController(
+            specs, budget_pct=st.overhead_budget_pct, enabled=st.adaptive_sampling
+        )
+
+    # -- service ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the sampler threads and return at once."""
+        if self._started:
+            return
+        self._started = True
+        self._publish_host_capability()
+        targets: list[tuple[str, Callable[[], None]]] = [
+            ("perfloop-host-sampler", self._host_loop),
+            ("perfloop-sampler-control", self._control_loop),
+        ]
+        if self.enable_gpu:
+            targets.insert(0, ("perfloop-gpu-sampler", self._gpu_loop))
+        else:
+            self._publish(
+                CapabilityReport(
+                    ts_ns=time.time_ns(),
+                    job_id=self.job_id,
+                    node=self.node,
+                    rank=self.rank,
+                    component=self.backend.name,
+                    available=False,
+                    missing=["gpu"],
+                    reason="GPU sampling disabled",
+                )
+            )
+        for name, target in targets:
+            t = threading.Thread(target=self._guard(name, target), name=name, daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def stop(self) -> None:
+        """Stop sampling; join the threads, publish final stats. Safe from a signal handler."""
+        self._stop.set()
+        if not self._in_run:
+            self._finish()
+
+    def run(self, duration_s: float | None = None) -> None:
+        """Sample until `stop()`, for ``duration_s`` seconds, or (when asked) the pids exit."""
+        self._in_run = True
+        try:
+            self.start()
+            deadline = None if duration_s is None else time.monotonic() + duration_s
+            while not self._stop.is_set():
+                wait = 0.25
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    wait = min(wait, left)
+                self._stop.wait(wait)
+        finally:
+            self._stop.set()
+            self._in_run = False
+            self._finish()
+
+    def _finish(self) -> None:
+        with self._finish_lock:
+            if self._finished or not self._started:
+                return
+            self._finished = True
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=5.0)
+        try:
+            self.backend.close()
+        except Exception as e:  # never raise out of stop()
+            log.debug("closing the GPU backend failed: %s", e)
+        self._publish_stats()
+        if self.flush:
+            self._flush()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def _guard(self, name: str, target: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                target()
+            except Exception as e:  # a sampler bug must not reach the training job
+                log.error("%s stopped: %s: %s", name, type(e).__name__, e)
+
+        return run
+
+    # -- publishing ------------------------------------------------------------------------
+
+    def _publish(self, event: Event) -> None:
+        try:
+            self.emitter.event(event)
+        except Exception as e:
+            if self._once(f"event:{type(e).__name__}"):
+                log.warning("cannot publish %s event: %s", event.KIND, e)
+            return
+        if isinstance(event, CapabilityReport):
+            self.capabilities[event.component] = event
+
+    def _publish_gpu_capability(self, cap: GpuCapability) -> None:
+        self._gpu_generation = cap.generation
+        self._publish(
+            CapabilityReport(
+                ts_ns=time.time_ns(),
+                job_id=self.job_id,
+                node=self.node,
+                rank=self.rank,
+                component=self.backend.name,
+                available=cap.available,
+                devices=cap.devices,
+                signals=list(cap.signals),
+                missing=list(cap.missing),
+                reason=cap.reason[:2000],
+                details={k: str(v)[:256] for k, v in cap.details.items()},
+            )
+        )
+
+    def _publish_host_capability(self) -> None:
+        missing = self.host.missing
+        self._publish(
+            CapabilityReport(
+                ts_ns=time.time_ns(),
+                job_id=self.job_id,
+                node=self.node,
+                rank=self.rank,
+                component="host",
+                available=True,
+                devices=0,
+                signals=[s for s in HOST_SIGNALS if s not in missing],
+                missing=list(missing),
+                details={**missing, "pids": ",".join(map(str, self.host.pids))[:256]},
+            )
+        )
+
+    def _publish_stats(self) -> None:
+        stats = getattr(getattr(self.emitter, "publisher", None), "stats", None)
+        rates = self.controller.rates_hz()
+        if not self.enable_gpu or not self.backend.capability().available:
+            rates = {k: v for k, v in rates.items() if not k.startswith("gpu.")}
+        self._publish(
+            ProducerStats(
+                ts_ns=time.time_ns(),
+                job_id=self.job_id,
+                node=self.node,
+                rank=self.rank,
+                producer_id=self.producer_id,
+                samples=self.samples,
+                messages=int(getattr(self.emitter, "messages", 0)),
+                published=int(getattr(stats, "delivered", 0)),
+                dropped=int(getattr(stats, "dropped", 0)),
+                failed=int(getattr(stats, "failed", 0)),
+                cpu_time_ms=self.meter.total_s * 1000.0,
+                overhead_pct=self.meter.overhead_pct(),
+                rates_hz={k: round(v, 3) for k, v in rates.items()},
+            )
+        )
+
+    def _flush(self) -> None:
+        try:
+            with self.meter.cpu():
+                self.emitter.flush()
+        except Exception as e:
+            if self._once(f"flush:{type(e).__name__}"):
+                log.warning("emitter flush failed: %s", e)
+
+    # -- threads ---------------------------------------------------------------------------
+
+    def _gpu_loop(self) -> None:
+        cap = self.backend.open()
+        self._publish_gpu_capability(cap)
+        if not cap.available:
+            log.warning("GPU telemetry off: %s; host sampling continues", cap.reason)
+            return
+        for name, floor in self.backend.min_interval_s().items():
+            if name in GPU_SIGNALS:
+                self.controller.set_min_interval(f"gpu.{name}", floor)
+        gpu_signals = [f"gpu.{s}" for s in GPU_SIGNALS]
+        while not self._stop.is_set():
+            now = time.monotonic()
+            due = self.controller.due(now, gpu_signals)
+            if due:
+                with self.meter.cpu():
+                    self._gpu_round(due, now)
+                cap = self.backend.capability()
+                if cap.generation != self._gpu_generation:
+                    self._publish_gpu_capability(cap)
+                    if not cap.available:
+                        log.warning("GPU telemetry off: %s; host sampling continues", cap.reason)
+                        return
+            wait = self.controller.next_due_in(time.monotonic(), gpu_signals)
+            self._stop.wait(min(max(wait, 0.0005), 0.5))
+
+    def _gpu_round(self, due: Sequence[str], now: float) -> None:
+        signals = {s[4:] for s in due}
+        pids: set[int] = set()
+        if self.host.pids:
+            pids = set(self.host.pids) | self.host.children
+        rows = self.backend.sample(signals, pids)
+        ts = time.time_ns()
+        for row in rows:
+            self.emitter.add(
+                "gpu",
+                ts_ns=ts,
+                rank=self.rank,
+                device=int(row["device"]),
+                **_clean(row, _GPU_BOUNDS),
+            )
+        self.samples += len(rows)
+        for s in due:
+            fields = GPU_SIGNALS[s[4:]]
+            if rows:
+                self.controller.observe(
+                    s, [float(r.get(f, 0.0)) for r in rows for f in fields], now
+                )
+            else:
+                self.controller.skip(s, now)
+
+    def _host_loop(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if self.controller.due(now, ("host",)):
+                with self.meter.cpu():
+                    rows = self.host.sample()
+                    ts = time.time_ns()
+                    for row in rows:
+                        self.emitter.add(
+                            "host", ts_ns=ts, rank=int(row["rank"]), **_clean(row, _HOST_BOUNDS)
+                        )
+                self.samples += len(rows)
+                self.controller.observe("host", (), now)
+                if self.stop_when_pids_exit and not self.host.alive:
+                    log.info("every watched process has exited; sampling stops")
+                    self._stop.set()
+                    return
+            wait = self.controller.next_due_in(time.monotonic(), ("host",))
+            self._stop.wait(min(max(wait, 0.001), 0.5))
+
+    def _control_loop(self) -> None:
+        tick = min(0.25, self.settings.publish_interval_ms / 1000.0)
+        next_flush = next_stats = time.monotonic()
+        next_stats += self.settings.stats_interval_s
+        while not self._stop.wait(tick):
+            now = time.monotonic()
+            if self.flush and now >= next_flush:
+                self._flush()
+                next_flush = now + self.settings.publish_interval_ms / 1000.0
+            self.controller.update_budget(self.meter.overhead_pct())
+            if self.controller.saturated and self._once("saturated"):
+                log.warning(
+                    "sampler overhead %.2f%% is over the %.2f%% budget at the slowest intervals",
+                    self.meter.overhead_pct(),
+                    self.settings.overhead_budget_pct,
+                )
+            if now >= next_stats:
+                self._publish_stats()
+                next_stats = now + self.settings.stats_interval_s
+
+
+# -- `perfloop sample` -----------------------------------------------------------------------
+
+
+def sample_command(args: argparse.Namespace, settings: ProducerSettings) -> int:
+    """``perfloop sample --job-id ID [--node N] [--duration S] [--pid PID ...]``."""
+    import psutil
+
+    from perfloop.producers.emitter import Emitter
+    from perfloop.producers.publisher import Publisher
+
+    job_id = args.job_id
+    if not re.fullmatch(JOB_ID_PATTERN, job_id or ""):
+        raise ConfigError(
+            f"invalid --job-id {job_id!r}: use 1-128 characters from A-Z a-z 0-9 . _ : / @ + -"
+        )
+    node = args.node or settings.node or socket.gethostname()
+    if not 0 < len(node) <= 255:
+        raise ConfigError(f"invalid --node {node!r}: use 1-255 characters")
+    if args.duration is not None and not (args.duration > 0 and math.isfinite(args.duration)):
+        raise ConfigError(f"--duration must be a positive number of seconds, got {args.duration}")
+    pids = list(dict.fromkeys(args.pid or []))
+    for pid in pids:
+        if pid <= 0 or not psutil.pid_exists(pid):
+            raise ConfigError(f"--pid {pid}: no such process")
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("perfloop sample: %(levelname)s %(message)s"))
+    plog = logging.getLogger("perfloop.producers")
+    plog.addHandler(handler)
+    old_level = plog.level
+    plog.setLevel(logging.INFO)
+    old_handlers: dict[int, Any] = {}
+    try:
+        publisher = Publisher(settings)
+        emitter = Emitter(publisher, job_id=job_id, node=node, producer_id=f"sample-{node}")
+        sampler = NodeSampler(
+            settings,
+            emitter,
+            pids=pids,
+            flush=True,
+            producer_id=f"sample-{node}",
+            stop_when_pids_exit=bool(pids),
+        )
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                old_handlers[sig] = signal.signal(sig, lambda *_: sampler.stop())
+        watched = f"pids {','.join(map(str, pids))}" if pids else "node-level"
+        until = f"for {args.duration:g} s" if args.duration else "until Ctrl-C"
+        print(f"sampling job {job_id} on {node} ({watched}) {until}", flush=True)
+        t0 = time.monotonic()
+        sampler.run(duration_s=args.duration)
+        left = publisher.flush(10.0)
+        if left:
+            raise BrokerError(
+                f"{left} messages were not delivered to {settings.kafka_bootstrap} "
+                "(is the broker up? see `perfloop status`)"
+            )
+        gpu = sampler.capabilities.get(sampler.backend.name)
+        devices = f"{gpu.devices} devices" if gpu and gpu.available else "unavailable"
+        print(
+            f"sampled {sampler.samples} samples in {time.monotonic() - t0:.1f} s "
+            f"(GPU: {devices}, "
+            f"overhead {sampler.meter.overhead_pct():.3f}%)",
+            flush=True,
+        )
+        return 0
+    finally:
+        for sig, old in old_handlers.items():
+            signal.signal(sig, old)
+        plog.removeHandler(handler)
+        plog.setLevel(old_level)

@@ -1,0 +1,177 @@
+"""The host sampler on real processes (a fake trainer with loader workers) and patched counters."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from unittest import mock
+
+import psutil
+import pytest
+
+from perfloop.producers.host import HostSampler, rank_of
+from perfloop.schemas.telemetry import HostSample
+
+# A stand-in for a training process: it forks two "data-loader workers" that hold memory.
+TRAINER = """
+import multiprocessing as mp, sys, time
+def worker(q):
+    buf = b"x" * (32 << 20)  # touched pages: they count in RSS
+    q.put(len(buf))
+    time.sleep(60)
+if __name__ == "__main__":
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=worker, args=(q,), daemon=True) for _ in range(2)]
+    for p in ps: p.start()
+    q.get(); q.get()
+    print("ready", flush=True)
+    sys.stdin.read()
+"""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def trainer() -> Iterator[subprocess.Popen[str]]:
+    env = dict(os.environ, RANK="3")
+    p = subprocess.Popen(
+        [sys.executable, "-c", TRAINER],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout is not None
+    assert p.stdout.readline().strip() == "ready"
+    yield p
+    if p.poll() is None:
+        for child in psutil.Process(p.pid).children(recursive=True):
+            child.kill()
+        p.kill()
+    p.wait(timeout=10)
+
+
+def _wait_for_workers(pid: int, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(psutil.Process(pid).children(recursive=True)) < n:
+        assert time.monotonic() < deadline, "the fake trainer's workers did not start"
+        time.sleep(0.05)
+
+
+def test_watched_process_with_loader_workers(trainer: subprocess.Popen[str]) -> None:
+    _wait_for_workers(trainer.pid, 2)
+    s = HostSampler([trainer.pid])  # rank from the launcher's environment
+    s.sample()
+    (row,) = s.sample()
+    assert row["pid"] == trainer.pid and row["rank"] == 3
+    assert row["loader_workers"] == 2
+    assert row["loader_rss_bytes"] >= 2 * (32 << 20)
+    assert row["proc_rss_bytes"] > 0 and row["proc_threads"] >= 1
+    assert 0 <= row["sys_cpu_pct"] <= 100
+    assert row["sys_mem_total_bytes"] >= row["sys_mem_used_bytes"] > 0
+    assert s.children == frozenset(c.pid for c in psutil.Process(trainer.pid).children(True))
+    HostSample(ts_ns=1, job_id="j", node="n", **row)  # fits the schema
+
+
+def test_exited_process_is_dropped_once(
+    trainer: subprocess.Popen[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    s = HostSampler({trainer.pid: 0})
+    assert len(s.sample()) == 1 and s.alive
+    for child in psutil.Process(trainer.pid).children(recursive=True):
+        child.kill()
+    trainer.kill()
+    trainer.wait(timeout=10)
+    assert s.sample() == [] and s.sample() == []
+    assert not s.alive and s.pids == {}
+    assert sum("exited" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_rank_given_wins_and_unknown_rank_is_minus_one() -> None:
+    assert HostSampler({os.getpid(): 7}).sample()[0]["rank"] == 7
+    with mock.patch.object(psutil.Process, "environ", autospec=True, return_value={}):
+        assert rank_of(os.getpid()) == -1
+    with mock.patch.object(psutil.Process, "environ", autospec=True, return_value={"RANK": "x"}):
+        assert rank_of(os.getpid()) == -1
+    with mock.patch.object(psutil.Process, "environ", autospec=True, return_value={"RANK": "5"}):
+        assert rank_of(os.getpid()) == 5
+
+
+def test_missing_pid_is_not_watched() -> None:
+    s = HostSampler([2**22 + 4321])
+    assert s.sample() == [] and not s.alive
+
+
+def test_node_level_row_without_pids() -> None:
+    s = HostSampler()
+    (row,) = s.sample()
+    assert (row["pid"], row["rank"]) == (0, -1)
+    assert "proc_cpu_pct" not in row
+    assert {"process", "loader_workers"} <= set(s.missing)
+
+
+def _cpu(user: float, idle: float, iowait: float) -> object:
+    fields = psutil.cpu_times()._fields
+    values = {f: 0.0 for f in fields} | {"user": user, "idle": idle, "iowait": iowait}
+    return type(psutil.cpu_times())(**values)
+
+
+def test_rates_from_counters_and_loopback_excluded() -> None:
+    clock = Clock()
+    disk = iter(
+        [SimpleNamespace(read_bytes=r, write_bytes=w) for r, w in [(0, 0), (0, 0), (4e6, 1e6)]]
+    )
+    nics = iter(
+        [
+            {"lo": SimpleNamespace(bytes_recv=0, bytes_sent=0)},  # the probe
+            {
+                "lo": SimpleNamespace(bytes_recv=0, bytes_sent=0),
+                "eth0": SimpleNamespace(bytes_recv=1000, bytes_sent=0),
+            },
+            {
+                "lo": SimpleNamespace(bytes_recv=9e9, bytes_sent=9e9),
+                "eth0": SimpleNamespace(bytes_recv=1000 + 6e6, bytes_sent=2e6),
+            },
+        ]
+    )
+    cpu = iter([_cpu(0, 0, 0), _cpu(10, 80, 10), _cpu(40, 130, 30)])
+    with (
+        mock.patch.object(
+            psutil, "disk_io_counters", autospec=True, side_effect=lambda: next(disk)
+        ),
+        mock.patch.object(
+            psutil, "net_io_counters", autospec=True, side_effect=lambda pernic: next(nics)
+        ),
+        mock.patch.object(psutil, "cpu_times", autospec=True, side_effect=lambda: next(cpu)),
+    ):
+        s = HostSampler(clock=clock)
+        first = s.sample()[0]
+        clock.t += 2.0
+        second = s.sample()[0]
+    assert first["disk_read_bytes_per_s"] == 0.0  # no previous reading yet
+    assert second["disk_read_bytes_per_s"] == pytest.approx(2e6)
+    assert second["disk_write_bytes_per_s"] == pytest.approx(5e5)
+    assert second["net_rx_bytes_per_s"] == pytest.approx(3e6)  # loopback not counted
+    assert second["net_tx_bytes_per_s"] == pytest.approx(1e6)
+    # between the two reads: 30 user, 50 idle, 20 iowait out of 100
+    assert second["sys_cpu_pct"] == pytest.approx(30.0)
+    assert second["sys_iowait_pct"] == pytest.approx(20.0)
+
+
+def test_platform_without_disk_counters_reports_missing() -> None:
+    with mock.patch.object(psutil, "disk_io_counters", autospec=True, return_value=None):
+        s = HostSampler()
+        row = s.sample()[0]
+    assert "disk_io" in s.missing
+    assert "disk_read_bytes_per_s" not in row
