@@ -22,6 +22,7 @@ from perfloop.catalog import Topics
 from perfloop.exceptions import PerfloopError
 from perfloop.kafka import consumer
 from perfloop.producers.publisher import Publisher
+from perfloop.producers.scenarios import Fault
 from perfloop.producers.simulator import SimConfig, SimulatedJob, StepReport
 from perfloop.schemas import ActuationResult, Command, Recommendation, SchemaError, decode_event
 from perfloop.settings import StackSettings
@@ -140,7 +141,13 @@ def run_demo(
         f"{settings.clickhouse_url}"
     )
     publisher = Publisher(settings)
-    job = SimulatedJob(SimConfig(job_id=job_id, ranks=ranks, fault_at_s=fault_at_s), publisher)
+    cfg = SimConfig(
+        job_id=job_id,
+        ranks_per_node=ranks,
+        scenario="dataloader_starvation",
+        faults=(Fault("dataloader_starvation", onset_s=fault_at_s),),
+    )
+    job = SimulatedJob(cfg, publisher)
 
     def on_result(r: ActuationResult) -> None:
         res.result = r

@@ -14,7 +14,7 @@ from confluent_kafka import Producer
 from perfloop.actuators import JobAgent
 from perfloop.catalog import Topics
 from perfloop.kafka import consumer
-from perfloop.producers import Publisher, SimConfig, SimulatedJob
+from perfloop.producers import Fault, Publisher, SimConfig, SimulatedJob
 from perfloop.schemas import BatchBuilder
 from perfloop.settings import ActuatorSettings, StackSettings
 from perfloop.stack import status
@@ -124,7 +124,13 @@ def test_telemetry_is_queryable_and_windowed(stack: StackSettings) -> None:
 def test_command_reaches_the_job_and_is_acked(stack: StackSettings) -> None:
     job = f"it-loop-{uuid.uuid4().hex[:8]}"
     pub = Publisher(stack)
-    sim = SimulatedJob(SimConfig(job_id=job, ranks=2, fault_at_s=2.0, speed=4.0), pub)
+    cfg = SimConfig(
+        job_id=job,
+        ranks_per_node=2,
+        faults=(Fault("dataloader_starvation", onset_s=2.0),),
+        speed=4.0,
+    )
+    sim = SimulatedJob(cfg, pub)
     key = ActuatorSettings().signing_key.get_secret_value().encode()
     agent = JobAgent(
         stack,

@@ -1,0 +1,423 @@
+"""Fault scenarios for the simulated job, and the ``perfloop simulate`` command.
+
+A `Fault` is one injected problem: its kind (one of `perfloop.schemas.FAULT_KINDS` but
+``oom``, which a memory leak ends in), its onset and optional end in simulated seconds, the
+ranks it is injected on (its root cause: the straggling rank, the throttled GPU, the node with
+the degraded link; empty means every rank) and its strength (`Fault.factor`, see
+`FAULT_FACTORS`). `plan_faults` turns a scenario name into faults whose onsets, ends, ranks
+and strengths are drawn from the seed within the run's duration: the same seed gives the same
+plan. `simulate_command` runs a scenario on the stack and writes its ground truth.
+
+>>> from perfloop.producers import SimConfig
+>>> cfg = SimConfig(job_id="doc", nodes=2, ranks_per_node=2)
+>>> [f.kind for f in plan_faults("mixed", cfg, duration_s=60.0, seed=1)]
+['dataloader_starvation', 'straggler', 'thermal_throttle', 'comm_degradation']
+>>> plan_faults("straggler", cfg, duration_s=60.0, seed=1) == plan_faults(
+...     "straggler", cfg, duration_s=60.0, seed=1)
+True
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, TextIO
+
+import numpy as np
+
+from perfloop.exceptions import ConfigError
+from perfloop.schemas.base import JOB_ID_PATTERN
+
+if TYPE_CHECKING:
+    from perfloop.producers.simulator import SimConfig
+    from perfloop.schemas import GroundTruth
+
+__all__ = [
+    "FAULT_FACTORS",
+    "INJECTABLE_FAULTS",
+    "SCENARIOS",
+    "Fault",
+    "plan_faults",
+    "scenario_config",
+    "simulate_command",
+]
+
+INJECTABLE_FAULTS = (
+    "dataloader_starvation",
+    "straggler",
+    "thermal_throttle",
+    "memory_leak",
+    "comm_degradation",
+    "hang",
+)
+
+FAULT_FACTORS: dict[str, tuple[float, str]] = {
+    "dataloader_starvation": (10 / 3, "per-batch load time multiplier (> 1)"),
+    "straggler": (1.5, "compute time multiplier (> 1)"),
+    "thermal_throttle": (0.65, "SM clock multiplier (0 < f < 1)"),
+    "memory_leak": (float(256 << 20), "bytes leaked per step (> 0)"),
+    "comm_degradation": (4.0, "all-reduce bandwidth divisor (> 1)"),
+    "hang": (1.0, "unused"),
+}
+"""Each kind's default strength and what its ``factor`` means."""
+
+SCENARIOS = (
+    "healthy",
+    "dataloader_starvation",
+    "straggler",
+    "thermal_throttle",
+    "memory_leak",
+    "comm_degradation",
+    "hang",
+    "mixed",
+)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault; times are simulated seconds from the job's start.
+
+    >>> f = Fault("straggler", onset_s=10.0, end_s=20.0, ranks=(3,), factor=1.6)
+    >>> f.active(9.999), f.active(10.0), f.active(20.0), f.strength
+    (False, True, False, 1.6)
+    >>> Fault("oom", onset_s=1.0)
+    Traceback (most recent call last):
+    ...
+    perfloop.exceptions.ConfigError: unknown fault 'oom'; valid: dataloader_starvation, \
+straggler, thermal_throttle, memory_leak, comm_degradation, hang
+    """
+
+    kind: str
+    onset_s: float
+    end_s: float | None = None
+    ranks: tuple[int, ...] = ()
+    factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in INJECTABLE_FAULTS:
+            raise ConfigError(f"unknown fault {self.kind!r}; valid: {', '.join(INJECTABLE_FAULTS)}")
+        if not (math.isfinite(self.onset_s) and self.onset_s >= 0):
+            raise ConfigError(f"{self.kind} onset must be ≥ 0 s, got {self.onset_s!r}")
+        if self.end_s is not None and not self.end_s > self.onset_s:
+            raise ConfigError(
+                f"{self.kind} end ({self.end_s!r} s) must come after its onset ({self.onset_s} s)"
+            )
+        if any(r < 0 for r in self.ranks):
+            raise ConfigError(f"{self.kind} ranks must be ≥ 0, got {list(self.ranks)}")
+        f = self.strength
+        ok = {
+            "thermal_throttle": 0 < f < 1,
+            "memory_leak": f > 0,
+            "hang": True,
+        }.get(self.kind, f > 1)
+        if not (math.isfinite(f) and ok):
+            raise ConfigError(
+                f"{self.kind} factor {f!r} is out of range: {FAULT_FACTORS[self.kind][1]}"
+            )
+
+    @property
+    def strength(self) -> float:
+        """``factor``, or the kind's default."""
+        return FAULT_FACTORS[self.kind][0] if self.factor is None else float(self.factor)
+
+    def active(self, t_s: float) -> bool:
+        """Whether the fault is in effect at simulated time ``t_s``."""
+        return self.onset_s <= t_s and (self.end_s is None or t_s < self.end_s)
+
+    def describe(self) -> str:
+        """What the fault does, in a few words (the ground truth's ``detail``)."""
+        f = self.strength
+        return {
+            "dataloader_starvation": f"each batch takes {f:.2f}x as long to load",
+            "straggler": f"compute {f:.2f}x slower",
+            "thermal_throttle": f"SM clock x{f:.2f} (thermal slowdown)",
+            "memory_leak": f"{f / 2**20:.1f} MiB leaked per step until out of memory",
+            "comm_degradation": f"all-reduce bandwidth / {f:.2f}",
+            "hang": "the rank stops making progress; every rank blocks at the next all-reduce",
+        }[self.kind]
+
+
+def _window(rng: np.random.Generator, duration_s: float, lo: float, hi: float) -> float:
+    return round(float(rng.uniform(lo, hi)) * duration_s, 3)
+
+
+def plan_faults(
+    scenario: str, config: SimConfig, *, duration_s: float, seed: int
+) -> tuple[Fault, ...]:
+    """The faults of ``scenario`` for a job shaped like ``config``, drawn from ``seed``.
+
+    Onsets and ends fall inside ``duration_s``; a memory leak is sized to run the GPU out of
+    memory at about 45–65% of the time left after its onset.
+    """
+    if scenario not in SCENARIOS:
+        raise ConfigError(f"unknown scenario {scenario!r}; valid: {', '.join(SCENARIOS)}")
+    if not (math.isfinite(duration_s) and duration_s > 0):
+        raise ConfigError(f"duration must be > 0 s, got {duration_s!r}")
+    rng = np.random.default_rng([seed, 0x5CE7])  # independent of the job's own stream
+    world, g, nodes = config.world, config.ranks_per_node, config.nodes
+    rank_order = [int(r) for r in rng.permutation(world)]
+    node_order = [int(n) for n in rng.permutation(nodes)]
+
+    def node_ranks(n: int) -> tuple[int, ...]:
+        return tuple(range(n * g, (n + 1) * g))
+
+    def span(lo: float, hi: float, length: tuple[float, float]) -> tuple[float, float]:
+        onset = _window(rng, duration_s, lo, hi)
+        end = min(onset + _window(rng, duration_s, *length), round(0.95 * duration_s, 3))
+        return onset, end
+
+    if scenario in ("comm_degradation",) and world < 2:
+        raise ConfigError("comm_degradation needs at least 2 ranks (nothing to all-reduce)")
+    if scenario == "healthy":
+        return ()
+    if scenario == "dataloader_starvation":
+        onset, end = span(0.2, 0.4, (0.3, 0.45))
+        f = round(float(rng.uniform(3.0, 4.0)), 2)
+        return (Fault(scenario, onset, end, node_ranks(node_order[0]), f),)
+    if scenario == "straggler":
+        onset, end = span(0.2, 0.4, (0.3, 0.45))
+        f = round(float(rng.uniform(1.4, 2.0)), 2)
+        return (Fault(scenario, onset, end, (rank_order[0],), f),)
+    if scenario == "thermal_throttle":
+        onset, end = span(0.25, 0.45, (0.3, 0.45))
+        f = round(float(rng.uniform(0.55, 0.75)), 2)
+        return (Fault(scenario, onset, end, (rank_order[0],), f),)
+    if scenario == "comm_degradation":
+        onset, end = span(0.2, 0.4, (0.3, 0.45))
+        f = round(float(rng.uniform(3.0, 6.0)), 2)
+        return (Fault(scenario, onset, end, node_ranks(node_order[0]), f),)
+    if scenario == "memory_leak":
+        onset = _window(rng, duration_s, 0.15, 0.3)
+        to_oom_s = float(rng.uniform(0.45, 0.65)) * (duration_s - onset)
+        steps = max(1.0, to_oom_s * 1000 / config.nominal_step_ms)
+        per_step = float(math.ceil(config.leak_headroom_bytes / steps))
+        return (Fault(scenario, onset, None, (rank_order[0],), per_step),)
+    if scenario == "hang":
+        return (Fault(scenario, _window(rng, duration_s, 0.35, 0.6), None, (rank_order[0],)),)
+    # mixed: staggered, partly overlapping, on different ranks and nodes where there are any
+    s_on, s_end = span(0.06, 0.1, (0.18, 0.22))
+    st_on, st_end = span(0.26, 0.3, (0.18, 0.22))
+    th_on, th_end = span(0.46, 0.5, (0.18, 0.22))
+    faults = [
+        Fault("dataloader_starvation", s_on, s_end, node_ranks(node_order[0]), 3.5),
+        Fault("straggler", st_on, st_end, (rank_order[0],), 1.6),
+        Fault("thermal_throttle", th_on, th_end, (rank_order[1 % world],), 0.6),
+    ]
+    if world > 1:
+        c_on, c_end = span(0.68, 0.72, (0.18, 0.22))
+        faults.append(
+            Fault("comm_degradation", c_on, c_end, node_ranks(node_order[-1]), 4.0),
+        )
+    return tuple(faults)
+
+
+def scenario_config(
+    scenario: str,
+    *,
+    job_id: str,
+    nodes: int,
+    ranks_per_node: int,
+    duration_s: float,
+    seed: int = 0,
+    **overrides: Any,
+) -> SimConfig:
+    """A `SimConfig` for ``scenario``, its faults planned from ``seed``."""
+    from perfloop.producers.simulator import SimConfig
+
+    base = SimConfig(
+        job_id=job_id, nodes=nodes, ranks_per_node=ranks_per_node, seed=seed, **overrides
+    )
+    faults = plan_faults(scenario, base, duration_s=duration_s, seed=seed)
+    return replace(base, scenario=scenario, faults=faults)
+
+
+# -- the command ------------------------------------------------------------------------------
+def _config_from_args(args: argparse.Namespace, settings: Any) -> SimConfig:
+    if args.scenario not in SCENARIOS:
+        raise ConfigError(f"unknown scenario {args.scenario!r}; valid: {', '.join(SCENARIOS)}")
+    for name, value in (("--nodes", args.nodes), ("--ranks-per-node", args.ranks_per_node)):
+        if value < 1:
+            raise ConfigError(f"{name} must be ≥ 1, got {value}")
+    if not (math.isfinite(args.duration) and args.duration > 0):
+        raise ConfigError(f"--duration must be > 0 s, got {args.duration:g}")
+    if not (math.isfinite(args.speed) and args.speed > 0):
+        raise ConfigError(f"--speed must be > 0, got {args.speed:g}")
+    if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
+        raise ConfigError(f"--rate must be > 0 samples/s, got {args.rate:g}")
+    job_id = args.job_id or getattr(settings, "job_id", None)
+    if job_id is None:
+        job_id = f"sim-{args.scenario.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}-"
+        job_id += uuid.uuid4().hex[:4]
+    import re
+
+    if not re.match(JOB_ID_PATTERN, job_id):
+        raise ConfigError(f"--job-id {job_id!r} must match {JOB_ID_PATTERN}")
+    return scenario_config(
+        args.scenario,
+        job_id=job_id,
+        nodes=args.nodes,
+        ranks_per_node=args.ranks_per_node,
+        duration_s=args.duration,
+        seed=args.seed,
+        speed=args.speed,
+        rate=args.rate,
+        gpu_interval_ms=getattr(settings, "gpu_interval_ms", 100.0),
+        host_interval_ms=getattr(settings, "host_interval_ms", 1000.0),
+        publish_interval_ms=getattr(settings, "publish_interval_ms", 250.0),
+    )
+
+
+@contextlib.contextmanager
+def _stop_on_signals(flag: list[str]) -> Iterator[None]:
+    """SIGINT/SIGTERM end the run at the next step boundary (and say so) instead of killing it."""
+
+    def handler(signum: int, _frame: object) -> None:
+        flag.append(signal.Signals(signum).name)
+
+    saved = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def _fmt_fault(gt: GroundTruth, t0_ns: int) -> str:
+    end = f"{(gt.end_ns - t0_ns) / 1e9:.2f}s" if gt.end_ns else "end"
+    where = f"ranks {gt.ranks}" if len(gt.ranks) <= 8 else f"{len(gt.ranks)} ranks"
+    return f"{gt.fault}@{(gt.onset_ns - t0_ns) / 1e9:.2f}s–{end} {where}"
+
+
+def simulate_command(
+    args: argparse.Namespace,
+    settings: Any,
+    *,
+    signing_key: bytes | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """``perfloop simulate``: run a scenario against the stack; 0 on success, 2 on bad input.
+
+    ``settings`` are the producer settings (`perfloop.settings.ProducerSettings`). A job agent
+    beside the job applies signed commands at step boundaries (``dataloader.num_workers``,
+    ``dataloader.prefetch_factor``, ``gpu.power_limit_w``); ``signing_key`` defaults to the
+    actuator's (``PERFLOOP_SIGNING_KEY``), read here because this is the command's entry point.
+    """
+    out = out or sys.stdout
+    gt_file: IO[str] | None = None
+    try:
+        cfg = _config_from_args(args, settings)
+        if args.ground_truth:
+            try:
+                gt_file = Path(args.ground_truth).open("w", encoding="utf-8")  # noqa: SIM115
+            except OSError as e:
+                raise ConfigError(
+                    f"cannot write --ground-truth {args.ground_truth}: {e.strerror or e}"
+                ) from e
+    except ConfigError as e:
+        print(f"perfloop: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _simulate(cfg, args, settings, signing_key, gt_file, out)
+    finally:
+        if gt_file is not None:
+            gt_file.close()
+
+
+def _simulate(
+    cfg: SimConfig,
+    args: argparse.Namespace,
+    settings: Any,
+    signing_key: bytes | None,
+    gt_file: IO[str] | None,
+    out: TextIO,
+) -> int:
+    from perfloop.actuators.agent import JobAgent
+    from perfloop.producers.publisher import Publisher
+    from perfloop.producers.simulator import SimulatedJob
+
+    if signing_key is None:
+        from pydantic import ValidationError
+
+        from perfloop.settings import ActuatorSettings
+
+        try:
+            signing_key = ActuatorSettings().signing_key.get_secret_value().encode()
+        except ValidationError as e:
+            raise ConfigError(f"invalid actuator setting: {e.errors()[0]['msg']}") from None
+
+    def on_ground_truth(gt: GroundTruth) -> None:
+        if gt_file is not None:
+            gt_file.write(gt.model_dump_json() + "\n")
+            gt_file.flush()
+
+    publisher = Publisher(settings)
+    job = SimulatedJob(cfg, publisher, on_ground_truth=on_ground_truth)
+    pace = f"rate {cfg.rate:,.0f} samples/s" if cfg.rate else f"speed {cfg.speed:g}x"
+    print(
+        f"simulating job {cfg.job_id}: scenario {cfg.scenario}, {cfg.nodes} node(s) x "
+        f"{cfg.ranks_per_node} rank(s), {args.duration:g} s simulated at {pace}, seed {cfg.seed}"
+        f" → kafka {settings.kafka_bootstrap}",
+        file=out,
+        flush=True,
+    )
+    agent = JobAgent(
+        settings,
+        job_id=cfg.job_id,
+        node=cfg.node,
+        signing_key=signing_key,
+        handlers=job.knob_handlers(),
+    )
+    agent.start(wait_assigned_s=0.0)  # commands count from when the control topic is assigned
+    stop: list[str] = []
+    wall0 = time.monotonic()
+    last = [wall0]
+
+    def progress() -> None:
+        now = time.monotonic()
+        if now - last[0] < 2.0:
+            return
+        last[0] = now
+        active = ", ".join(sorted({f.kind for f in job.active_faults()})) or "none"
+        print(
+            f"  t={job.clock_s:7.1f}s  step {job.step:6d}  samples {job.samples:>11,}  "
+            f"({job.samples / (now - wall0):,.0f}/s)  faults: {active}",
+            file=out,
+            flush=True,
+        )
+
+    try:
+        with _stop_on_signals(stop):
+            job.run(
+                args.duration,
+                step_boundary=agent.step_boundary,
+                stop=lambda: bool(stop),
+                on_tick=progress,
+            )
+    finally:
+        agent.stop()
+        undelivered = publisher.flush(30.0)
+    wall = time.monotonic() - wall0
+    faults = "; ".join(_fmt_fault(g, job.t0_ns) for g in job.ground_truth) or "none"
+    print(
+        f"done: {job.state}, {job.clock_s:.1f} s simulated in {wall:.1f} s, {job.step} steps, "
+        f"{job.samples:,} samples ({job.samples / max(wall, 1e-9):,.0f}/s), faults: {faults}"
+        + (f"; ground truth → {args.ground_truth}" if args.ground_truth else ""),
+        file=out,
+        flush=True,
+    )
+    if undelivered:
+        print(
+            f"perfloop: {undelivered} messages were not delivered to {settings.kafka_bootstrap}"
+            " (is the stack up?)",
+            file=sys.stderr,
+        )
+        return 1
+    return 130 if stop else 0
