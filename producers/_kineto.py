@@ -1,0 +1,553 @@
+"""Reading PyTorch-profiler (Kineto) traces as a stream, and naming what is in them.
+
+Private helpers of `perfloop.producers.replay`:
+
+- `open_trace` / `iter_trace`: stream the ``traceEvents`` items of a ``.json`` or ``.json.gz``
+  file with ijson (yajl2_c), never loading the file; the small top-level metadata
+  (``distributedInfo``, ``deviceProperties``, ``baseTimeNanoseconds``, ``host_name`` …), found
+  before or after the event list, is collected into a dict as the stream passes it.
+- classification: `kernel_class` (GPU activity → one of `KERNEL_CLASSES`), `phase_of` (CPU op or
+  user annotation → a standard phase), `collective_op` (NCCL/Gloo/c10d names → one of
+  `COLLECTIVE_OPS`), `dtype_bytes`.
+- `union_us`: the length of a union of intervals (overlaps counted once).
+
+Every failure to read a trace is a `TraceError` whose message is one line naming the file.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import gzip
+import itertools
+import json
+import operator
+import re
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import ijson
+import numpy as np
+
+from perfloop.exceptions import PerfloopError
+
+__all__ = [
+    "EVENTS_PREFIX",
+    "GPU_CATS",
+    "HOST_CATS",
+    "LAUNCH_CATS",
+    "TraceError",
+    "collective_op",
+    "dtype_bytes",
+    "is_launch",
+    "iter_events",
+    "iter_trace",
+    "kernel_class",
+    "phase_of",
+    "union_us",
+]
+
+
+class TraceError(PerfloopError):
+    """A trace file that cannot be replayed; the message names the file and the reason."""
+
+
+# Event categories, lower-cased: new Kineto names and the capitalised ones of PyTorch ≤ 1.9.
+GPU_CATS: dict[str, str] = {
+    "kernel": "kernel",
+    "gpu_memcpy": "memcpy",
+    "memcpy": "memcpy",
+    "gpu_memset": "memset",
+    "memset": "memset",
+}
+"""GPU activity categories and the class their events get when the name says nothing more."""
+LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver", "runtime", "driver"})
+"""Host-side runtime calls; those that launch work carry the ``correlation`` of their activity."""
+HOST_CATS = frozenset({"cpu_op", "operator", "user_annotation"})
+"""Host-side spans that can mark a phase (``python_function`` stacks are left out)."""
+
+# Top-level keys kept from a trace (everything else is skipped without being built).
+META_KEYS = frozenset(
+    {
+        "schemaVersion",
+        "distributedInfo",
+        "deviceProperties",
+        "baseTimeNanoseconds",
+        "displayTimeUnit",
+        "traceName",
+        "host_name",
+        "hostname",
+    }
+)
+
+EVENTS_PREFIX = "_events_prefix"
+_END_OF_EVENTS = ("traceEvents", "end_array", None)
+_END_OF_TOP_ARRAY = ("", "end_array", None)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:200]
+
+
+def _open(path: Path) -> BinaryIO:
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 - closed by iter_trace's finally
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
+    magic = fh.read(2)
+    fh.seek(0)
+    if magic == b"\x1f\x8b":
+        return gzip.GzipFile(fileobj=fh, mode="rb")  # type: ignore[return-value]
+    return fh
+
+
+def iter_trace(path: str | Path, meta: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Yield the trace's events one by one; fill ``meta`` with its top-level metadata.
+
+    ``meta`` is complete only once the iterator is exhausted (Kineto writes some keys, such
+    as ``baseTimeNanoseconds``, after the event list); ``meta[EVENTS_PREFIX]`` then holds the
+    ijson prefix of the events, for a second pass with `iter_events`. Raises `TraceError` for
+    a file that is not JSON, a truncated gzip stream or a trace without ``traceEvents``.
+
+    The metadata before the events is read token by token (it is small); the events are
+    built by ijson in C; the keys after them are parsed from the last 64 KiB of the text,
+    and only if that fails is the document's outline read again, token by token.
+    """
+    p = Path(path)
+    prefix = _read_head(p, meta)
+    meta[EVENTS_PREFIX] = prefix
+    fh = _open(p)
+    tail = _Tail(fh)
+    try:
+        with _translated(p):
+            yield from _dicts(ijson.items(tail, prefix, use_float=True))
+    finally:
+        fh.close()
+    if prefix == "item":
+        return  # the bare-array form has no metadata
+    after = _trailing_keys(tail.bytes())
+    if after is None:
+        after = _read_after_events(p)
+    for key, value in after.items():
+        if key in META_KEYS:
+            meta[key] = value
+
+
+def _read_head(p: Path, meta: dict[str, Any]) -> str:
+    """Collect the metadata keys before ``traceEvents``; return the events' ijson prefix."""
+    fh = _open(p)
+    try:
+        with _translated(p):
+            tokens = ijson.parse(fh, use_float=True)
+            first = next(tokens, None)
+            if first is None:
+                raise TraceError(f"{p}: empty file")
+            if first[:2] == ("", "start_array"):  # the bare-array form of the Chrome format
+                return "item"
+            if first[:2] != ("", "start_map"):
+                raise TraceError(f"{p}: not a trace: the JSON document is not an object")
+            for prefix, event, value in tokens:
+                if prefix != "" or event != "map_key":
+                    continue  # the closing end_map
+                if value == "traceEvents":
+                    _, ev, _ = next(tokens)
+                    if ev != "start_array":
+                        raise TraceError(f"{p}: not a trace: 'traceEvents' is not a list")
+                    return "traceEvents.item"
+                if value in META_KEYS:
+                    meta[value] = _build(tokens)
+                else:
+                    _skip(tokens)
+    finally:
+        fh.close()
+    raise TraceError(f"{p}: not a trace: no 'traceEvents' list")
+
+
+def _read_after_events(p: Path) -> dict[str, Any]:
+    """The top-level keys after ``traceEvents``, the slow way (the list is skipped in C)."""
+    out: dict[str, Any] = {}
+    fh = _open(p)
+    try:
+        with _translated(p):
+            tokens = ijson.parse(fh, use_float=True)
+            seen = False
+            for prefix, event, value in tokens:
+                if prefix != "" or event != "map_key":
+                    continue
+                if value == "traceEvents":
+                    seen = True
+                    drain = itertools.takewhile(
+                        functools.partial(operator.ne, _END_OF_EVENTS), tokens
+                    )
+                    collections.deque(drain, maxlen=0)
+                elif seen and value in META_KEYS:
+                    out[value] = _build(tokens)
+                else:
+                    _skip(tokens)
+    finally:
+        fh.close()
+    return out
+
+
+class _Tail:
+    """A file wrapper that remembers the last ``keep`` bytes read through it."""
+
+    def __init__(self, fh: BinaryIO, keep: int = 1 << 16) -> None:
+        self._fh, self._keep = fh, keep
+        self._last = b""
+        self._prev = b""
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._fh.read(n)
+        if data:
+            if len(data) >= self._keep:
+                self._prev, self._last = b"", data[-self._keep :]
+            else:
+                self._prev, self._last = self._last, data
+        return data
+
+    def bytes(self) -> bytes:
+        return (self._prev + self._last)[-self._keep :]
+
+
+_EVENTS_END = re.compile(rb"[}\[]\s*\]\s*([,}])")
+
+
+def _trailing_keys(tail: bytes) -> dict[str, Any] | None:
+    """Parse the keys that follow the events list from the end of the document.
+
+    The boundary is the leftmost ``}]`` (or ``[]``) whose remainder is a complete JSON
+    object body: anything to its left inside the event list leaves unbalanced text. ``None``
+    when no boundary is found in ``tail`` (the caller then reads the outline again).
+    """
+    for m in _EVENTS_END.finditer(tail):
+        if m.group(1) == b"}":
+            if not tail[m.end() :].strip():
+                return {}
+            continue
+        try:
+            doc = json.loads(b"{" + tail[m.end() :])
+        except ValueError:
+            continue
+        if isinstance(doc, dict):
+            return doc
+    return None
+
+
+def iter_events(path: str | Path, prefix: str) -> Iterator[dict[str, Any]]:
+    """Yield the events under ``prefix`` (from a first pass's ``meta[EVENTS_PREFIX]``).
+
+    About three times faster than `iter_trace`: ijson builds the events in C and skips the
+    rest of the document without handing it to Python.
+    """
+    p = Path(path)
+    fh = _open(p)
+    try:
+        with _translated(p):
+            yield from _dicts(ijson.items(fh, prefix, use_float=True))
+    finally:
+        fh.close()
+
+
+@contextlib.contextmanager
+def _translated(p: Path) -> Iterator[None]:
+    """Turn the parser's and the decompressor's errors into one-line `TraceError`s."""
+    try:
+        yield
+    except TraceError:
+        raise
+    except ijson.JSONError as e:
+        raise TraceError(f"{p}: not valid JSON: {_one_line(e)}") from None
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise TraceError(f"{p}: truncated or corrupt gzip stream: {_one_line(e)}") from None
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{p}: not valid JSON: {_one_line(e)}") from None
+    except OSError as e:
+        raise TraceError(f"{p}: cannot read: {_one_line(e)}") from None
+
+
+def _dicts(items: Iterator[Any]) -> Iterator[dict[str, Any]]:
+    return (i for i in items if type(i) is dict)
+
+
+def _build(tokens: Iterator[tuple[str, str, Any]]) -> Any:
+    """Build the value that starts at the next token (small metadata values only)."""
+    builder = ijson.ObjectBuilder()
+    depth = 0
+    for _, event, value in tokens:
+        builder.event(event, value)
+        if event in ("start_map", "start_array"):
+            depth += 1
+        elif event in ("end_map", "end_array"):
+            depth -= 1
+        if depth == 0:
+            return builder.value
+    return builder.value
+
+
+def _skip(tokens: Iterator[tuple[str, str, Any]]) -> None:
+    depth = 0
+    for _, event, _ in tokens:
+        if event in ("start_map", "start_array"):
+            depth += 1
+        elif event in ("end_map", "end_array"):
+            depth -= 1
+        if depth == 0:
+            return
+
+
+# --- what a GPU activity is -------------------------------------------------------------------
+
+_KERNEL_RULES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
+    (cls, re.compile(rx))
+    for cls, rx in (
+        ("comm", r"nccl|rccl|all_?reduce_kernel|cross_device_reduce"),
+        ("memcpy", r"^memcpy"),
+        ("memset", r"^memset"),
+        ("attention", r"flash|attention|attn|fmha|_mha|mha_|sdpa|xformers"),
+        (
+            "norm",
+            r"layer_?norm|batch_?norm|rms_?norm|group_?norm|instance_?norm|bn_fw|bn_bw"
+            r"|cudnn::bn_|normalization|welford|rowwisemoments|gammabeta",
+        ),
+        (
+            "conv",
+            r"conv|fprop|dgrad|wgrad|winograd|fft2d|cudnn::cnn|scudnn|im2col|col2im"
+            r"|nchwtonhwc|nhwctonchw|implicit_?gemm|cask_cudnn",
+        ),
+        (
+            "gemm",
+            r"(?<!fb)gemm|gemv|matmul|cublas|cutlass|^cijk_|wmma|xmma|sm\d\d_|mma_|bmm|splitkreduce"
+            r"|triton_mm|triton_tem",
+        ),
+        (
+            "reduction",
+            r"reduce|reduction|softmax|argmax|argmin|cub::|scan|_sum_|sum_kernel|mean_kernel"
+            r"|max_?pool|avg_?pool|average_?pool|adaptive_max|triton_red|triton_per|norm_kernel|topk",
+        ),
+        (
+            "elementwise",
+            r"elementwise|vectorized|pointwise|triton_poi|fill|copy|multi_tensor_apply"
+            r"|dropout|catarray|where_kernel|clamp|activation|relu|gelu|silu|sigmoid|tanh"
+            r"|add_kernel|mul_kernel|index_elementwise",
+        ),
+    )
+)
+
+
+@functools.lru_cache(maxsize=8192)  # kernel names repeat: a step launches the same few hundred
+def kernel_class(name: str, cat: str) -> str:
+    """The class of one GPU activity, from its name and (lower-cased) category.
+
+    >>> kernel_class("ampere_sgemm_32x32_sliced1x4_tn", "kernel")
+    'gemm'
+    >>> kernel_class("sm80_xmma_fprop_implicit_gemm_indexed_tf32f32", "kernel")
+    'conv'
+    >>> kernel_class("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*)", "kernel")
+    'comm'
+    >>> kernel_class("Memcpy DtoD (Device -> Device)", "gpu_memcpy")
+    'memcpy'
+    >>> kernel_class("Cijk_Alik_Bljk_SB_Bias_AS_SAV_UserArgs_MT64x16x32", "kernel")
+    'gemm'
+    >>> kernel_class("mystery", "kernel")
+    'other'
+    """
+    base = GPU_CATS.get(cat, "kernel")
+    if base != "kernel":
+        return base
+    low = name.lower()
+    for cls, rx in _KERNEL_RULES:
+        if rx.search(low):
+            return cls
+    return "other"
+
+
+# --- what a host span is ----------------------------------------------------------------------
+
+PHASES = ("data_wait", "comm", "optimizer", "checkpoint", "eval", "backward", "forward")
+"""Phases a host span can mark, highest priority first: where marks overlap, the earlier wins
+(a blocking collective inside the forward annotation is comm; zero_grad inside nothing else is
+optimizer)."""
+
+_PHASE_ALIASES = {
+    "data_wait": "data_wait",
+    "data_load": "data_wait",
+    "data_loading": "data_wait",
+    "dataloader": "data_wait",
+    "data": "data_wait",
+    "forward": "forward",
+    "fwd": "forward",
+    "backward": "backward",
+    "bwd": "backward",
+    "optimizer": "optimizer",
+    "optimizer_step": "optimizer",
+    "optim": "optimizer",
+    "zero_grad": "optimizer",
+    "comm": "comm",
+    "checkpoint": "checkpoint",
+    "eval": "eval",
+    "evaluation": "eval",
+    "validation": "eval",
+}
+_COMM_PREFIXES = ("nccl:", "gloo:", "mpi:", "ucc:", "xccl:", "c10d::", "record_param_comms")
+
+
+def phase_of(name: str) -> str | None:
+    """The standard phase a host span marks, or ``None`` when it marks none.
+
+    >>> phase_of("Optimizer.step#SGD.step"), phase_of("## backward ##")
+    ('optimizer', 'backward')
+    >>> phase_of("autograd::engine::evaluate_function: ConvolutionBackward0")
+    'backward'
+    >>> phase_of("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__")
+    'data_wait'
+    >>> phase_of("gloo:all_reduce"), phase_of("DistributedDataParallel.forward")
+    ('comm', 'forward')
+    >>> phase_of("aten::add") is None
+    True
+    """
+    if name.startswith("autograd::engine::evaluate_function:"):
+        return "backward"
+    if name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")):
+        return "optimizer"
+    if name.startswith("enumerate(DataLoader)"):
+        return "data_wait"
+    if name.startswith(_COMM_PREFIXES):
+        return "comm"
+    if name.endswith(".forward") and "DataParallel" in name:
+        return "forward"
+    key = name.strip()
+    if key.startswith("##") and key.endswith("##"):
+        key = key[2:-2]
+    key = key.strip().lower().replace(" ", "_").replace("-", "_")
+    return _PHASE_ALIASES.get(key)
+
+
+# --- collectives --------------------------------------------------------------------------------
+
+_OP_RULES: tuple[tuple[str, str], ...] = (
+    ("allreduce", "all_reduce"),
+    ("reducescatter", "reduce_scatter"),
+    ("allgather", "all_gather"),
+    ("alltoall", "all_to_all"),
+    ("sendrecv", "other"),
+    ("broadcast", "broadcast"),
+    ("barrier", "barrier"),
+    ("gather", "gather"),
+    ("scatter", "scatter"),
+    ("reduce", "reduce"),
+    ("send", "send"),
+    ("recv", "recv"),
+)
+
+
+def collective_op(name: str) -> str:
+    """Normalise a collective's name (``Collective name`` arg, ``nccl:…``, kernel name).
+
+    >>> collective_op("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*)")
+    'all_reduce'
+    >>> collective_op("nccl:_all_gather_base"), collective_op("alltoall_base")
+    ('all_gather', 'all_to_all')
+    >>> collective_op("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL")
+    'reduce_scatter'
+    >>> collective_op("ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t")
+    'other'
+    """
+    low = name.lower()
+    for prefix in ("nccldevkernel_", "ncclkernel_", "nccl:", "gloo:", "mpi:", "ucc:", "c10d::"):
+        if low.startswith(prefix):
+            low = low[len(prefix) :]
+            break
+    low = low.split("(")[0].replace("_", "")
+    for needle, op in _OP_RULES:
+        if low.startswith(needle):
+            return op
+    for needle, op in _OP_RULES:
+        if needle in low:
+            return op
+    return "other"
+
+
+_DTYPE_BYTES = {
+    "float": 4,
+    "float32": 4,
+    "double": 8,
+    "float64": 8,
+    "half": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int": 4,
+    "int32": 4,
+    "unsignedint": 4,
+    "uint32": 4,
+    "long": 8,
+    "longint": 8,
+    "int64": 8,
+    "uint64": 8,
+    "short": 2,
+    "int16": 2,
+    "uint16": 2,
+    "char": 1,
+    "signedchar": 1,
+    "int8": 1,
+    "byte": 1,
+    "unsignedchar": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float8e4m3fn": 1,
+    "float8e5m2": 1,
+    "float8e4m3fnuz": 1,
+    "float8e5m2fnuz": 1,
+    "complexfloat": 8,
+    "complexhalf": 4,
+    "complexdouble": 16,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes of one element of a profiler dtype name (``Float``, ``c10::BFloat16``…); 0 if unknown.
+
+    >>> dtype_bytes("Float"), dtype_bytes("c10::BFloat16"), dtype_bytes("signed char")
+    (4, 2, 1)
+    """
+    low = dtype.lower().removeprefix("c10::").removeprefix("torch.")
+    return _DTYPE_BYTES.get(low.replace(" ", "").replace("_", ""), 0)
+
+
+_LAUNCH = re.compile(r"launch|memcpy|memset", re.IGNORECASE)
+
+
+def is_launch(name: str) -> bool:
+    """Whether a runtime call starts GPU work (its correlation id names the activity).
+
+    >>> is_launch("cudaLaunchKernel"), is_launch("hipExtModuleLaunchKernel"), is_launch("cudaFree")
+    (True, True, False)
+    """
+    return _LAUNCH.search(name) is not None
+
+
+# --- interval unions ----------------------------------------------------------------------------
+
+
+def union_us(starts: np.ndarray, ends: np.ndarray) -> float:
+    """Total length of the union of intervals ``[starts[i], ends[i])`` (overlaps once).
+
+    >>> union_us(np.array([0.0, 5.0, 1.0, 20.0]), np.array([10.0, 7.0, 2.0, 21.0]))
+    11.0
+    """
+    if len(starts) == 0:
+        return 0.0
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    reach = np.maximum.accumulate(e)
+    opens = np.empty(len(s), dtype=bool)
+    opens[0] = True
+    opens[1:] = s[1:] > reach[:-1]  # a gap before this interval: a new merged run starts
+    closes = np.empty(len(s), dtype=bool)
+    closes[-1] = True
+    closes[:-1] = opens[1:]
+    return float(np.sum(reach[closes] - s[opens]))

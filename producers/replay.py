@@ -1,0 +1,775 @@
+"""Trace import: replay PyTorch-profiler (Kineto) traces as perfloop telemetry.
+
+``perfloop replay [--job-id ID] [--node N] TRACE…`` reads one trace file per rank (``.json``
+or ``.json.gz``, any Kineto schema version, events in any order) and publishes, per
+``ProfilerStep#N`` span of the trace:
+
+- a `StepEvent` (``step=N``, ``ts_ns`` = the step's end, ``step_time_ms``, ``data_wait_ms``);
+- `PhaseSpan` rows: depth 0 tiles the step with the phases its host spans mark (data wait,
+  forward, backward, comm, optimizer …; time nothing marks is phase ``user`` named ``other``),
+  depth 1 is every user annotation (``record_function``) as it was recorded;
+- `KernelSummary` rows: GPU busy time (union of intervals, overlaps once) and activity counts
+  per stream and kernel class, per class over all streams (``stream=-1``), and the step's GPU
+  busy time (``stream=-1``, ``kernel_class="all"``);
+- `CollectiveOp` rows, with sizes where the trace records them;
+- and once per trace a `JobInfo` (world size, backend, GPU name and count).
+
+Memory stays bounded by the steps, not the file: a first streaming pass keeps only the
+metadata, the ``ProfilerStep`` spans and, per GPU launch, its correlation id and step (12
+bytes); the second pass attributes each event to its step — a GPU activity to the step that
+*launched* it (the GPU may run tens of milliseconds behind the host), a host event to the step
+whose span holds its start — and keeps per step only GPU intervals (25 bytes each) and the
+few host spans that mark a phase. Depth-1 spans and collectives leave as they are read.
+
+>>> from perfloop.producers.replay import default_job_id
+>>> default_job_id("traces/sampled_rank-1.json.gz")
+'replay-sampled'
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import re
+import sys
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from perfloop.catalog import KIND_TOPICS
+from perfloop.exceptions import ConfigError
+from perfloop.producers._kineto import (
+    EVENTS_PREFIX,
+    GPU_CATS,
+    HOST_CATS,
+    LAUNCH_CATS,
+    PHASES,
+    TraceError,
+    collective_op,
+    dtype_bytes,
+    is_launch,
+    iter_events,
+    iter_trace,
+    kernel_class,
+    phase_of,
+    union_us,
+)
+from perfloop.producers.emitter import Emitter, Sends
+from perfloop.schemas import JobInfo
+from perfloop.schemas.base import JOB_ID_PATTERN
+from perfloop.schemas.telemetry import KERNEL_CLASSES
+
+__all__ = [
+    "ReplayResult",
+    "Step",
+    "TraceError",
+    "TraceIndex",
+    "default_job_id",
+    "index_trace",
+    "replay_command",
+    "replay_trace",
+]
+
+_STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
+_BACKEND_PREFIXES = ("nccl:", "gloo:", "mpi:", "ucc:", "xccl:")
+_CONTROL = re.compile(r"[\x00-\x1f]+")
+_CLASS_CODE = {c: i for i, c in enumerate(KERNEL_CLASSES)}
+_PHASE_CODE = {p: i for i, p in enumerate(PHASES)}
+_FLUSH_EVERY = 4096  # samples appended before the emitter hands a batch over
+_MAX_SAMPLES = 5000  # per message: 5000 spans with 128-character names stay far below 4 MiB
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One ``ProfilerStep#N`` span of the host timeline, in trace microseconds."""
+
+    number: int
+    start_us: float
+    end_us: float
+
+
+@dataclass
+class TraceIndex:
+    """What the first pass learns: metadata, steps, and the step of every GPU launch.
+
+    ``whole_trace`` is set when the trace has no ``ProfilerStep`` span and was indexed with
+    ``whole_trace=True``: one step 0 then spans the whole capture and no `StepEvent` is
+    published for it. ``comm_source`` says which events become `CollectiveOp` rows: NCCL
+    kernels (``kernel``), ``record_param_comms`` ops that carry a ``Collective name``,
+    ``nccl:…``/``gloo:…`` host spans (``annotation``) or ``c10d::`` ops (``c10d``).
+    """
+
+    path: Path
+    meta: dict[str, Any]
+    steps: list[Step]
+    whole_trace: bool
+    launch_corr: array  # sorted correlation ids of GPU launches
+    launch_step: array  # their step's index in `steps`, -1 outside every step
+    comm_source: str
+    device: int | None
+    events: int
+    gpu_events: int
+
+    @property
+    def rank(self) -> int:
+        info = self.meta.get("distributedInfo")
+        r = info.get("rank") if isinstance(info, dict) else None
+        return r if isinstance(r, int) and 0 <= r <= 1 << 20 else 0
+
+    @property
+    def world_size(self) -> int:
+        info = self.meta.get("distributedInfo")
+        w = info.get("world_size") if isinstance(info, dict) else None
+        return w if isinstance(w, int) and w >= 1 else 1
+
+    @property
+    def base_ns(self) -> int:
+        """Offset of the trace's clock from Unix time (``baseTimeNanoseconds``, new Kineto)."""
+        b = self.meta.get("baseTimeNanoseconds")
+        return b if isinstance(b, int) and b >= 0 else 0
+
+    @property
+    def host(self) -> str | None:
+        for key in ("host_name", "hostname"):
+            h = self.meta.get(key)
+            if isinstance(h, str) and 0 < len(h.strip()) <= 255:
+                return h.strip()
+        return None
+
+    def ns(self, ts_us: float) -> int:
+        """Unix nanoseconds of a trace timestamp (µs as a float; the sub-µs part kept)."""
+        whole = int(ts_us)
+        return max(0, self.base_ns + whole * 1000 + round((ts_us - whole) * 1000))
+
+    def step_at(self, ts_us: float) -> int | None:
+        """Index of the step whose span holds ``ts_us``, if any."""
+        i = bisect.bisect_right(self._starts, ts_us) - 1
+        if i >= 0 and ts_us <= self.steps[i].end_us:
+            return i
+        return None
+
+    def launched_in(self, correlation: Any) -> int | None:
+        """Index of the step that launched the GPU activity with this correlation id.
+
+        -1 when it was launched outside every step; ``None`` when no launch has this id
+        (the trace lost it: then the caller falls back on the activity's own time).
+        """
+        if type(correlation) is not int:
+            return None
+        i = bisect.bisect_left(self.launch_corr, correlation)
+        if i < len(self.launch_corr) and self.launch_corr[i] == correlation:
+            return int(self.launch_step[i])
+        return None
+
+    def __post_init__(self) -> None:
+        self._starts = [s.start_us for s in self.steps]
+
+
+def _num(v: Any) -> float | None:
+    if type(v) is float or type(v) is int:
+        return float(v)
+    return None
+
+
+def index_trace(path: str | Path, *, whole_trace: bool = False) -> TraceIndex:
+    """First pass over a trace: metadata, ``ProfilerStep`` spans, GPU launches by step.
+
+    Raises `TraceError` when the trace cannot be read or has no ``ProfilerStep#N`` span
+    (unless ``whole_trace``: then one step 0 spans the capture).
+    """
+    p = Path(path)
+    meta: dict[str, Any] = {}
+    steps: dict[int, tuple[float, float]] = {}
+    corr = array("q")
+    launch_ts = array("d")
+    lo, hi = float("inf"), float("-inf")
+    events = gpu_events = 0
+    nccl_kernels = rpc_collectives = backend_spans = c10d_ops = False
+    device: int | None = None
+    for ev in iter_trace(p, meta):
+        events += 1
+        if ev.get("ph") != "X":
+            continue
+        ts, dur = _num(ev.get("ts")), _num(ev.get("dur"))
+        if ts is None:
+            continue
+        dur = dur if dur is not None and dur >= 0 else 0.0
+        lo, hi = min(lo, ts), max(hi, ts + dur)
+        cat = ev.get("cat")
+        cat = cat.lower() if type(cat) is str else ""
+        name = ev.get("name")
+        if type(name) is not str:
+            continue
+        args = ev.get("args")
+        args = args if type(args) is dict else {}
+        if cat in GPU_CATS:
+            gpu_events += 1
+            if device is None and type(args.get("device")) is int:
+                device = args["device"]
+            if not nccl_kernels and cat == "kernel" and kernel_class(name, cat) == "comm":
+                nccl_kernels = True
+        elif cat in LAUNCH_CATS:
+            c = args.get("correlation")
+            if type(c) is int and is_launch(name):
+                corr.append(c)
+                launch_ts.append(ts)
+        elif cat in HOST_CATS:
+            m = _STEP_NAME.match(name)
+            if m:
+                n = int(m.group(1))
+                s0, e0 = steps.get(n, (ts, ts + dur))
+                steps[n] = (min(s0, ts), max(e0, ts + dur))  # one step seen on two threads
+            elif name == "record_param_comms" and "Collective name" in args:
+                rpc_collectives = True
+            elif name.startswith(_BACKEND_PREFIXES):
+                backend_spans = True
+            elif name.startswith("c10d::"):
+                c10d_ops = True
+    ordered = [Step(n, s, e) for n, (s, e) in sorted(steps.items(), key=lambda kv: kv[1])]
+    if not ordered:
+        if not whole_trace:
+            raise TraceError(
+                f"{p}: no ProfilerStep#N span in {events} events, so no step to attribute "
+                "them to (record with torch.profiler.schedule and call prof.step() each step)"
+            )
+        if hi < lo:
+            raise TraceError(f"{p}: no timed ('X') event in {events} events")
+        ordered = [Step(0, lo, hi)]
+    source = (
+        "kernel"
+        if nccl_kernels
+        else "record_param_comms"
+        if rpc_collectives
+        else "annotation"
+        if backend_spans
+        else "c10d"
+        if c10d_ops
+        else "none"
+    )
+    launch_corr, launch_step = _launch_table(ordered, corr, launch_ts)
+    return TraceIndex(
+        p,
+        meta,
+        ordered,
+        whole_trace=not steps,
+        launch_corr=launch_corr,
+        launch_step=launch_step,
+        comm_source=source,
+        device=device,
+        events=events,
+        gpu_events=gpu_events,
+    )
+
+
+def _launch_table(steps: list[Step], corr: array, ts: array) -> tuple[array, array]:
+    """Sorted correlation ids of the launches, and their step's index (-1: outside steps)."""
+    if not corr:
+        return array("q"), array("i")
+    c = np.frombuffer(corr, dtype=np.int64)
+    t = np.frombuffer(ts, dtype=np.float64)
+    starts = np.array([s.start_us for s in steps])
+    ends = np.array([s.end_us for s in steps])
+    i = np.searchsorted(starts, t, side="right") - 1
+    inside = (i >= 0) & (t <= ends[np.clip(i, 0, None)])
+    i = np.where(inside, i, -1)
+    order = np.argsort(c, kind="stable")
+    out_c, out_i = array("q"), array("i")
+    out_c.frombytes(c[order].astype(np.int64).tobytes())
+    out_i.frombytes(i[order].astype(np.int32).tobytes())
+    return out_c, out_i
+
+
+class _StepState:
+    """What one step keeps until the end of the second pass: GPU intervals, phase marks."""
+
+    __slots__ = ("g_cls", "g_end", "g_start", "g_stream", "m_end", "m_phase", "m_start")
+
+    def __init__(self) -> None:
+        self.g_start, self.g_end = array("d"), array("d")
+        self.g_stream, self.g_cls = array("q"), array("b")
+        self.m_start, self.m_end, self.m_phase = array("d"), array("d"), array("b")
+
+
+@dataclass
+class ReplayResult:
+    """What one trace published."""
+
+    path: Path
+    job_id: str
+    node: str
+    rank: int
+    steps: int = 0
+    spans: int = 0
+    kernel_rows: int = 0
+    collectives: int = 0
+    gpu_events: int = 0
+    unattributed_gpu_events: int = 0
+    whole_trace: bool = False
+    comm_source: str = "none"
+    messages: int = 0
+    step_numbers: list[int] = field(default_factory=list)
+
+
+def _clean(name: str) -> str:
+    return _CONTROL.sub(" ", name).strip()[:128]
+
+
+def replay_trace(
+    path: str | Path,
+    publisher: Sends,
+    *,
+    job_id: str,
+    node: str | None = None,
+    whole_trace: bool = False,
+    index: TraceIndex | None = None,
+) -> ReplayResult:
+    """Replay one trace file (one rank) through ``publisher``; return what was published.
+
+    ``node`` defaults to the trace's ``host_name``, else ``"replay"``. Raises `TraceError`
+    for a trace that cannot be replayed; nothing of it has been published then, except when
+    the file breaks off in the middle of the second pass (it was read whole once before).
+    """
+    idx = index or index_trace(path, whole_trace=whole_trace)
+    node = node or idx.host or "replay"
+    rank = idx.rank
+    em = Emitter(
+        publisher, job_id=job_id, node=node, producer_id="replay", max_samples=_MAX_SAMPLES
+    )
+    res = ReplayResult(
+        idx.path, job_id, node, rank, whole_trace=idx.whole_trace, comm_source=idx.comm_source
+    )
+    em.event(_job_info(idx, job_id, node))
+    states: list[_StepState | None] = [None] * len(idx.steps)
+    pending = 0
+
+    def state(i: int) -> _StepState:
+        s = states[i]
+        if s is None:
+            s = states[i] = _StepState()
+        return s
+
+    steps = idx.steps
+    source = idx.comm_source
+    for ev in iter_events(idx.path, idx.meta[EVENTS_PREFIX]):
+        if ev.get("ph") != "X":
+            continue
+        ts, dur = _num(ev.get("ts")), _num(ev.get("dur"))
+        name = ev.get("name")
+        if ts is None or type(name) is not str:
+            continue
+        dur = dur if dur is not None and dur >= 0 else 0.0
+        cat = ev.get("cat")
+        cat = cat.lower() if type(cat) is str else ""
+        args = ev.get("args")
+        args = args if type(args) is dict else {}
+        if cat in GPU_CATS:
+            res.gpu_events += 1
+            i = idx.launched_in(args.get("correlation"))
+            if i is None:
+                i = idx.step_at(ts)
+            if i is None or i < 0:
+                res.unattributed_gpu_events += 1
+                continue
+            cls = kernel_class(name, cat)
+            stream = args.get("stream", ev.get("tid"))
+            st = state(i)
+            st.g_start.append(ts)
+            st.g_end.append(ts + dur)
+            st.g_stream.append(stream if type(stream) is int and stream >= 0 else 0)
+            st.g_cls.append(_CLASS_CODE[cls])
+            if cls == "comm" and source == "kernel" and cat == "kernel":
+                pending += _collective(em, idx, steps[i], rank, ts, dur, name, args, sizes=True)
+                res.collectives += 1
+        elif cat in HOST_CATS:
+            if _STEP_NAME.match(name):
+                continue
+            i = idx.step_at(ts)
+            if i is None:
+                continue
+            phase = phase_of(name)
+            if phase is not None:
+                st = state(i)
+                st.m_start.append(ts)
+                st.m_end.append(ts + dur)
+                st.m_phase.append(_PHASE_CODE[phase])
+            if cat == "user_annotation" and (label := _clean(name)):
+                em.add(
+                    "span",
+                    ts_ns=idx.ns(ts),
+                    rank=rank,
+                    step=steps[i].number,
+                    phase=phase or "user",
+                    name=label,
+                    duration_ms=dur / 1000.0,
+                    depth=1,
+                )
+                res.spans += 1
+                pending += 1
+            if (
+                (source == "record_param_comms" and name == "record_param_comms")
+                and "Collective name" in args
+            ) or (
+                (source == "annotation" and name.startswith(_BACKEND_PREFIXES))
+                or (source == "c10d" and name.startswith("c10d::"))
+            ):
+                rpc = source == "record_param_comms"
+                pending += _collective(em, idx, steps[i], rank, ts, dur, name, args, sizes=rpc)
+                res.collectives += 1
+        if pending >= _FLUSH_EVERY:
+            em.flush()
+            pending = 0
+    for i, step in enumerate(steps):
+        pending += _emit_step(em, idx, step, states[i], rank, res)
+        states[i] = None
+        if pending >= _FLUSH_EVERY:
+            em.flush()
+            pending = 0
+    em.close()
+    res.messages = em.messages
+    return res
+
+
+def _job_info(idx: TraceIndex, job_id: str, node: str) -> JobInfo:
+    info = idx.meta.get("distributedInfo")
+    info = info if isinstance(info, dict) else {}
+    props = idx.meta.get("deviceProperties")
+    props = [d for d in props if isinstance(d, dict)] if isinstance(props, list) else []
+    mine = next((d for d in props if d.get("id") == idx.device), props[0] if props else {})
+    name, mem = mine.get("name"), mine.get("totalGlobalMem")
+    backend = info.get("backend")
+    extra = {"source": "trace_replay", "trace": idx.path.name[:256]}
+    if idx.whole_trace:
+        extra["steps"] = "whole trace (no ProfilerStep spans)"
+    if isinstance(idx.meta.get("schemaVersion"), int):
+        extra["kineto_schema_version"] = str(idx.meta["schemaVersion"])
+    return JobInfo(
+        ts_ns=idx.ns(idx.steps[0].start_us),
+        job_id=job_id,
+        node=node,
+        rank=idx.rank,
+        world_size=idx.world_size,
+        backend=backend[:256] if isinstance(backend, str) else "",
+        gpu_name=name[:256] if isinstance(name, str) else "",
+        gpu_count=len(props),
+        gpu_mem_bytes=mem if isinstance(mem, int) and mem >= 0 else 0,
+        framework="pytorch",
+        extra=extra,
+    )
+
+
+def _collective(
+    em: Emitter,
+    idx: TraceIndex,
+    step: Step,
+    rank: int,
+    ts: float,
+    dur: float,
+    name: str,
+    args: dict[str, Any],
+    *,
+    sizes: bool,
+) -> int:
+    """Publish one collective; sizes from NCCL/record_param_comms args or the input dims."""
+    coll = args.get("Collective name")
+    op = collective_op(coll if isinstance(coll, str) and coll else name)
+    dtype, size = "", 0
+    if sizes:
+        d = args.get("dtype")
+        dtype = d if isinstance(d, str) else ""
+        nelems = [args.get(k) for k in ("In msg nelems", "Out msg nelems")]
+        n = max((v for v in nelems if type(v) is int and v >= 0), default=0)
+        size = n * dtype_bytes(dtype)
+    else:  # the host span's first input: its shape and element type
+        dims, types = args.get("Input Dims"), args.get("Input type")
+        shape = dims[0] if isinstance(dims, list) and dims else None
+        if isinstance(shape, list) and shape and all(type(x) is int and x >= 0 for x in shape):
+            n = int(np.prod(shape, dtype=np.int64))
+            t = types[0] if isinstance(types, list) and types else ""
+            dtype = t if isinstance(t, str) else ""
+            size = n * dtype_bytes(dtype)
+    group = args.get("Process Group Name")
+    if not isinstance(group, str | int) or isinstance(group, bool):
+        ranks = args.get("Process Group Ranks")
+        group = ranks if isinstance(ranks, str) and len(ranks) <= 128 else ""
+    group = str(group)[:128]
+    gsize = args.get("Group size")
+    if type(gsize) is not int or gsize < 0:
+        gsize = _pg_size(idx, group)
+    em.add(
+        "collective",
+        ts_ns=idx.ns(ts),
+        rank=rank,
+        step=step.number,
+        op=op,
+        size_bytes=size,
+        group=group,
+        group_size=gsize,
+        duration_ms=dur / 1000.0,
+        dtype=_clean(dtype)[:32],
+    )
+    return 1
+
+
+def _pg_size(idx: TraceIndex, group: str) -> int:
+    info = idx.meta.get("distributedInfo")
+    pgs = info.get("pg_config") if isinstance(info, dict) else None
+    for pg in pgs if isinstance(pgs, list) else ():
+        if isinstance(pg, dict) and str(pg.get("pg_name")) == group:
+            size = pg.get("pg_size")
+            return size if type(size) is int and size >= 0 else 0
+    return 0
+
+
+def _emit_step(
+    em: Emitter, idx: TraceIndex, step: Step, st: _StepState | None, rank: int, res: ReplayResult
+) -> int:
+    """Publish a step's event, its depth-0 phase tiling and its kernel summaries."""
+    added = 0
+    empty = _StepState()
+    st = st or empty
+    tiles = tile_step(
+        step.start_us,
+        step.end_us,
+        np.frombuffer(st.m_start, dtype=np.float64),
+        np.frombuffer(st.m_end, dtype=np.float64),
+        np.frombuffer(st.m_phase, dtype=np.int8),
+    )
+    data_wait_us = sum(e - s for s, e, phase, _ in tiles if phase == "data_wait")
+    if not idx.whole_trace and step.end_us > step.start_us:
+        em.add(
+            "step",
+            ts_ns=idx.ns(step.end_us),
+            rank=rank,
+            step=step.number,
+            step_time_ms=(step.end_us - step.start_us) / 1000.0,
+            data_wait_ms=data_wait_us / 1000.0,
+        )
+        res.steps += 1
+        res.step_numbers.append(step.number)
+        added += 1
+    if tiles:
+        em.extend(
+            "span",
+            ts_ns=[idx.ns(s) for s, _, _, _ in tiles],
+            rank=[rank] * len(tiles),
+            step=[step.number] * len(tiles),
+            phase=[phase for _, _, phase, _ in tiles],
+            name=[name for _, _, _, name in tiles],
+            duration_ms=[(e - s) / 1000.0 for s, e, _, _ in tiles],
+            depth=[0] * len(tiles),
+        )
+        res.spans += len(tiles)
+        added += len(tiles)
+    if idx.gpu_events:
+        rows = kernel_rows(
+            np.frombuffer(st.g_start, dtype=np.float64),
+            np.frombuffer(st.g_end, dtype=np.float64),
+            np.frombuffer(st.g_stream, dtype=np.int64),
+            np.frombuffer(st.g_cls, dtype=np.int8),
+        )
+        em.extend(
+            "kernel",
+            ts_ns=[idx.ns(step.start_us)] * len(rows),
+            rank=[rank] * len(rows),
+            step=[step.number] * len(rows),
+            stream=[r[0] for r in rows],
+            kernel_class=[r[1] for r in rows],
+            count=[r[2] for r in rows],
+            busy_ms=[r[3] / 1000.0 for r in rows],
+        )
+        res.kernel_rows += len(rows)
+        added += len(rows)
+    return added
+
+
+def kernel_rows(
+    start: np.ndarray, end: np.ndarray, stream: np.ndarray, cls: np.ndarray
+) -> list[tuple[int, str, int, float]]:
+    """``(stream, kernel_class, count, busy_us)`` rows of one step's GPU activities.
+
+    One row per stream and class, per stream over its classes (``"all"``), per class over
+    all streams (stream ``-1``), and the step's GPU busy time (stream ``-1``, ``"all"``);
+    busy time is the union of the intervals. A step without GPU activity gets the last row
+    only, with zeros.
+
+    >>> import numpy as np
+    >>> kernel_rows(np.array([0.0, 5.0, 2.0]), np.array([10.0, 12.0, 4.0]),
+    ...             np.array([7, 7, 9]), np.array([0, 0, 3], dtype=np.int8))
+    [(-1, 'all', 3, 12.0), (-1, 'gemm', 2, 12.0), (-1, 'elementwise', 1, 2.0), \
+(7, 'all', 2, 12.0), (7, 'gemm', 2, 12.0), (9, 'all', 1, 2.0), (9, 'elementwise', 1, 2.0)]
+    """
+    rows = [(-1, "all", len(start), union_us(start, end))]
+    for code in np.unique(cls):
+        m = cls == code
+        rows.append((-1, KERNEL_CLASSES[int(code)], int(m.sum()), union_us(start[m], end[m])))
+    for s in np.unique(stream):
+        on = stream == s
+        rows.append((int(s), "all", int(on.sum()), union_us(start[on], end[on])))
+        for code in np.unique(cls[on]):
+            m = on & (cls == code)
+            rows.append(
+                (int(s), KERNEL_CLASSES[int(code)], int(m.sum()), union_us(start[m], end[m]))
+            )
+    return rows
+
+
+def tile_step(
+    start: float, end: float, m_start: np.ndarray, m_end: np.ndarray, m_phase: np.ndarray
+) -> list[tuple[float, float, str, str]]:
+    """Tile ``[start, end]`` with phases: ``(start_us, end_us, phase, name)``, in order.
+
+    Each instant takes the highest-priority phase (`PHASES` order) among the marks covering
+    it. Unmarked time before the first backward mark is ``forward`` (when the step has a
+    backward); any other unmarked time is phase ``user``, name ``other``. Adjacent tiles of
+    one phase are merged; together the tiles cover the step exactly once.
+
+    >>> import numpy as np
+    >>> codes = np.array([PHASES.index("backward"), PHASES.index("optimizer")], dtype=np.int8)
+    >>> for t in tile_step(0.0, 10.0, np.array([4.0, 8.0]), np.array([7.0, 9.0]), codes):
+    ...     print(t)
+    (0.0, 4.0, 'forward', 'forward')
+    (4.0, 7.0, 'backward', 'backward')
+    (7.0, 8.0, 'user', 'other')
+    (8.0, 9.0, 'optimizer', 'optimizer')
+    (9.0, 10.0, 'user', 'other')
+    """
+    if not end > start:
+        return []
+    s = np.clip(m_start, start, end)
+    e = np.clip(m_end, start, end)
+    keep = e > s
+    s, e, ph = s[keep], e[keep], m_phase[keep]
+    backward = PHASES.index("backward")
+    bw = s[ph == backward]
+    first_backward = float(bw.min()) if len(bw) else None
+    # Sweep over the marks' boundaries with a count of open marks per phase.
+    times = np.concatenate([s, e])
+    deltas = np.concatenate([np.ones(len(s), dtype=np.int64), -np.ones(len(e), dtype=np.int64)])
+    phases = np.concatenate([ph, ph]).astype(np.int64)
+    order = np.lexsort((deltas, times))
+    counts = [0] * len(PHASES)
+    tiles: list[tuple[float, float, str, str]] = []
+    cur = start
+
+    def label(a: float, b: float) -> None:
+        if not b > a:
+            return
+        active = next((p for p, c in enumerate(counts) if c > 0), None)
+        if active is not None:
+            phase = name = PHASES[active]
+        elif first_backward is not None and b <= first_backward:
+            phase = name = "forward"
+        else:
+            phase, name = "user", "other"
+        if tiles and tiles[-1][2] == phase and tiles[-1][3] == name and tiles[-1][1] == a:
+            tiles[-1] = (tiles[-1][0], b, phase, name)
+        else:
+            tiles.append((a, b, phase, name))
+
+    for k in order:
+        t = float(times[k])
+        if t > cur:
+            label(cur, t)
+            cur = t
+        counts[int(phases[k])] += int(deltas[k])
+    label(cur, end)
+    return tiles
+
+
+# --- the command line -------------------------------------------------------------------------
+
+_JOB_ID = re.compile(JOB_ID_PATTERN)
+_SUFFIXES = (".gz", ".json", ".trace", ".pt")
+_RANK_MARK = re.compile(r"[_.-]?rank[_-]?\d+", re.IGNORECASE)
+
+
+def default_job_id(path: str | Path) -> str:
+    """A job id from a trace's file name: its stem without extensions and rank marker.
+
+    >>> default_job_id("rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz")
+    'replay-Apr_03_18_51_38.1102'
+    >>> default_job_id("/tmp/rank0.json")
+    'replay-trace'
+    """
+    name = Path(path).name
+    changed = True
+    while changed:
+        changed = False
+        for suffix in _SUFFIXES:
+            if name.lower().endswith(suffix) and len(name) > len(suffix):
+                name, changed = name[: -len(suffix)], True
+    name = _RANK_MARK.sub("", name)
+    name = re.sub(r"[^A-Za-z0-9._:/@+-]+", "_", name).strip("._-") or "trace"
+    return f"replay-{name}"[:128]
+
+
+def replay_command(args: argparse.Namespace, settings: Any) -> int:
+    """``perfloop replay``: replay each trace, one line per file; non-zero if any failed."""
+    from perfloop.producers.publisher import Publisher
+
+    paths = [Path(t) for t in args.traces]
+    job_id = args.job_id or getattr(settings, "job_id", None) or default_job_id(paths[0])
+    if not _JOB_ID.match(job_id):
+        raise ConfigError(f"invalid job id {job_id!r}: use 1-128 of A-Z a-z 0-9 . _ : / @ + -")
+    node = args.node or getattr(settings, "node", None)
+    whole_trace = bool(getattr(args, "whole_trace", False))
+    publisher = Publisher(settings)
+    print(f"replaying {len(paths)} trace(s) as job {job_id}", flush=True)
+    failed = 0
+    for p in paths:
+        try:
+            r = replay_trace(p, publisher, job_id=job_id, node=node, whole_trace=whole_trace)
+        except TraceError as e:
+            print(f"perfloop: replay: {e}", file=sys.stderr, flush=True)
+            failed += 1
+            continue
+        except Exception as e:  # never a traceback for one bad file: say it, go on
+            msg = " ".join(str(e).split())[:200]
+            print(
+                f"perfloop: replay: {p}: cannot replay: {type(e).__name__}: {msg}",
+                file=sys.stderr,
+                flush=True,
+            )
+            failed += 1
+            continue
+        print(_summary(r), flush=True)
+    timeout_s = getattr(settings, "message_timeout_ms", 15_000) / 1000.0 + 5.0
+    left = publisher.flush(timeout_s)
+    if left:
+        print(
+            f"perfloop: replay: {left} message(s) not delivered to "
+            f"{getattr(settings, 'kafka_bootstrap', 'the broker')} (is the stack up? "
+            "see `perfloop status`)",
+            file=sys.stderr,
+        )
+        return 1
+    if failed:
+        print(f"perfloop: replay: {failed} of {len(paths)} trace(s) failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _summary(r: ReplayResult) -> str:
+    steps = (
+        "whole trace as step 0 (no ProfilerStep spans)"
+        if r.whole_trace
+        else f"{r.steps} steps ({_ranges(r.step_numbers)})"
+    )
+    gpu = f"{r.gpu_events} GPU activities"
+    if r.unattributed_gpu_events:
+        gpu += f" ({r.unattributed_gpu_events} outside any step, left out)"
+    return (
+        f"{r.path}: rank {r.rank}, node {r.node}: {steps}, {gpu}, {r.kernel_rows} kernel "
+        f"summaries, {r.spans} spans, {r.collectives} collectives ({r.comm_source}) -> "
+        f"{KIND_TOPICS['step'].rsplit('.', 1)[0]}.*"
+    )
+
+
+def _ranges(numbers: Iterable[int]) -> str:
+    ns = sorted(numbers)
+    if not ns:
+        return "none"
+    return f"{ns[0]}-{ns[-1]}" if len(ns) > 1 else str(ns[0])
