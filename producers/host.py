@@ -95,6 +95,7 @@ class HostSampler:
         self._proc_cpu: dict[int, tuple[float, float]] = {}  # pid -> (cpu seconds, at)
         self._children: dict[int, psutil.Process] = {}
         self._cpu_prev: Any = None
+        self._sys_cpu = (0.0, 0.0)
         self._disk = _Rates()
         self._net = _Rates()
         self.missing: dict[str, str] = {}
@@ -132,13 +133,15 @@ class HostSampler:
         out: dict[str, Any] = {}
         ct = psutil.cpu_times()
         prev, self._cpu_prev = self._cpu_prev, ct
-        if prev is not None:
-            total = _cpu_total(ct) - _cpu_total(prev)
-            if total > 0:
-                idle = ct.idle - prev.idle
-                iowait = getattr(ct, "iowait", 0.0) - getattr(prev, "iowait", 0.0)
-                out["sys_cpu_pct"] = _pct(100.0 * (total - idle - iowait) / total)
-                out["sys_iowait_pct"] = _pct(100.0 * iowait / total)
+        total = 0.0 if prev is None else _cpu_total(ct) - _cpu_total(prev)
+        if total > 0:  # else too soon for the kernel's tick: keep the last figures
+            idle = ct.idle - prev.idle
+            iowait = getattr(ct, "iowait", 0.0) - getattr(prev, "iowait", 0.0)
+            self._sys_cpu = (
+                _pct(100.0 * (total - idle - iowait) / total),
+                _pct(100.0 * iowait / total),
+            )
+        out["sys_cpu_pct"], out["sys_iowait_pct"] = self._sys_cpu
         if "load" not in self.missing:
             out["load_avg_1m"] = max(0.0, os.getloadavg()[0])
         vm = psutil.virtual_memory()
@@ -169,6 +172,8 @@ class HostSampler:
 
     def _process(self, pid: int, p: psutil.Process, now: float, seen: set[int]) -> dict[str, Any]:
         with p.oneshot():
+            if p.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped by its parent
+                raise psutil.ZombieProcess(pid)
             t = p.cpu_times()
             mem = p.memory_info()
             threads = p.num_threads()
