@@ -89,7 +89,8 @@ _END_OF_TOP_ARRAY = ("", "end_array", None)
 
 
 def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = lines[0] if lines else type(e).__name__  # yajl adds a context window below
     return text[:200]
 
 
@@ -99,6 +100,9 @@ def _open(path: Path) -> BinaryIO:
     except OSError as e:
         raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
     magic = fh.read(2)
+    if not magic:
+        fh.close()
+        raise TraceError(f"{path}: empty file")
     fh.seek(0)
     if magic == b"\x1f\x8b":
         return gzip.GzipFile(fileobj=fh, mode="rb")  # type: ignore[return-value]
