@@ -15,7 +15,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from perfloop.catalog import TOPICS
 from perfloop.exceptions import BrokerError
-from perfloop.settings import BaseServiceSettings
+from perfloop.settings import BaseServiceSettings, ProducerSettings
 
 __all__ = [
     "consumer",
@@ -41,7 +41,13 @@ def _common(settings: BaseServiceSettings) -> dict[str, Any]:
 
 
 def producer(settings: BaseServiceSettings, **overrides: Any) -> Producer:
-    """An idempotent, acks=all, lz4-compressed producer with a short linger."""
+    """An idempotent, acks=all, lz4-compressed producer with a short linger.
+
+    With `ProducerSettings` (a training node's producer), ``linger_ms``,
+    ``queue_max_messages`` and ``message_timeout_ms`` tune the linger, the bound of the local
+    queue and how long a message may wait for the broker; services get fixed defaults.
+    ``overrides`` are librdkafka properties and win over both.
+    """
     conf = _common(settings) | {
         "enable.idempotence": True,
         "acks": "all",
@@ -49,7 +55,15 @@ def producer(settings: BaseServiceSettings, **overrides: Any) -> Producer:
         "linger.ms": 5,
         "batch.size": 1 << 20,
         "message.max.bytes": 8 << 20,
+        # Reconnect within a second of a restarted broker instead of backing off to 10 s.
+        "reconnect.backoff.max.ms": 1000,
     }
+    if isinstance(settings, ProducerSettings):
+        conf |= {
+            "linger.ms": settings.linger_ms,
+            "queue.buffering.max.messages": settings.queue_max_messages,
+            "message.timeout.ms": settings.message_timeout_ms,
+        }
     return Producer(conf | overrides)
 
 
