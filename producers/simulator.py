@@ -578,7 +578,9 @@ class SimulatedJob:
         # memory: the leak grows per step; out of memory when the next activations do not fit
         leaked = self._leaked + st.leak * np.arange(1, k + 1)[:, None]
         peak = cfg.static_mem_bytes + cfg.activation_bytes + leaked
-        reserved = np.maximum(self._reserved, np.maximum.accumulate(peak + _GIB, axis=0))
+        # the caching allocator keeps what it reserved; it cannot reserve past the device
+        grown = np.minimum(peak + _GIB, cfg.gpu_mem_bytes - _CONTEXT_BYTES)
+        reserved = np.maximum(self._reserved, np.maximum.accumulate(grown, axis=0))
         oom = (peak[:n] + _CONTEXT_BYTES) > cfg.gpu_mem_bytes
         t_cut: float | None = None
         oom_at: tuple[int, int] | None = None
@@ -777,7 +779,9 @@ class SimulatedJob:
         energy = self._energy + np.cumsum(power * dt, axis=0)  # W x ms = mJ
         self._energy = energy[-1]
         st = self._fault_state(float(ticks[-1]))
-        link_bps = link * (cfg.intra_node_gbps * 1e9) / st.comm_div
+        # while communicating, links move data at the ring's pace (its slowest link)
+        ring_gbps = cfg.inter_node_gbps if cfg.nodes > 1 else cfg.intra_node_gbps
+        link_bps = link * (ring_gbps * 1e9) / st.comm_div
         mem = self._mem_at(ticks) + _CONTEXT_BYTES
         return {
             "ts_ns": np.broadcast_to(self._ns(ticks)[:, None], shape),
