@@ -253,7 +253,9 @@ class Publisher:
         self._mem_bytes = 0  # inbox + held + unacked new messages
         self._seq = 0
         self._publish_ns = 0
-        self._st = PublisherStats()
+        self._st = PublisherStats()  # publish()'s own counts: accepted, failed, dropped
+        self._snap = PublisherStats()  # the background thread's counts at its last step
+        self._taken = 0  # taken from the inbox since that step
         self._closing = False
         self._closed = False
         self._close_deadline = 0.0
@@ -287,7 +289,7 @@ class Publisher:
         self._recycled_at = 0.0
         self._backoff = 0.0
         self._pause_until = 0.0
-        self._drops = [0, 0]  # dropped outside the spool: messages, samples
+        self._p = PublisherStats()  # the background thread's counts (its own, no lock)
         self._cpu0 = 0.0
         self._cpu = 0.0
         self._stats_job: dict[str, Any] | None = None
@@ -324,8 +326,8 @@ class Publisher:
                 if self._mem_bytes + size > self._max_buffer or len(self._inbox) > (
                     2 * self._queue_max
                 ):
-                    self._drops[0] += 1
-                    self._drops[1] += count_samples(bytes(value))
+                    self._st.dropped += 1
+                    self._st.dropped_samples += count_samples(bytes(value))
                     self._warn("full", "publisher memory bound reached; dropped a new message")
                     return False
                 self._seq += 1
@@ -352,13 +354,19 @@ class Publisher:
         now = time.monotonic()
         if now - self._warned.get(reason, -_WARN_EVERY_S) >= _WARN_EVERY_S:
             self._warned[reason] = now
-            log.warning("%s (further ones counted, not logged, for %.0f s)", msg, _WARN_EVERY_S)
+            log.warning("%s (repeats are counted, not logged, for %.0f s)", msg, _WARN_EVERY_S)
 
     @property
     def stats(self) -> PublisherStats:
-        """A consistent snapshot of the self-metrics."""
+        """A snapshot of the self-metrics; the accounting identity holds in every snapshot."""
         with self._lock:
-            st = replace(self._st)
+            st = replace(self._snap)
+            st.accepted = self._st.accepted
+            st.failed += self._st.failed
+            st.dropped += self._st.dropped
+            st.dropped_samples += self._st.dropped_samples
+            st.in_flight += len(self._inbox) + self._taken
+            st.in_flight_bytes = self._mem_bytes
             st.cpu_time_s = self._cpu + self._publish_ns / 1e9
         return st
 
@@ -501,6 +509,7 @@ class Publisher:
             self._recover(why)
         with self._lock:
             batch, self._inbox = self._inbox, deque()
+            self._taken += len(batch)
         if self._mode == _NORMAL:
             self._held.extend(batch)
             self._held_bytes += sum(len(r.value) for r in batch)
@@ -519,21 +528,21 @@ class Publisher:
         self._snapshot()
 
     def _snapshot(self) -> None:
-        sp = self._spool
+        p, sp = self._p, self._spool
+        if sp is not None:
+            p.spool_messages = sp.records
+            p.spool_bytes = sp.bytes
+            p.spool_bytes_peak = max(p.spool_bytes_peak, p.spool_bytes)
+            p.corrupt = sp.corrupt
+        p.in_flight = len(self._held) + self._new_unacked
+        snap = replace(p)
+        if sp is not None:
+            snap.dropped += sp.dropped
+            snap.dropped_samples += sp.dropped_samples
         with self._lock:
-            st = self._st
-            mem = len(self._held) + self._new_unacked
-            st.in_flight = mem + len(self._inbox)
-            st.in_flight_bytes = self._mem_bytes
-            st.dropped, st.dropped_samples = self._drops
-            if sp is not None:
-                st.spool_messages = sp.records
-                st.spool_bytes = sp.bytes
-                st.spool_bytes_peak = max(st.spool_bytes_peak, st.spool_bytes)
-                st.corrupt = sp.corrupt
-                st.dropped += sp.dropped
-                st.dropped_samples += sp.dropped_samples
-            self._outstanding = mem + (sp.records if sp is not None else 0)
+            self._snap = snap
+            self._taken = 0
+            self._outstanding = p.in_flight + p.spool_messages
 
     # -- normal mode ----------------------------------------------------------------------------
     def _produce(self, rec: _Rec, kind: int, kept: _Kept | None = None) -> bool | None:
@@ -601,9 +610,9 @@ class Publisher:
         self._warn("refused", f"message to {rec.topic} refused for good: {why}")
         if kind in (_RESEND, _PROBE):
             return  # it was acknowledged once already
-        with self._lock:
-            self._st.failed += 1
-            if kind == _NEW:
+        self._p.failed += 1
+        if kind == _NEW:
+            with self._lock:
                 self._mem_bytes -= len(rec.value)
         if kind == _REPLAY and rec.pos is not None:  # skip past it in the spool
             self._replay[rec.pos] = True
@@ -633,20 +642,21 @@ class Publisher:
         self._backoff = 0.0
         part, off = msg.partition(), msg.offset()
         lost = self._check_offset(rec.topic, part, off)
-        with self._lock:
-            if kind == _NEW:
-                self._new_unacked -= 1
+        p = self._p
+        if kind == _NEW:
+            self._new_unacked -= 1
+            with self._lock:
                 self._mem_bytes -= len(rec.value)
-                self._st.published += 1
-            elif kind == _REPLAY:
-                assert rec.pos is not None
-                self._replay[rec.pos] = True
-                if rec.pos not in self._acked_pos:
-                    self._st.published += 1
-                    self._st.replayed += 1
-                    self._acked_pos.add(rec.pos)
-            else:
-                self._st.resent += 1
+            p.published += 1
+        elif kind == _REPLAY:
+            assert rec.pos is not None
+            self._replay[rec.pos] = True
+            if rec.pos not in self._acked_pos:
+                p.published += 1
+                p.replayed += 1
+                self._acked_pos.add(rec.pos)
+        else:
+            p.resent += 1
         if kind == _REPLAY:
             self._commit_replay()
         if kind == _PROBE:
@@ -676,8 +686,7 @@ class Publisher:
         )
         self._incarnation += 1
         self._last_offset = {}
-        with self._lock:
-            self._st.broker_losses += 1
+        self._p.broker_losses += 1
         if self._mode == _NORMAL:
             # Newer messages are already in the producer: resend right away (order within
             # the tail holds; the sink drops repeats).
@@ -721,7 +730,7 @@ class Publisher:
     # -- recovery and the spool ------------------------------------------------------------------
     def _recover(self, why: str) -> None:
         """Replace the producer; every unacknowledged message goes to the spool, in order."""
-        log.warning("broker unreachable or lost (%s); spooling to %s", why, self.spool_dir)
+        self._warn("recover", f"broker unreachable or lost ({why}); spooling to {self.spool_dir}")
         self._fatal = self._failed_delivery = ""
         self._lost = False
         old = self._producer
@@ -734,8 +743,7 @@ class Publisher:
         now = time.monotonic()
         self._backoff = min(5.0, max(0.25, self._backoff * 2))
         self._pause_until = now + self._backoff
-        with self._lock:
-            self._st.recycles += 1
+        self._p.recycles += 1
         sent = [s for _, s in sorted(self._unacked.items())]
         self._unacked = {}
         self._probes.clear()
@@ -770,10 +778,8 @@ class Publisher:
             self._lost = True
 
     def _count_lost(self, lost: tuple[int, int]) -> None:
-        if lost[0]:
-            with self._lock:
-                self._drops[0] += lost[0]
-                self._drops[1] += lost[1]
+        self._p.dropped += lost[0]
+        self._p.dropped_samples += lost[1]
 
     def _open_spool(self) -> Spool | None:
         if self._spool is not None or self._spool_broken:
@@ -798,8 +804,7 @@ class Publisher:
         sp = self._open_spool()
         if sp is not None and sp.records:
             self._mode = _SPOOLING
-            with self._lock:
-                self._st.restored = sp.records
+            self._p.restored = sp.records
 
     def _to_spool(self, recs: list[_Rec] | deque[_Rec], *, new: bool, front: bool = False) -> None:
         if not recs:
@@ -807,9 +812,9 @@ class Publisher:
         sp = self._open_spool()
         size = sum(len(r.value) for r in recs)
         if sp is None:
-            with self._lock:
-                self._st.failed += len(recs)
-                if new:
+            self._p.failed += len(recs)
+            if new:
+                with self._lock:
                     self._mem_bytes -= size
             return
         items = [SpoolRecord(r.topic, r.key, r.value, r.sample_count()) for r in recs]
@@ -823,10 +828,10 @@ class Publisher:
                 except SpoolError as e:
                     failed += 1
                     self._warn("spool", f"message not spooled: {e}")
-        with self._lock:
-            self._st.spooled += len(items) - failed
-            self._st.failed += failed
-            if new:
+        self._p.spooled += len(items) - failed
+        self._p.failed += failed
+        if new:
+            with self._lock:
                 self._mem_bytes -= size
 
     def _drive_spool(self) -> None:
@@ -845,7 +850,7 @@ class Publisher:
         if sp is None:
             self._mode = _NORMAL
             return
-        window = 256
+        window = 256 if self._up else 1  # one message until the broker answers
         while len(self._replay) < window:
             if not self._replay_next:
                 got = sp.read(min(32, window - len(self._replay)), 8 << 20)
