@@ -1,0 +1,993 @@
+"""Zero-code-change training telemetry: global PyTorch hooks installed by `perfloop run`.
+
+`install` patches torch once it is imported (the run bootstrap calls it from an import hook);
+nothing is recorded until the process shows training activity, so a launcher process that
+merely imports torch (the torchrun agent) publishes nothing. What is hooked:
+
+- module calls: only the outermost call (depth 0) is timed. For the first steps (and one step
+  every ``rediscover_every``) global forward hooks find the root modules; after that only
+  the roots carry hooks, so submodule calls keep torch's hook-free fast path;
+- ``torch.autograd.backward`` (so ``loss.backward()``), the global optimizer step pre/post
+  hooks, ``DataLoader`` iteration (``data_wait``), ``clip_grad_norm_`` (gradient norm) and
+  the ``torch.distributed`` collectives (`CollectiveOp` rows and ``comm`` spans).
+
+`Tracer` turns those events into steps (pure Python, no torch): the step of the first
+optimizer that steps ends a training step (gradient accumulation: several forward/backward
+pairs in one step); the first step starts at the first recorded activity. A forward under
+``torch.no_grad()`` or of a module in ``eval()`` mode opens an ``eval`` region that covers
+the data fetches and forwards of an evaluation loop, so evaluation makes ``eval`` spans, not
+steps. Spans tile each step (`perfloop.producers.training.Recorder`).
+
+Every hook is guarded: an exception inside perfloop's code is counted and logged once and
+the user's call goes on. Only the thread that first showed training activity is traced;
+forked children (DataLoader workers) and DataLoader worker processes are never traced.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import inspect
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+from perfloop.producers.training import (
+    Callback,
+    CallbackSet,
+    Pipeline,
+    StepRecord,
+    clean_float,
+    describe_job,
+    launcher_world,
+)
+
+__all__ = [
+    "COLLECTIVES",
+    "Session",
+    "Tracer",
+    "explicit_monitor_started",
+    "install",
+    "installed",
+    "session",
+    "uninstall",
+]
+
+log = logging.getLogger("perfloop.producers")
+_now = time.perf_counter_ns
+_get_ident = threading.get_ident
+
+# torch.distributed function → CollectiveOp.op
+COLLECTIVES: dict[str, str] = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_object": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "broadcast": "broadcast",
+    "broadcast_object_list": "broadcast",
+    "reduce": "reduce",
+    "all_to_all": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "gather": "gather",
+    "gather_object": "gather",
+    "scatter": "scatter",
+    "scatter_object_list": "scatter",
+    "barrier": "barrier",
+    "monitored_barrier": "barrier",
+    "send": "send",
+    "isend": "send",
+    "recv": "recv",
+    "irecv": "recv",
+}
+_PAYLOAD_NAMES = ("tensor", "input_tensor", "input", "input_list", "input_tensor_list")
+
+
+class Tracer:
+    """Turns what the hooks see into steps and tiled phase spans (pure Python).
+
+    Times are ``perf_counter_ns`` values. ``forward_begin`` / ``backward_begin`` /
+    ``optimizer_begin`` return whether they opened a depth-0 span (False when nested, e.g. a
+    recomputed forward inside backward); only then is the matching ``*_end`` called.
+
+    >>> from perfloop.producers.training import Recorder
+    >>> tr = Tracer(Recorder(None, wall_offset_ns=0))
+    >>> ms = 1_000_000
+    >>> tr.fetch(0, 2 * ms, batch_size=32)
+    >>> tr.forward_begin(2 * ms, training=True)
+    True
+    >>> tr.forward_end(5 * ms)
+    >>> tr.backward_begin(5 * ms); tr.backward_end(9 * ms, loss=0.5)
+    True
+    >>> tr.optimizer_begin(9 * ms, key=1); rec = tr.optimizer_end(10 * ms, key=1, lr=0.1)
+    True
+    >>> rec.step, rec.step_time_ms, rec.fields["samples"], rec.fields["loss"]
+    (0, 10.0, 32, 0.5)
+    >>> rec.phase_ms
+    {'data_wait': 2.0, 'forward': 3.0, 'backward': 4.0, 'optimizer': 1.0}
+    """
+
+    def __init__(self, recorder: Any) -> None:
+        self.rec = recorder
+        self.open: str | None = None  # the open depth-0 activity
+        self.open_t0 = 0
+        self.pending: list[tuple[int, int, int, int, int, int]] = []  # unclassified fetches
+        self.eval_t0: int | None = None
+        self.eval_t1 = 0
+        self.primary: int | None = None
+        self._other: int | None = None
+        self._other_run = 0
+        self.grad_norm: float | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.batch_size = 0
+        self.samples = 0
+        self.tokens = 0
+        self.backwards = 0
+        self.loss_sum = 0.0
+        self.loss_n = 0
+        self.grad_norm = None
+        self.epoch = getattr(self, "epoch", 0)
+        self.workers = getattr(self, "workers", 0)
+
+    # -- classification ------------------------------------------------------------------
+    def _train(self) -> None:
+        """A training activity begins: close an eval region, pending fetches were training's."""
+        if self.eval_t0 is not None:
+            self._close_eval()
+        if self.pending:
+            rec = self.rec
+            for t0, t1, bs, tok, epoch, workers in self.pending:
+                rec.span("data_wait", "data_wait", t0, t1)
+                if bs:
+                    self.samples += bs
+                    if not self.batch_size:
+                        self.batch_size = bs
+                self.tokens += tok
+                self.epoch, self.workers = epoch, workers
+            self.pending.clear()
+
+    def _eval(self, t: int) -> None:
+        if self.eval_t0 is None:
+            self.eval_t0 = self.pending[0][0] if self.pending else t
+        self.pending.clear()
+
+    def _close_eval(self) -> None:
+        t0, self.eval_t0 = self.eval_t0, None
+        if t0 is not None:
+            self.rec.span("eval", "eval", t0, max(self.eval_t1, t0))
+
+    # -- events --------------------------------------------------------------------------
+    def fetch(
+        self,
+        t0: int,
+        t1: int,
+        batch_size: int = 0,
+        tokens: int = 0,
+        epoch: int = 0,
+        workers: int = 0,
+        *,
+        stop: bool = False,
+    ) -> None:
+        """A DataLoader fetch (``stop``: the one that ended an epoch)."""
+        if self.open is not None:
+            return
+        if stop and self.eval_t0 is not None and not self.pending:
+            self.eval_t1 = t1  # the end of an evaluation loop
+            return
+        self.pending.append((t0, t1, batch_size, tokens, epoch, workers))
+
+    def forward_begin(self, t: int, training: bool) -> bool:
+        if self.open is not None:
+            return False
+        if training:
+            self._train()
+            self.open = "forward"
+        else:
+            self._eval(t)
+            self.open = "eval"
+        self.open_t0 = t
+        return True
+
+    def forward_end(self, t: int) -> None:
+        if self.open == "forward":
+            self.rec.span("forward", "forward", self.open_t0, t)
+        elif self.open == "eval":
+            self.eval_t1 = t
+        self.open = None
+
+    def backward_begin(self, t: int) -> bool:
+        if self.open is not None:
+            return False
+        self._train()
+        self.open, self.open_t0 = "backward", t
+        return True
+
+    def backward_end(self, t: int, loss: float | None = None) -> None:
+        self.rec.span("backward", "backward", self.open_t0, t)
+        self.open = None
+        self.backwards += 1
+        if loss is not None:
+            self.loss_sum += loss
+            self.loss_n += 1
+
+    def optimizer_begin(self, t: int, key: int) -> bool:
+        if self.open is not None:
+            return False
+        self._train()
+        self.open, self.open_t0 = "optimizer", t
+        return True
+
+    def optimizer_end(self, t: int, key: int, lr: float | None = None) -> StepRecord | None:
+        """The optimizer ``key`` stepped; return the step's record if that ended a step.
+
+        The first optimizer that steps ends steps; another one takes over once it steps
+        twice with no step of the first in between (the script switched optimizers).
+        """
+        self.rec.span("optimizer", "optimizer", self.open_t0, t)
+        self.open = None
+        if self.primary is None:
+            self.primary = key
+        if key != self.primary:
+            if key == self._other:
+                self._other_run += 1
+            else:
+                self._other, self._other_run = key, 1
+            if self._other_run < 2:
+                return None
+            self.primary = key
+        self._other, self._other_run = None, 0
+        row = {
+            "batch_size": self.batch_size,
+            "num_workers": min(self.workers, 1024),
+            "epoch": self.epoch,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "grad_accum_steps": min(max(1, self.backwards), 1 << 16),
+            "loss": clean_float(self.loss_sum / self.loss_n) if self.loss_n else None,
+            "grad_norm": clean_float(self.grad_norm, True),
+            "lr": clean_float(lr, True),
+            "mem_allocated_bytes": 0,
+            "mem_reserved_bytes": 0,
+            "mem_peak_bytes": 0,
+            "rss_bytes": 0,
+        }
+        self._reset()
+        return self.rec.end_step(t, row)
+
+    def collective(
+        self,
+        op: str,
+        t0: int,
+        t1: int,
+        size_bytes: int = 0,
+        group: str = "",
+        group_size: int = 0,
+        dtype: str = "",
+    ) -> None:
+        """A collective call: always a `CollectiveOp` row; a ``comm`` span when in a step."""
+        rec = self.rec
+        rec.collective(
+            op, t0, t1, size_bytes=size_bytes, group=group, group_size=group_size, dtype=dtype
+        )
+        if self.open is not None:
+            rec.span("comm", "comm", t0, t1, depth=1)
+        elif self.eval_t0 is not None:
+            self.eval_t1 = t1
+            rec.span("comm", "comm", t0, t1, depth=1)
+        elif rec.started or self.pending:
+            self._train()
+            rec.span("comm", "comm", t0, t1)
+
+    def close(self) -> None:
+        """The process ends: record the eval region and fetches of the unfinished step."""
+        if self.eval_t0 is not None:
+            self._close_eval()
+        for t0, t1, *_ in self.pending:
+            self.rec.span("data_wait", "data_wait", t0, t1)
+        self.pending.clear()
+        self.rec.close()
+
+
+# -- the session: one traced process ------------------------------------------------------
+class Session:
+    """The telemetry of one traced process: its `Pipeline`, `Tracer` and job description."""
+
+    def __init__(
+        self,
+        settings: Any,
+        *,
+        command: str = "",
+        callbacks: Callback | None = None,
+        publisher: Any = None,
+    ) -> None:
+        world = launcher_world()
+        node = settings.node or socket.gethostname()
+        job_id = settings.job_id or f"job-{node}-{os.getpid()}"
+        self.settings = settings
+        self.command = command
+        self.pipeline = Pipeline(
+            job_id=job_id,
+            node=node,
+            rank=world["rank"],
+            settings=settings,
+            publisher=publisher,
+            producer_id=f"torch-{node}-r{world['rank']}-{os.getpid()}"[:128],
+            contiguous=True,
+            callbacks=CallbackSet([callbacks] if callbacks is not None else []),
+        )
+        self.tracer = Tracer(self.pipeline.recorder)
+        self.model: Any = None  # weakref of the first trained root module with parameters
+        self.optimizer: Any = None  # weakref of the optimizer that ends steps
+        self.precision: str | None = None
+        self.info_published = False
+        self.info_dirty = False
+        self.failure = ""
+        self.pipeline.lifecycle("started", message=command[:2000])
+        self.pipeline.event(
+            _capability(),
+            rank=world["rank"],
+            component="torch_hooks",
+            available=True,
+            signals=[
+                "steps",
+                "phase_spans",
+                "data_wait",
+                "collectives",
+                "loss_cpu",
+                "grad_norm_clip",
+                "lr",
+                "memory",
+            ],
+            missing=["loss_cuda"],
+            reason="loss is read only from CPU tensors (reading a CUDA one would sync)",
+        )
+        with contextlib.suppress(Exception):
+            self.pipeline.callbacks.on_train_begin(
+                {"job_id": job_id, "node": node, "rank": world["rank"]}
+            )
+
+    @property
+    def job_id(self) -> str:
+        return self.pipeline.job_id
+
+    def describe(self, first: StepRecord | None = None) -> dict[str, Any]:
+        model = self.model() if self.model is not None else None
+        opt = self.optimizer() if self.optimizer is not None else None
+        extra: dict[str, Any] = {}
+        if first is not None:
+            extra["batch_size"] = first.fields.get("batch_size") or None
+            extra["grad_accum_steps"] = first.fields.get("grad_accum_steps") or None
+        return describe_job(
+            model=model,
+            optimizer=opt,
+            precision=self.precision,
+            command=self.command,
+            **extra,
+        )
+
+    def after_step(self, rec: StepRecord) -> None:
+        if not self.info_published or self.info_dirty:
+            self.info_published, self.info_dirty = True, False
+            self.pipeline.job_info(self.describe(rec))
+
+    def close(self, state: str = "finished", exit_code: int | None = None) -> None:
+        try:
+            self.tracer.close()
+            if not self.info_published:
+                self.info_published = True
+                self.pipeline.job_info(self.describe())
+        except Exception as e:
+            self.pipeline.errors("closing the tracer", e)
+        self.pipeline.close(state, exit_code, self.failure)
+
+
+def _capability() -> type[Any]:
+    from perfloop.schemas import CapabilityReport
+
+    return CapabilityReport
+
+
+# -- process state and the torch layer -----------------------------------------------------
+class _State:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.installed = False
+        self.enabled = False
+        self.tid: int | None = None
+        self.pid = 0
+        self.session: Session | None = None
+        self.tracer: Tracer | None = None
+        self.pipe: Pipeline | None = None
+        self.settings: Any = None
+        self.command = ""
+        self.callbacks: Callback | None = None
+        self.publisher: Any = None
+        self.discovery_steps = 2
+        self.rediscover_every = 500
+        self.discovering = True
+        self.fdepth = 0
+        self.fwd_open = False
+        self.opt_stack: list[bool] = []
+        self.global_handles: list[Any] = []
+        self.opt_handles: list[Any] = []
+        self.roots: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+        self.epochs: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self.patches: list[tuple[Any, str, Any]] = []
+        self.groups: dict[int, tuple[str, int]] = {}
+        self.warned: set[str] = set()
+        self.errors = 0
+        self.torch: Any = None
+
+
+_S = _State()
+
+
+def _oops(where: str, exc: BaseException) -> None:
+    """Count an exception raised inside a hook; log each place once."""
+    _S.errors += 1
+    if _S.pipe is not None:
+        _S.pipe.errors(where, exc)
+    elif where not in _S.warned:
+        _S.warned.add(where)
+        log.warning("perfloop: %s failed (counted, reported once): %s", where, exc)
+
+
+def _activate() -> Tracer | None:
+    """First training activity on this thread: start publishing (or decide never to)."""
+    s = _S
+    try:
+        if s.pid != os.getpid():
+            s.enabled = False
+            return None
+        torch = s.torch
+        if torch.utils.data.get_worker_info() is not None:  # a DataLoader worker process
+            s.enabled = False
+            return None
+        s.session = Session(
+            s.settings, command=s.command, callbacks=s.callbacks, publisher=s.publisher
+        )
+        s.pipe = s.session.pipeline
+        s.tracer = s.session.tracer
+        s.tid = _get_ident()
+        atexit.register(_at_exit)
+        prev = sys.excepthook
+
+        def excepthook(et: Any, ev: Any, tb: Any) -> None:
+            if s.session is not None:
+                s.session.failure = f"{getattr(et, '__name__', et)}: {ev}"[:2000]
+            prev(et, ev, tb)
+
+        sys.excepthook = excepthook
+        return s.tracer
+    except Exception as e:
+        s.enabled = False
+        _oops("starting the torch hooks (telemetry off for this process)", e)
+        return None
+
+
+def _traced() -> Tracer | None:
+    s = _S
+    if s.tid == _get_ident():
+        return s.tracer
+    if s.tid is None and s.enabled:
+        return _activate()
+    return None
+
+
+def _at_exit() -> None:
+    s = _S
+    sess = s.session
+    if sess is None or s.pid != os.getpid():
+        return
+    s.tid = None
+    s.enabled = False
+    sess.close("failed" if sess.failure else "finished", 1 if sess.failure else None)
+
+
+def _after_step(rec: StepRecord) -> None:
+    s = _S
+    if s.session is not None:
+        s.session.after_step(rec)
+    n = rec.step + 1
+    want = n < s.discovery_steps or n % s.rediscover_every == 0
+    if want != s.discovering and s.fdepth == 0:
+        _set_discovery(want)
+
+
+def _set_discovery(on: bool) -> None:
+    s = _S
+    mm = s.torch.nn.modules.module
+    for h in s.global_handles:
+        h.remove()
+    s.global_handles = []
+    if on:
+        s.global_handles = [
+            mm.register_module_forward_pre_hook(_global_pre),
+            mm.register_module_forward_hook(_global_post, always_call=True),
+        ]
+    s.discovering = on
+
+
+# forward ---------------------------------------------------------------------------------
+def _pre(module: Any) -> None:
+    tr = _traced()
+    if tr is None:
+        return
+    s = _S
+    if s.fdepth == 0:
+        t = _now()
+        try:
+            training = module.training and s.torch.is_grad_enabled()
+            s.fwd_open = tr.forward_begin(t, training)
+            if s.discovering and module not in s.roots:
+                s.roots[module] = (
+                    module.register_forward_pre_hook(_root_pre),
+                    module.register_forward_hook(_root_post, always_call=True),
+                )
+            if training and s.session is not None and s.session.model is None:
+                _first_train_forward(module)
+        except Exception as e:
+            _oops("the forward pre-hook", e)
+        s.pipe.overhead_ns += _now() - t  # type: ignore[union-attr]
+    s.fdepth += 1
+
+
+def _post() -> None:
+    s = _S
+    if s.tid != _get_ident():
+        return
+    s.fdepth -= 1
+    if s.fdepth <= 0:
+        s.fdepth = 0
+        if s.fwd_open:
+            t = _now()
+            s.fwd_open = False
+            try:
+                s.tracer.forward_end(t)  # type: ignore[union-attr]
+            except Exception as e:
+                _oops("the forward hook", e)
+            s.pipe.overhead_ns += _now() - t  # type: ignore[union-attr]
+
+
+def _global_pre(module: Any, args: Any) -> None:
+    _pre(module)
+
+
+def _global_post(module: Any, args: Any, output: Any) -> None:
+    _post()
+
+
+def _root_pre(module: Any, args: Any) -> None:
+    if not _S.discovering:
+        _pre(module)
+
+
+def _root_post(module: Any, args: Any, output: Any) -> None:
+    if not _S.discovering:
+        _post()
+
+
+def _first_train_forward(module: Any) -> None:
+    s = _S
+    torch = s.torch
+    if not any(True for _ in module.parameters()):
+        return
+    sess = s.session
+    assert sess is not None
+    sess.model = weakref.ref(module)
+    with contextlib.suppress(Exception):
+        for dev in ("cuda", "cpu"):
+            if torch.is_autocast_enabled(dev):
+                dtype = str(torch.get_autocast_dtype(dev)).removeprefix("torch.")
+                sess.precision = _AMP.get(dtype, f"amp_{dtype}")
+                break
+
+
+_AMP = {"bfloat16": "amp_bf16", "float16": "amp_fp16"}
+
+
+# backward, optimizer, grad norm ------------------------------------------------------------
+def _scalar(v: Any) -> float | None:
+    """A float from a one-element CPU tensor or a number; None for CUDA (no sync)."""
+    try:
+        if isinstance(v, (int, float)):
+            return float(v)
+        if v is not None and v.numel() == 1 and v.device.type == "cpu":
+            return float(v.item())
+    except Exception:
+        return None
+    return None
+
+
+def _make_backward(orig: Any) -> Any:
+    @functools.wraps(orig)
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        tr = _traced()
+        if tr is None:
+            return orig(tensors, *args, **kwargs)
+        t0 = _now()
+        try:
+            opened = tr.backward_begin(t0)
+        except Exception as e:
+            opened = False
+            _oops("the backward hook", e)
+        pipe = _S.pipe
+        pipe.overhead_ns += _now() - t0  # type: ignore[union-attr]
+        try:
+            return orig(tensors, *args, **kwargs)
+        finally:
+            if opened:
+                t1 = _now()
+                try:
+                    tr.backward_end(t1, _scalar(tensors))
+                except Exception as e:
+                    _oops("the backward hook", e)
+                pipe.overhead_ns += _now() - t1  # type: ignore[union-attr]
+
+    backward.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
+    return backward
+
+
+def _opt_pre(opt: Any, args: Any, kwargs: Any) -> None:
+    tr = _traced()
+    if tr is None:
+        return
+    t = _now()
+    s = _S
+    try:
+        s.opt_stack.append(tr.optimizer_begin(t, id(opt)))
+    except Exception as e:
+        s.opt_stack.append(False)
+        _oops("the optimizer pre-hook", e)
+    s.pipe.overhead_ns += _now() - t  # type: ignore[union-attr]
+
+
+def _opt_post(opt: Any, args: Any, kwargs: Any) -> None:
+    s = _S
+    if s.tid != _get_ident() or not s.opt_stack:
+        return
+    t = _now()
+    if s.opt_stack.pop():
+        try:
+            lr = None
+            groups = opt.param_groups
+            if groups:
+                lr = _scalar(groups[0].get("lr"))
+            rec = s.tracer.optimizer_end(t, id(opt), lr)  # type: ignore[union-attr]
+            if rec is not None:
+                if s.session is not None and s.session.optimizer is None:
+                    s.session.optimizer = weakref.ref(opt)
+                _after_step(rec)
+        except Exception as e:
+            _oops("the optimizer hook", e)
+    s.pipe.overhead_ns += _now() - t  # type: ignore[union-attr]
+
+
+def _make_clip(orig: Any) -> Any:
+    @functools.wraps(orig)
+    def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+        out = orig(*args, **kwargs)
+        if _S.tid == _get_ident() and _S.tracer is not None:
+            v = _scalar(out)
+            if v is not None:
+                _S.tracer.grad_norm = v
+        return out
+
+    clip_grad_norm_.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
+    return clip_grad_norm_
+
+
+# data loading ------------------------------------------------------------------------------
+def _inspect_batch(batch: Any, tensor_type: Any) -> tuple[int, int]:
+    """(batch size, tokens): the first dimension of the first tensor; tokens = elements of
+    the first integer tensor with two or more dimensions (token ids)."""
+    items: Any
+    if isinstance(batch, tensor_type):
+        items = (batch,)
+    elif isinstance(batch, dict):
+        items = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        items = batch
+    else:
+        return 0, 0
+    bs = tok = 0
+    for i, x in enumerate(items):
+        if i >= 4:
+            break
+        if isinstance(x, tensor_type):
+            if not bs and x.dim() >= 1:
+                bs = int(x.shape[0])
+            if not tok and x.dim() >= 2 and not x.is_floating_point() and not x.is_complex():
+                tok = int(x.numel())
+    return bs, tok
+
+
+def _make_next(orig: Any) -> Any:
+    @functools.wraps(orig)
+    def __next__(self: Any) -> Any:
+        tr = _traced()
+        if tr is None:
+            return orig(self)
+        t0 = _now()
+        try:
+            batch = orig(self)
+        except StopIteration:
+            t1 = _now()
+            try:
+                tr.fetch(t0, t1, stop=True)
+            except Exception as e:
+                _oops("the data-loader hook", e)
+            raise
+        t1 = _now()
+        try:
+            bs, tok = _inspect_batch(batch, _S.torch.Tensor)
+            tr.fetch(
+                t0,
+                t1,
+                bs,
+                tok,
+                getattr(self, "_perfloop_epoch", 0),
+                getattr(self, "_num_workers", 0),
+            )
+        except Exception as e:
+            _oops("the data-loader hook", e)
+        _S.pipe.overhead_ns += _now() - t1  # type: ignore[union-attr]
+        return batch
+
+    __next__.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
+    return __next__
+
+
+def _make_iter(orig: Any) -> Any:
+    @functools.wraps(orig)
+    def __iter__(self: Any) -> Any:
+        it = orig(self)
+        try:
+            n = _S.epochs.get(self, -1) + 1
+            _S.epochs[self] = n
+            it._perfloop_epoch = n
+        except Exception as e:
+            _oops("the data-loader epoch counter", e)
+        return it
+
+    __iter__.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
+    return __iter__
+
+
+# torch.distributed -------------------------------------------------------------------------
+def _group_of(group: Any) -> tuple[str, int]:
+    s = _S
+    key = id(group)
+    hit = s.groups.get(key)
+    if hit is not None:
+        return hit
+    dist = s.torch.distributed
+    world = dist.group.WORLD if hasattr(dist, "group") else None
+    if group is None or group is world:
+        out = ("world", int(dist.get_world_size()))
+    else:
+        ranks = list(dist.get_process_group_ranks(group))
+        name = ",".join(map(str, ranks)) if len(ranks) <= 16 else f"{ranks[0]}..{ranks[-1]}"
+        out = (name[:128], len(ranks))
+    s.groups[key] = out
+    return out
+
+
+def _payload(x: Any, tensor_type: Any) -> tuple[int, str]:
+    if isinstance(x, tensor_type):
+        return int(x.numel() * x.element_size()), str(x.dtype).removeprefix("torch.")
+    if isinstance(x, (list, tuple)):
+        size, dtype = 0, ""
+        for y in x:
+            if isinstance(y, tensor_type):
+                size += int(y.numel() * y.element_size())
+                dtype = dtype or str(y.dtype).removeprefix("torch.")
+        return size, dtype
+    return 0, ""
+
+
+def _make_collective(orig: Any, op: str) -> Any:
+    try:
+        params = list(inspect.signature(orig).parameters)
+    except (TypeError, ValueError):
+        params = []
+    g_idx = params.index("group") if "group" in params else -1
+    p_name = next((n for n in _PAYLOAD_NAMES if n in params), None)
+    p_idx = params.index(p_name) if p_name is not None else -1
+
+    @functools.wraps(orig)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        tr = _traced()
+        if tr is None:
+            return orig(*args, **kwargs)
+        t0 = _now()
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            t1 = _now()
+            try:
+                tt = _S.torch.Tensor
+                x = args[p_idx] if 0 <= p_idx < len(args) else kwargs.get(p_name or "")
+                size, dtype = _payload(x, tt)
+                g = args[g_idx] if 0 <= g_idx < len(args) else kwargs.get("group")
+                gname, gsize = _group_of(g)
+                tr.collective(op, t0, t1, size, gname, gsize, dtype)
+            except Exception as e:
+                _oops(f"the {op} hook", e)
+            _S.pipe.overhead_ns += _now() - t1  # type: ignore[union-attr]
+
+    collective.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
+    return collective
+
+
+def _make_init_pg(orig: Any) -> Any:
+    @functools.wraps(orig)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        out = orig(*args, **kwargs)
+        try:
+            s = _S
+            s.groups.clear()
+            if s.session is not None and s.pid == os.getpid():
+                s.pipe.recorder.rank = launcher_world()["rank"]  # type: ignore[union-attr]
+                s.session.info_dirty = True
+        except Exception as e:
+            _oops("the init_process_group hook", e)
+        return out
+
+    init_process_group.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
+    return init_process_group
+
+
+# install ---------------------------------------------------------------------------------
+def _patch(obj: Any, name: str, make: Any, *extra: Any) -> None:
+    orig = getattr(obj, name, None)
+    if orig is None or hasattr(orig, "__perfloop_wrapped__"):
+        return
+    setattr(obj, name, make(orig, *extra))
+    _S.patches.append((obj, name, orig))
+
+
+def _after_fork_in_child() -> None:
+    _S.enabled = False
+    _S.tid = None
+
+
+_FORK_REGISTERED = False
+
+
+def install(
+    settings: Any,
+    *,
+    command: str = "",
+    callbacks: Callback | None = None,
+    publisher: Any = None,
+    discovery_steps: int = 2,
+    rediscover_every: int = 500,
+) -> bool:
+    """Patch torch (already imported) so this process publishes its training telemetry.
+
+    ``settings`` is a `ProducerSettings` (job id, node, transport); ``publisher`` replaces
+    the Kafka `Publisher` (tests, benchmarks). Returns False (and changes nothing) if torch is
+    not imported or the hooks are already installed.
+    """
+    global _FORK_REGISTERED
+    torch = sys.modules.get("torch")
+    if torch is None or _S.installed:
+        return False
+    import torch.distributed as dist
+    import torch.nn.utils
+    import torch.optim.optimizer as optim
+    import torch.utils.data
+    import torch.utils.data.dataloader as dl
+
+    s = _S
+    s.reset()
+    s.torch = torch
+    s.settings, s.command, s.callbacks, s.publisher = settings, command, callbacks, publisher
+    s.discovery_steps = max(1, discovery_steps)
+    s.rediscover_every = max(1, rediscover_every)
+    s.pid = os.getpid()
+    try:
+        _set_discovery(True)
+        s.opt_handles = [
+            optim.register_optimizer_step_pre_hook(_opt_pre),
+            optim.register_optimizer_step_post_hook(_opt_post),
+        ]
+        _patch(torch.autograd, "backward", _make_backward)
+        _patch(dl._BaseDataLoaderIter, "__next__", _make_next)
+        _patch(dl.DataLoader, "__iter__", _make_iter)
+        for mod in (torch.nn.utils, sys.modules.get("torch.nn.utils.clip_grad")):
+            if mod is not None:
+                _patch(mod, "clip_grad_norm_", _make_clip)
+        if dist.is_available():
+            c10d = dist.distributed_c10d
+            for fname, op in COLLECTIVES.items():
+                fn = getattr(c10d, fname, None)
+                if fn is None:
+                    continue
+                wrapped = _make_collective(fn, op)
+                for mod in (c10d, dist):
+                    if getattr(mod, fname, None) is fn:
+                        setattr(mod, fname, wrapped)
+                        s.patches.append((mod, fname, fn))
+            for mod in (c10d, dist):
+                _patch(mod, "init_process_group", _make_init_pg)
+    except Exception as e:
+        _oops("installing the torch hooks", e)
+        uninstall()
+        return False
+    if not _FORK_REGISTERED and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _FORK_REGISTERED = True
+    s.installed = True
+    s.enabled = True
+    return True
+
+
+def uninstall() -> None:
+    """Undo `install`: close the session (publishing what is pending) and restore torch."""
+    s = _S
+    if s.session is not None and s.pid == os.getpid():
+        with contextlib.suppress(Exception):
+            atexit.unregister(_at_exit)
+        s.tid = None
+        s.enabled = False
+        s.session.close()
+    for h in [*s.global_handles, *s.opt_handles]:
+        with contextlib.suppress(Exception):
+            h.remove()
+    for pre, post in list(s.roots.values()):
+        with contextlib.suppress(Exception):
+            pre.remove()
+            post.remove()
+    for obj, name, orig in reversed(s.patches):
+        with contextlib.suppress(Exception):
+            setattr(obj, name, orig)
+    s.reset()
+
+
+def installed() -> bool:
+    """Whether the hooks are installed in this process."""
+    return _S.installed
+
+
+def session() -> Session | None:
+    """This process's session once training activity was seen (else None)."""
+    return _S.session
+
+
+def explicit_monitor_started() -> Session | None:
+    """A `Monitor` takes over: the hooks stop recording steps and spans in this process.
+
+    Returns the session (or None) so the monitor can reuse its job id and settings.
+    """
+    s = _S
+    if not s.installed:
+        return None
+    s.enabled = False
+    s.tid = None
+    sess = s.session
+    if sess is not None:
+        with contextlib.suppress(Exception):
+            atexit.unregister(_at_exit)
+        sess.close()
+        return sess
+    if s.settings is not None:
+        return _SettingsOnly(s.settings)  # type: ignore[return-value]
+    return None
+
+
+class _SettingsOnly:
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings

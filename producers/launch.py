@@ -1,0 +1,219 @@
+"""`perfloop run [--job-id ID] [--node NAME] [--no-gpu] -- COMMAND [ARGS...]`.
+
+Runs COMMAND as a subprocess with perfloop's run bootstrap first on ``PYTHONPATH`` (any
+``sitecustomize`` it shadows still runs) and the run described in ``PERFLOOP_*`` variables:
+``PERFLOOP_JOB_ID``, ``PERFLOOP_NODE``, ``PERFLOOP_RUN_HOOKS=1``, ``PERFLOOP_RUN_COMMAND``.
+Every Python process of the run that imports torch (each torchrun rank, ``mp.spawn``
+children) installs the training hooks and publishes its steps, spans, collectives, job info
+and lifecycle; the launcher publishes the job's lifecycle (rank -1: started, then finished,
+failed or killed with the exit code) and runs the node sampler (host, and GPU unless
+``--no-gpu``) next to the command.
+
+The command's exit code is ``perfloop run``'s (128 + N when it dies of signal N). SIGTERM,
+SIGHUP and SIGINT are forwarded to it; a Ctrl-C typed in the terminal already reaches the
+command (same process group), so it is not sent twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from perfloop.exceptions import ConfigError
+from perfloop.schemas.base import JOB_ID_PATTERN
+
+__all__ = ["BOOTSTRAP_DIR", "child_env", "new_job_id", "run_command"]
+
+log = logging.getLogger("perfloop.producers")
+
+BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
+"""The folder holding the run bootstrap (``sitecustomize.py``)."""
+
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def new_job_id() -> str:
+    """A fresh job id: ``run-<UTC time>-<6 hex>``.
+
+    >>> import re; bool(re.fullmatch(r"run-\\d{8}T\\d{6}-[0-9a-f]{6}", new_job_id()))
+    True
+    """
+    return f"run-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
+
+
+def child_env(
+    base: Mapping[str, str], *, job_id: str, node: str, command: Sequence[str]
+) -> dict[str, str]:
+    """The command's environment: ``base`` plus the bootstrap on PYTHONPATH and the run.
+
+    >>> env = child_env({"PYTHONPATH": "/src"}, job_id="j1", node="n0", command=["python", "t.py"])
+    >>> env["PYTHONPATH"].split(os.pathsep)[1], env["PERFLOOP_JOB_ID"], env["PERFLOOP_RUN_HOOKS"]
+    ('/src', 'j1', '1')
+    >>> env["PERFLOOP_RUN_COMMAND"]
+    'python t.py'
+    """
+    env = dict(base)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    boot = str(BOOTSTRAP_DIR)
+    env["PYTHONPATH"] = os.pathsep.join([boot, *(p for p in paths if p != boot)])
+    env["PERFLOOP_JOB_ID"] = job_id
+    env["PERFLOOP_NODE"] = node
+    env["PERFLOOP_RUN_HOOKS"] = "1"
+    env["PERFLOOP_RUN_COMMAND"] = shlex.join(command)[:4096]
+    return env
+
+
+def _exit_code(returncode: int) -> int:
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _terminal_sent_it() -> bool:
+    """Whether a SIGINT came from our terminal (which also sent it to the command)."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _start_sampler(settings: Any, emitter: Any, pid: int, gpu: bool) -> Any:
+    try:
+        from perfloop.producers.node import NodeSampler
+    except ImportError as e:  # pragma: no cover - shipped with the observation tier
+        log.info("no node sampler: %s", e)
+        return None
+    try:
+        sampler = NodeSampler(
+            settings,
+            emitter,
+            rank=-1,
+            pids=[pid],
+            enable_gpu=gpu,
+            producer_id=f"run-sampler-{emitter.node}"[:128],
+        )
+        sampler.start()
+        return sampler
+    except Exception as e:  # sampling is a bonus: the command runs regardless
+        print(f"perfloop: node sampler not started: {e}", file=sys.stderr)
+        return None
+
+
+def run_command(args: argparse.Namespace, settings: Any) -> int:
+    """Run ``args.cmd`` with perfloop's hooks; return its exit code."""
+    cmd = list(args.cmd or [])
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise ConfigError(
+            "perfloop run needs a command: perfloop run [--job-id ID] -- python train.py [ARGS]"
+        )
+    job_id = args.job_id or settings.job_id or new_job_id()
+    if not re.fullmatch(JOB_ID_PATTERN, job_id):
+        raise ConfigError(
+            f"invalid --job-id {job_id!r}: use 1-128 characters from A-Z a-z 0-9 . _ : / @ + -"
+        )
+    node = args.node or settings.node or socket.gethostname()
+    if not 0 < len(node) <= 255:
+        raise ConfigError(f"invalid --node {node!r}: use 1-255 characters")
+    settings = settings.model_copy(update={"job_id": job_id, "node": node})
+    env = child_env(os.environ, job_id=job_id, node=node, command=cmd)
+    print(f"perfloop: job {job_id} on {node}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+
+    from perfloop.producers.emitter import Emitter
+    from perfloop.producers.publisher import Publisher
+    from perfloop.schemas import JobLifecycle
+
+    publisher = Publisher(settings)
+    emitter = Emitter(
+        publisher,
+        job_id=job_id,
+        node=node,
+        producer_id=f"run-{node}-{os.getpid()}"[:128],
+        flush_interval_s=settings.publish_interval_ms / 1000,
+    )
+
+    def lifecycle(state: str, code: int | None = None, message: str = "") -> None:
+        with contextlib.suppress(Exception):
+            emitter.event(
+                JobLifecycle(
+                    ts_ns=time.time_ns(),
+                    job_id=job_id,
+                    node=node,
+                    rank=-1,
+                    state=state,  # type: ignore[arg-type]
+                    exit_code=code,
+                    message=message[:2000],
+                )
+            )
+
+    lifecycle("started", message=shlex.join(cmd))
+    try:
+        proc = subprocess.Popen(cmd, env=env)
+    except OSError as e:
+        lifecycle("failed", 127, f"cannot run {cmd[0]}: {e.strerror or e}")
+        _close(emitter, publisher)
+        raise ConfigError(f"cannot run {cmd[0]!r}: {e.strerror or e}") from e
+
+    def forward(signum: int, _: Any) -> None:
+        if signum == signal.SIGINT and _terminal_sent_it():
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    old = {}
+    for sig in _FORWARDED:
+        with contextlib.suppress(ValueError, OSError):  # not the main thread: no forwarding
+            old[sig] = signal.signal(sig, forward)
+    sampler = _start_sampler(settings, emitter, proc.pid, gpu=not args.no_gpu)
+    try:
+        while True:
+            try:
+                returncode = proc.wait()
+                break
+            except KeyboardInterrupt:  # a handler was replaced under us: keep waiting
+                continue
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        if sampler is not None:
+            with contextlib.suppress(Exception):
+                sampler.stop()
+    code = _exit_code(returncode)
+    if returncode < 0:
+        lifecycle("killed", code, f"killed by {signal.Signals(-returncode).name}")
+    elif returncode:
+        lifecycle("failed", code)
+    else:
+        lifecycle("finished", 0)
+    _close(emitter, publisher)
+    return code
+
+
+def _close(emitter: Any, publisher: Any, timeout_s: float = 10.0) -> None:
+    with contextlib.suppress(Exception):
+        emitter.close()
+    close = getattr(publisher, "close", None)
+    try:
+        if callable(close):
+            close()
+        else:
+            left = publisher.flush(timeout_s)
+            if left:
+                print(
+                    f"perfloop: {left} telemetry messages not delivered (is the broker up?)",
+                    file=sys.stderr,
+                )
+    except Exception as e:
+        print(f"perfloop: closing the publisher failed: {e}", file=sys.stderr)
