@@ -101,21 +101,24 @@ _FRAMING_BYTES = 1024  # record batch overhead on top of a message's key and val
 class PublisherStats:
     """Self-metrics, cumulative since the publisher started (a snapshot).
 
-    ``accepted`` messages were taken by `Publisher.publish` (it returned True). Each of them,
-    and each of the ``restored`` ones found in the spool at start, is at any time exactly one
-    of: ``published`` (acknowledged by the broker; ``replayed`` of them came out of the
-    spool), ``failed`` (refused for good, never retried), ``dropped`` (lost on purpose to keep
-    a bound: spool full, oldest first), ``corrupt`` (an unreadable spool record), in memory
-    (``in_flight``) or in the spool (``spool_messages``)::
+    ``accepted`` messages were taken by `Publisher.publish` (it returned True), ``refused``
+    ones were not (it returned False: counted in ``failed`` or, at the memory bound, in
+    ``dropped``). Every message offered, and each of the ``restored`` ones found in the spool
+    at start, is at any time exactly one of: ``published`` (acknowledged by the broker;
+    ``replayed`` of them came out of the spool), ``failed`` (refused for good, never
+    retried), ``dropped`` (lost on purpose to keep a bound: spool full, oldest first),
+    ``corrupt`` (an unreadable spool record), in memory (``in_flight``) or in the spool
+    (``spool_messages``)::
 
-        accepted + restored == published + failed + dropped + corrupt + in_flight
-                               + spool_messages
+        accepted + refused + restored == published + failed + dropped + corrupt
+                                         + in_flight + spool_messages
 
     ``spooled`` counts writes to the spool; ``resent`` counts messages sent again after the
     broker lost them (and probes), which are not counted in ``published`` a second time.
     """
 
     accepted: int = 0
+    refused: int = 0
     restored: int = 0
     published: int = 0
     replayed: int = 0
@@ -328,6 +331,7 @@ class Publisher:
                 ):
                     self._st.dropped += 1
                     self._st.dropped_samples += count_samples(bytes(value))
+                    self._st.refused += 1
                     self._warn("full", "publisher memory bound reached; dropped a new message")
                     return False
                 self._seq += 1
@@ -344,9 +348,11 @@ class Publisher:
     def _refuse(self, reason: str, msg: str, locked: bool = False) -> bool:
         if locked:
             self._st.failed += 1
+            self._st.refused += 1
         else:
             with self._lock:
                 self._st.failed += 1
+                self._st.refused += 1
         self._warn(reason, msg)
         return False
 
@@ -362,6 +368,7 @@ class Publisher:
         with self._lock:
             st = replace(self._snap)
             st.accepted = self._st.accepted
+            st.refused = self._st.refused
             st.failed += self._st.failed
             st.dropped += self._st.dropped
             st.dropped_samples += self._st.dropped_samples
