@@ -32,9 +32,11 @@ import argparse
 import bisect
 import re
 import sys
+import time
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +115,7 @@ class TraceIndex:
     device: int | None
     events: int
     gpu_events: int
+    shift_ns: int = 0  # added to every published time (the CLI moves old traces to now)
 
     @property
     def rank(self) -> int:
@@ -141,9 +144,15 @@ class TraceIndex:
         return None
 
     def ns(self, ts_us: float) -> int:
-        """Unix nanoseconds of a trace timestamp (µs as a float; the sub-µs part kept)."""
+        """Unix nanoseconds of a trace timestamp (µs as a float; the sub-µs part kept),
+        plus ``shift_ns``."""
         whole = int(ts_us)
-        return max(0, self.base_ns + whole * 1000 + round((ts_us - whole) * 1000))
+        return max(0, self.base_ns + self.shift_ns + whole * 1000 + round((ts_us - whole) * 1000))
+
+    @property
+    def end_ns(self) -> int:
+        """Unix nanoseconds of the last step's end, before any shift."""
+        return self.ns(self.steps[-1].end_us) - self.shift_ns
 
     def step_at(self, ts_us: float) -> int | None:
         """Index of the step whose span holds ``ts_us``, if any."""
@@ -444,6 +453,9 @@ def _job_info(idx: TraceIndex, job_id: str, node: str) -> JobInfo:
     extra = {"source": "trace_replay", "trace": idx.path.name[:256]}
     if idx.whole_trace:
         extra["steps"] = "whole trace (no ProfilerStep spans)"
+    if idx.shift_ns:
+        extra["time_shift_ns"] = str(idx.shift_ns)
+        extra["trace_start_unix_ns"] = str(idx.ns(idx.steps[0].start_us) - idx.shift_ns)
     if isinstance(idx.meta.get("schemaVersion"), int):
         extra["kineto_schema_version"] = str(idx.meta["schemaVersion"])
     return JobInfo(
@@ -708,7 +720,14 @@ def default_job_id(path: str | Path) -> str:
 
 
 def replay_command(args: argparse.Namespace, settings: Any) -> int:
-    """``perfloop replay``: replay each trace, one line per file; non-zero if any failed."""
+    """``perfloop replay``: replay each trace, one line per file; non-zero if any failed.
+
+    Times are moved so that the first trace ends now (every file by the same amount, so
+    ranks stay aligned): raw warehouse tables expire rows 30 days after their event time,
+    and ClickHouse drops already-expired rows as they are inserted. The shift and the
+    original start are kept in each rank's `JobInfo` ``extra``. ``args.keep_time`` (not on
+    the command line yet) publishes the trace's own times instead.
+    """
     from perfloop.producers.publisher import Publisher
 
     paths = [Path(t) for t in args.traces]
@@ -717,12 +736,24 @@ def replay_command(args: argparse.Namespace, settings: Any) -> int:
         raise ConfigError(f"invalid job id {job_id!r}: use 1-128 of A-Z a-z 0-9 . _ : / @ + -")
     node = args.node or getattr(settings, "node", None)
     whole_trace = bool(getattr(args, "whole_trace", False))
+    keep_time = bool(getattr(args, "keep_time", False))
     publisher = Publisher(settings)
     print(f"replaying {len(paths)} trace(s) as job {job_id}", flush=True)
     failed = 0
+    shift: int | None = 0 if keep_time else None
     for p in paths:
         try:
-            r = replay_trace(p, publisher, job_id=job_id, node=node, whole_trace=whole_trace)
+            idx = index_trace(p, whole_trace=whole_trace)
+            if shift is None:
+                shift = time.time_ns() - idx.end_ns
+                when = datetime.fromtimestamp(idx.end_ns / 1e9, tz=UTC).isoformat(" ", "seconds")
+                print(
+                    f"times shifted by {shift / 86_400e9:+.2f} days so the trace that ended "
+                    f"{when} ends now",
+                    flush=True,
+                )
+            idx.shift_ns = shift
+            r = replay_trace(p, publisher, job_id=job_id, node=node, index=idx)
         except TraceError as e:
             print(f"perfloop: replay: {e}", file=sys.stderr, flush=True)
             failed += 1
