@@ -348,6 +348,103 @@ def test_replay_memory_stays_far_below_the_trace_size() -> None:
     assert peak < decompressed * 0.15, f"peak {peak} bytes for {decompressed} bytes of JSON"
 
 
+# --- attribution, on a hand-made trace in the old (PyTorch 1.8) schema ----------------------------
+
+
+def test_gpu_work_counts_for_the_step_that_launched_it(tmp_path: Path) -> None:
+    def op(name: str, ts: float, dur: float, cat: str = "Operator") -> dict[str, Any]:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {}}
+
+    def launch(ts: float, corr: int) -> dict[str, Any]:
+        e = op("cudaLaunchKernel", ts, 2, "Runtime")
+        e["args"] = {"correlation": corr}
+        return e
+
+    def kernel(name: str, ts: float, dur: float, stream: int, corr: int) -> dict[str, Any]:
+        e = op(name, ts, dur, "Kernel")
+        e["args"] = {"stream": stream, "correlation": corr, "device": 0}
+        return e
+
+    events = [
+        kernel("volta_sgemm_128x64_nn", 150, 20, 7, corr=2),  # runs during step 2 ...
+        op("ProfilerStep#2", 100, 100),
+        launch(90, 2),  # ... but step 1 launched it
+        kernel("elementwise_kernel", 20, 20, 7, corr=1),
+        launch(10, 1),
+        kernel("cudnn::bn_fw_tr_1C11", 30, 20, 8, corr=3),  # overlaps the first on stream 8
+        launch(30, 3),
+        kernel("Memcpy HtoD", 120, 10, 7, corr=99),  # its launch was lost: its own time counts
+        {**kernel("Memcpy HtoD", 120, 10, 7, corr=99), "cat": "Memcpy"},
+        op("ProfilerStep#1", 0, 100),
+        kernel("reduce_kernel", 260, 10, 7, corr=4),
+        launch(250, 4),  # launched after the last step: left out
+        op("autograd::engine::evaluate_function: AddmmBackward0", 60, 30),
+        op("Optimizer.step#SGD.step", 92, 6),
+    ]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    pub = Collect()
+    result = replay_trace(path, pub, job_id="old")
+    rows = pub.rows()
+    assert result.unattributed_gpu_events == 1
+    busy = {
+        (r["step"], r["stream"], r["kernel_class"]): (r["count"], r["busy_ms"])
+        for r in rows["kernel"]
+    }
+    assert busy[1, -1, "all"] == (3, 0.050)  # [20, 50] and [150, 170] µs
+    assert busy[1, 7, "all"] == (2, 0.040)
+    assert busy[1, 8, "norm"] == (1, 0.020)
+    assert busy[1, -1, "gemm"] == (1, 0.020)
+    assert busy[2, -1, "all"] == (2, 0.010)  # two copies at [120, 130]: counted, union once
+    assert busy[2, -1, "memcpy"] == (2, 0.010)
+    tiles = [
+        (r["phase"], r["duration_ms"])
+        for r in sorted(rows["span"], key=lambda r: r["ts_ns"])
+        if r["step"] == 1 and r["depth"] == 0
+    ]
+    assert tiles == [
+        ("forward", 0.060),
+        ("backward", 0.030),
+        ("user", 0.002),
+        ("optimizer", 0.006),
+        ("user", 0.002),
+    ]
+    assert [r["step"] for r in rows["step"]] == [1, 2] and result.rank == 0
+
+
+def test_a_cpu_trace_recorded_here_with_torch_profiler(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.utils.data.TensorDataset(torch.randn(128, 32), torch.randn(128, 1))
+    path = tmp_path / "cpu.pt.trace.json"
+    with profile(
+        activities=[ProfilerActivity.CPU],
+        schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+    ) as prof:
+        for i, (x, y) in enumerate(torch.utils.data.DataLoader(data, batch_size=16)):
+            if i == 6:
+                break
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            prof.step()
+    pub = Collect()
+    result = replay_trace(path, pub, job_id="cpu")
+    rows = pub.rows()
+    assert sorted(r["step"] for r in rows["step"]) == [2, 3, 4]
+    assert result.gpu_events == 0 and "kernel" not in rows
+    for n in (2, 3, 4):
+        phases = {r["phase"] for r in rows["span"] if r["step"] == n and r["depth"] == 0}
+        assert {"data_wait", "forward", "backward", "optimizer"} <= phases
+    assert all(r["data_wait_ms"] > 0 for r in rows["step"])
+    # New traces carry baseTimeNanoseconds: their times are Unix times, from just now.
+    assert abs(time.time_ns() - rows["step"][-1]["ts_ns"]) < 300 * 10**9
+
+
 # --- tiling --------------------------------------------------------------------------------------
 
 
