@@ -22,11 +22,13 @@ signal moves, and its interval drops to the minimum at once; a signal that stays
 band is flat, and its interval grows by ``growth`` each read, up to the maximum. A noisy signal
 (high variance) keeps landing outside the band and stays fast; a steady one slows down.
 Counters (``counter=True``) are judged on their rate. ``update_budget(overhead_pct)`` (the
-meter's figure) scales every interval: over budget, the scale grows by ``backoff`` and no
+meter's figure) scales every interval: over budget, the scale grows by ``backoff`` (or by
+overhead/budget when that is larger, up to 10×) and no
 interval shrinks until overhead is back under budget; under half the budget, the scale relaxes
-back towards 1. Intervals always stay within ``[min_interval_s, max_interval_s]``: when even the
-maximum intervals cost more than the budget, the controller says so (``saturated``) and does
-not go slower than the maximum.
+back towards 1 (with ``settle_s``, at most one change per ``settle_s``, so a lagging
+measurement does not wind the scale up). Intervals always stay within
+``[min_interval_s, max_interval_s]``: when even the maximum intervals cost more than the
+budget, the controller says so (``saturated``) and does not go slower than the maximum.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class OverheadMeter:
         self,
         window_s: float = 10.0,
         *,
-        buckets: int = 10,
+        buckets: int = 40,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if window_s <= 0 or buckets < 1:
@@ -118,12 +120,14 @@ class OverheadMeter:
         finally:
             self.charge(time.perf_counter() - t0)
 
-    def overhead_pct(self) -> float:
-        """Producer cost over the last ``window_s`` as a percentage of step (or wall) time."""
+    def overhead_pct(self, window_s: float | None = None) -> float:
+        """Producer cost over the last ``window_s`` (default: the meter's window, at most that)
+        as a percentage of step time, or of wall time when no step was recorded."""
         now = self._clock()
+        window = self.window_s if window_s is None else min(window_s, self.window_s)
         with self._lock:
             self._roll(now)
-            live = [b for b in self._buckets if now - b[0] <= self.window_s]
+            live = [b for b in self._buckets if now - b[0] <= window]
             if not live:
                 return 0.0
             charged = sum(b[1] for b in live)
@@ -210,6 +214,7 @@ class AdaptiveController:
         alpha: float = 0.3,
         backoff: float = 1.5,
         relax: float = 1.25,
+        settle_s: float = 0.0,
     ) -> None:
         if growth < 1 or backoff <= 1 or relax <= 1 or not 0 < alpha <= 1 or budget_pct <= 0:
             raise ValueError(
@@ -221,6 +226,8 @@ class AdaptiveController:
         self.budget_pct = budget_pct
         self.enabled = enabled
         self.growth, self.alpha, self.backoff, self.relax = growth, alpha, backoff, relax
+        self.settle_s = settle_s
+        self._changed_at = -math.inf
         self.scale = 1.0
         self.over_budget = False
         self.saturated = False
@@ -321,14 +328,23 @@ class AdaptiveController:
         with self._lock:
             self._state[name].next_t = now + self._state[name].interval
 
-    def update_budget(self, overhead_pct: float) -> None:
-        """Feed the measured overhead; scale intervals so it stays within ``budget_pct``."""
+    def update_budget(self, overhead_pct: float, now: float | None = None) -> None:
+        """Feed the measured overhead; scale intervals so it stays within ``budget_pct``.
+
+        With ``settle_s`` > 0 and ``now`` given, the scale changes at most once per
+        ``settle_s``: the measurement lags, and reacting to every reading of the same
+        overhead would slow sampling down far more than needed.
+        """
         if not self.enabled or not math.isfinite(overhead_pct):
             return
         with self._lock:
+            settled = now is None or now - self._changed_at >= self.settle_s
             if overhead_pct > self.budget_pct:
                 self.over_budget = True
-                self.scale = min(self._max_scale, self.scale * self.backoff)
+                if settled:  # at least `backoff`, more when far over: converge in a step
+                    factor = max(self.backoff, min(overhead_pct / self.budget_pct, 10.0))
+                    self.scale = min(self._max_scale, self.scale * factor)
+                    self._changed_at = -math.inf if now is None else now
                 for n, st in self._state.items():  # stretch now, not only at the next read
                     spec = self.specs[n]
                     stretched = min(spec.max_interval_s, st.base * self.scale)
@@ -339,5 +355,6 @@ class AdaptiveController:
             else:
                 self.over_budget = False
                 self.saturated = False
-                if overhead_pct < 0.5 * self.budget_pct:
+                if overhead_pct < 0.5 * self.budget_pct and settled and self.scale > 1.0:
                     self.scale = max(1.0, self.scale / self.relax)
+                    self._changed_at = -math.inf if now is None else now

@@ -186,22 +186,57 @@ def _handle_key(handle: Any) -> int | None:
         return None
 
 
+class _Value(ctypes.Union):
+    _fields_ = (
+        ("dVal", ctypes.c_double),
+        ("uiVal", ctypes.c_uint),
+        ("ulVal", ctypes.c_ulong),
+        ("ullVal", ctypes.c_ulonglong),
+        ("sllVal", ctypes.c_longlong),
+        ("siVal", ctypes.c_int),
+        ("usVal", ctypes.c_ushort),
+    )
+
+
+class _FieldValue(ctypes.Structure):
+    """pynvml's ``c_nvmlFieldValue_t`` layout as a plain ctypes structure: reading it is a
+    descriptor lookup, where pynvml's printable structure runs Python on every attribute."""
+
+    _fields_ = (
+        ("fieldId", ctypes.c_uint32),
+        ("scopeId", ctypes.c_uint32),
+        ("timestamp", ctypes.c_int64),
+        ("latencyUsec", ctypes.c_int64),
+        ("valueType", ctypes.c_int),
+        ("nvmlReturn", ctypes.c_int),
+        ("value", _Value),
+    )
+
+
+_FAST_FIELDS = ctypes.sizeof(_FieldValue) == ctypes.sizeof(pynvml.c_nvmlFieldValue_t)
+_VALUE_READERS = {
+    _E.NVML_VALUE_TYPE_DOUBLE: lambda v: v.dVal,
+    _E.NVML_VALUE_TYPE_UNSIGNED_INT: lambda v: v.uiVal,
+    _E.NVML_VALUE_TYPE_UNSIGNED_LONG: lambda v: v.ulVal,
+    _E.NVML_VALUE_TYPE_SIGNED_LONG_LONG: lambda v: v.sllVal,
+    _E.NVML_VALUE_TYPE_SIGNED_INT: lambda v: v.siVal,
+    _E.NVML_VALUE_TYPE_UNSIGNED_SHORT: lambda v: v.usVal,
+}
+
+
+def _field_values(handle: Any, ids: Sequence[Any]) -> Sequence[Any]:
+    """``nvmlDeviceGetFieldValues``, answered as fast plain structures where the layout allows."""
+    values = pynvml.nvmlDeviceGetFieldValues(handle, list(ids))
+    if _FAST_FIELDS and isinstance(values, ctypes.Array):
+        return (_FieldValue * len(values)).from_buffer(values)
+    return values  # pragma: no cover - a pynvml whose layout differs
+
+
 def _field_value(fv: Any) -> float:
-    t = fv.valueType
+    """The value of one field as a float, whatever NVML type it carries."""
     v = fv.value
-    if t == _E.NVML_VALUE_TYPE_DOUBLE:
-        return float(v.dVal)
-    if t == _E.NVML_VALUE_TYPE_UNSIGNED_INT:
-        return float(v.uiVal)
-    if t == _E.NVML_VALUE_TYPE_UNSIGNED_LONG:
-        return float(v.ulVal)
-    if t == _E.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
-        return float(v.sllVal)
-    if t == _E.NVML_VALUE_TYPE_SIGNED_INT:
-        return float(v.siVal)
-    if t == _E.NVML_VALUE_TYPE_UNSIGNED_SHORT:
-        return float(v.usVal)
-    return float(v.ullVal)
+    read = _VALUE_READERS.get(fv.valueType)
+    return float(read(v) if read is not None else v.ullVal)
 
 
 def _err_text(e: BaseException) -> str:
@@ -279,6 +314,7 @@ class NvmlBackend(GpuBackend):
         self._event_set: Any = None
         self._xid_reason = ""
         self._xid_pending: dict[int | None, list[int]] = {}
+        self._xid_drained = False
         self._details: dict[str, str] = {}
         self._floors: dict[str, float] = {}
 
@@ -429,7 +465,7 @@ class NvmlBackend(GpuBackend):
 
     def _setup_nvlink(self, d: _Device) -> bool:
         try:
-            fv = pynvml.nvmlDeviceGetFieldValues(d.handle, [_FIELD_NVLINK_COUNT])[0]
+            fv = _field_values(d.handle, [_FIELD_NVLINK_COUNT])[0]
             links = int(_field_value(fv)) if fv.nvmlReturn == _E.NVML_SUCCESS else 0
         except _NVMLError as e:
             if e.value in _LOST:
@@ -480,7 +516,7 @@ class NvmlBackend(GpuBackend):
         return {"throttle_reasons": int(reasons)}
 
     def _read_pcie_counters(self, d: _Device, _: Collection[int]) -> dict[str, Any]:
-        rx, tx = pynvml.nvmlDeviceGetFieldValues(d.handle, [_FIELD_PCIE_RX, _FIELD_PCIE_TX])
+        rx, tx = _field_values(d.handle, (_FIELD_PCIE_RX, _FIELD_PCIE_TX))
         for fv in (rx, tx):
             if fv.nvmlReturn != _E.NVML_SUCCESS:
                 raise _NVMLError(fv.nvmlReturn)
@@ -496,7 +532,7 @@ class NvmlBackend(GpuBackend):
         return {"pcie_rx_bytes_per_s": rx * float(_KIB), "pcie_tx_bytes_per_s": tx * float(_KIB)}
 
     def _read_nvlink(self, d: _Device, _: Collection[int]) -> dict[str, Any]:
-        values = pynvml.nvmlDeviceGetFieldValues(d.handle, d.nvlink_fields)
+        values = _field_values(d.handle, d.nvlink_fields)
         rx = tx = 0.0
         ok = 0
         for fv in values:
@@ -532,7 +568,8 @@ class NvmlBackend(GpuBackend):
         return {"process_mem_bytes": total}
 
     def _read_xid(self, d: _Device, _: Collection[int]) -> dict[str, Any]:
-        self._drain_xid()
+        if not self._xid_drained:  # the probe; `sample` drains once for every device
+            self._drain_xid()
         codes = self._xid_pending.pop(d.key, [])
         return {"xid_events": len(codes), "last_xid": codes[-1] if codes else d.last["last_xid"]}
 
@@ -555,6 +592,13 @@ class NvmlBackend(GpuBackend):
     ) -> list[dict[str, Any]]:
         rows = []
         changed = False
+        self._xid_drained = False
+        if self._event_set is not None and (signals is None or "xid" in signals):
+            try:
+                self._drain_xid()
+            except _NVMLError as e:  # a device's xid read will meet it too; say it there
+                log.debug("XID event set: %s", _err_text(e))
+            self._xid_drained = True
         for d in self._devices:
             if d.lost:
                 continue

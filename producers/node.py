@@ -62,9 +62,13 @@ from perfloop.schemas.job import CapabilityReport, ProducerStats
 from perfloop.schemas.telemetry import GpuSample, HostSample
 from perfloop.settings import ProducerSettings
 
-__all__ = ["GPU_TOLERANCES", "NodeSampler", "sample_command"]
+__all__ = ["CONTROL_WINDOW_S", "GPU_TOLERANCES", "NodeSampler", "sample_command"]
 
 log = logging.getLogger("perfloop.producers.node")
+
+CONTROL_WINDOW_S = 2.0
+"""The budget controller judges overhead over this recent window (the published figure uses
+the meter's whole window) and changes the scale at most every half of it."""
 
 GPU_TOLERANCES: dict[str, dict[str, Any]] = {
     "utilization": {"abs_tol": 2.0},  # percentage points
@@ -106,20 +110,37 @@ _HOST_BOUNDS = _bounds(
 
 
 def _clean(row: Mapping[str, Any], bounds: list[tuple[str, float, float, bool]]) -> dict[str, Any]:
-    """Schema-valid values: clamped to the field's bounds, ints as int, NaN as the default."""
+    """Schema-valid values: clamped to the field's bounds, ints as int; NaN and infinities
+    are left out (the field keeps its default)."""
     out: dict[str, Any] = {}
     for name, lo, hi, is_int in bounds:
         v = row.get(name)
         if v is None:
             continue
-        v = float(v)
-        if v != v:
+        if is_int and type(v) is int:
+            out[name] = v if lo <= v <= hi else int(max(lo, min(hi, v)))
             continue
-        v = hi if v > hi else lo if v < lo else v
-        if is_int:
-            out[name] = int(v) if math.isfinite(v) else 0
-        elif math.isfinite(v):
-            out[name] = v
+        f = float(v)
+        if not math.isfinite(f):
+            continue
+        if not lo <= f <= hi:
+            f = max(lo, min(hi, f))
+        out[name] = int(f) if is_int else f
+    return out
+
+
+def _columns(
+    rows: Sequence[Mapping[str, Any]], bounds: list[tuple[str, float, float, bool]]
+) -> dict[str, list[Any]]:
+    """The rows as schema-valid columns (see `_clean`); one emitter call per round."""
+    cleaned = [_clean(r, bounds) for r in rows]
+    out: dict[str, list[Any]] = {}
+    for name, _, _, is_int in bounds:
+        if all(name in c for c in cleaned):
+            out[name] = [c[name] for c in cleaned]
+        elif any(name in c for c in cleaned):
+            zero = 0 if is_int else 0.0
+            out[name] = [c.get(name, zero) for c in cleaned]
     return out
 
 
@@ -141,11 +162,14 @@ class _Once:
 class NodeSampler:
     """GPU and host sampling for one job on one node, within an overhead budget.
 
+    ``emitter`` is an `Emitter` (or anything with its ``add``, ``extend`` and ``event``).
+
     >>> from perfloop.settings import ProducerSettings
     >>> from perfloop.testing import FakeGpuBackend
     >>> class Collect:
     ...     def __init__(self): self.samples, self.events = [], []
     ...     def add(self, kind, **values): self.samples.append(kind)
+    ...     def extend(self, kind, **columns): self.samples.append(kind)
     ...     def event(self, event): self.events.append(event); return True
     >>> out = Collect()
     >>> s = NodeSampler(ProducerSettings(host_interval_ms=50), out, job_id="j1", node="n0",
@@ -218,7 +242,10 @@ class NodeSampler:
             SignalSpec("host", host_s, host_s * max(1.0, self._host_max_factor), adaptive=False)
         )
         return AdaptiveController(
-            specs, budget_pct=st.overhead_budget_pct, enabled=st.adaptive_sampling
+            specs,
+            budget_pct=st.overhead_budget_pct,
+            enabled=st.adaptive_sampling,
+            settle_s=CONTROL_WINDOW_S / 2,
         )
 
     # -- service ---------------------------------------------------------------------------
@@ -418,16 +445,16 @@ class NodeSampler:
         if self.host.pids:
             pids = set(self.host.pids) | self.host.children
         rows = self.backend.sample(signals, pids)
-        ts = time.time_ns()
-        for row in rows:
-            self.emitter.add(
+        if rows:
+            n = len(rows)
+            self.emitter.extend(
                 "gpu",
-                ts_ns=ts,
-                rank=self.rank,
-                device=int(row["device"]),
-                **_clean(row, _GPU_BOUNDS),
+                ts_ns=[time.time_ns()] * n,
+                rank=[self.rank] * n,
+                device=[int(r["device"]) for r in rows],
+                **_columns(rows, _GPU_BOUNDS),
             )
-        self.samples += len(rows)
+            self.samples += n
         for s in due:
             fields = GPU_SIGNALS[s[4:]]
             if rows:
@@ -466,7 +493,7 @@ class NodeSampler:
             if self.flush and now >= next_flush:
                 self._flush()
                 next_flush = now + self.settings.publish_interval_ms / 1000.0
-            self.controller.update_budget(self.meter.overhead_pct())
+            self.controller.update_budget(self.meter.overhead_pct(CONTROL_WINDOW_S), now)
             if self.controller.saturated and self._once("saturated"):
                 log.warning(
                     "sampler overhead %.2f%% is over the %.2f%% budget at the slowest intervals",

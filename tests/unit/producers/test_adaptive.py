@@ -133,8 +133,8 @@ def test_budget_scales_intervals_up_and_relaxes_back() -> None:
     ctl.observe("s", [1.0], 0.0)
     ctl.observe("s", [100.0], 0.01)  # moving: at the minimum
     assert ctl.interval("s") == pytest.approx(0.01)
-    ctl.update_budget(3.0)
-    ctl.update_budget(3.0)
+    ctl.update_budget(0.9)
+    ctl.update_budget(0.9)
     assert ctl.over_budget and ctl.scale == pytest.approx(4.0)
     assert ctl.interval("s") == pytest.approx(0.04)  # stretched at once
     ctl.observe("s", [1.0], 0.05)  # still moving, but over budget: not faster
@@ -187,8 +187,10 @@ def test_non_adaptive_signal_only_stretches_under_budget() -> None:
     for i in range(10):
         ctl.observe("host", [], float(i))
     assert ctl.interval("host") == 1.0
-    ctl.update_budget(2.0)
+    ctl.update_budget(0.6)
     assert ctl.interval("host") == pytest.approx(1.5)
+    ctl.update_budget(3.0)  # six times the budget: one bigger step
+    assert ctl.interval("host") == pytest.approx(9.0)
 
 
 def test_due_and_next_due_in() -> None:
@@ -290,3 +292,27 @@ def test_meter_is_thread_safe() -> None:
     for t in threads:
         t.join()
     assert m.total_s == pytest.approx(0.04)
+
+
+def test_settle_limits_scale_changes_to_one_per_period() -> None:
+    ctl = AdaptiveController([SignalSpec("s", 0.01, 1.0)], backoff=2.0, settle_s=1.0)
+    for t in (0.0, 0.25, 0.5, 0.75):  # the same lagging measurement, four times
+        ctl.update_budget(0.8, now=t)
+    assert ctl.scale == 2.0 and ctl.over_budget
+    ctl.update_budget(0.8, now=1.0)
+    assert ctl.scale == 4.0
+    ctl.update_budget(0.1, now=1.5)  # too soon to relax
+    assert ctl.scale == 4.0 and not ctl.over_budget
+    ctl.update_budget(0.1, now=2.0)
+    assert ctl.scale == pytest.approx(4.0 / 1.25)
+
+
+def test_meter_short_window_sees_only_recent_cost() -> None:
+    clock = Clock()
+    m = OverheadMeter(window_s=10.0, clock=clock)
+    m.charge(0.5)  # an old burst
+    clock.t = 8.0
+    m.charge(0.01)
+    clock.t = 10.0
+    assert m.overhead_pct(2.0) == pytest.approx(0.5, rel=0.2)  # 10 ms over ~2 s
+    assert m.overhead_pct() == pytest.approx(5.1)  # 510 ms over 10 s

@@ -69,9 +69,13 @@ def _wait_for_workers(pid: int, n: int) -> None:
         time.sleep(0.05)
 
 
-def test_watched_process_with_loader_workers(trainer: subprocess.Popen[str]) -> None:
+@pytest.mark.parametrize("proc_children", [True, False], ids=["proc-children", "psutil"])
+def test_watched_process_with_loader_workers(
+    trainer: subprocess.Popen[str], proc_children: bool
+) -> None:
     _wait_for_workers(trainer.pid, 2)
     s = HostSampler([trainer.pid])  # rank from the launcher's environment
+    s._proc_children &= proc_children  # the portable path where /proc lacks children files
     s.sample()
     (row,) = s.sample()
     assert row["pid"] == trainer.pid and row["rank"] == 3
