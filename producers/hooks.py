@@ -320,7 +320,7 @@ class Session:
             rank=world["rank"],
             settings=settings,
             publisher=publisher,
-            producer_id=f"torch-{node}-r{world['rank']}-{os.getpid()}"[:128],
+            producer_id=f"torch-{node}-r{world['rank']}"[:128],
             contiguous=True,
             callbacks=CallbackSet([callbacks] if callbacks is not None else []),
         )

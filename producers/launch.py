@@ -135,7 +135,7 @@ def run_command(args: argparse.Namespace, settings: Any) -> int:
     from perfloop.producers.publisher import Publisher
     from perfloop.schemas import JobLifecycle
 
-    publisher = Publisher(settings)
+    publisher = Publisher(settings, producer_id=f"run-{node}"[:128])
     emitter = Emitter(
         publisher,
         job_id=job_id,
@@ -163,7 +163,7 @@ def run_command(args: argparse.Namespace, settings: Any) -> int:
         proc = subprocess.Popen(cmd, env=env)
     except OSError as e:
         lifecycle("failed", 127, f"cannot run {cmd[0]}: {e.strerror or e}")
-        _close(emitter, publisher)
+        _close(emitter, publisher, settings.kafka_bootstrap)
         raise ConfigError(f"cannot run {cmd[0]!r}: {e.strerror or e}") from e
 
     def forward(signum: int, _: Any) -> None:
@@ -192,28 +192,32 @@ def run_command(args: argparse.Namespace, settings: Any) -> int:
                 sampler.stop()
     code = _exit_code(returncode)
     if returncode < 0:
-        lifecycle("killed", code, f"killed by {signal.Signals(-returncode).name}")
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        lifecycle("killed", code, f"killed by {name}")
     elif returncode:
         lifecycle("failed", code)
     else:
         lifecycle("finished", 0)
-    _close(emitter, publisher)
+    _close(emitter, publisher, settings.kafka_bootstrap)
     return code
 
 
-def _close(emitter: Any, publisher: Any, timeout_s: float = 10.0) -> None:
+def _close(emitter: Any, publisher: Any, where: str, timeout_s: float = 5.0) -> None:
+    from perfloop.producers.training import close_publisher
+
     with contextlib.suppress(Exception):
         emitter.close()
-    close = getattr(publisher, "close", None)
     try:
-        if callable(close):
-            close()
-        else:
-            left = publisher.flush(timeout_s)
-            if left:
-                print(
-                    f"perfloop: {left} telemetry messages not delivered (is the broker up?)",
-                    file=sys.stderr,
-                )
+        left = close_publisher(publisher, timeout_s)
     except Exception as e:
         print(f"perfloop: closing the publisher failed: {e}", file=sys.stderr)
+        return
+    if left:
+        print(
+            f"perfloop: {left} telemetry messages not delivered yet to {where} "
+            "(kept in the spool when it has one)",
+            file=sys.stderr,
+        )

@@ -56,6 +56,7 @@ __all__ = [
     "SpanRecord",
     "StepRecord",
     "clean_float",
+    "close_publisher",
     "describe_job",
     "launcher_world",
     "step_row",
@@ -747,6 +748,7 @@ class Pipeline:
         from perfloop.producers.emitter import Emitter
 
         self.errors = _Errors()
+        self_id = (producer_id or f"torch-{node}-{os.getpid()}")[:128]
         self.owns_publisher = publisher is None
         if publisher is None:
             if settings is None:
@@ -755,11 +757,11 @@ class Pipeline:
                 settings = ProducerSettings()  # the explicit API's script is the entry point
             from perfloop.producers.publisher import Publisher
 
-            publisher = Publisher(settings)
+            publisher = Publisher(settings, producer_id=self_id)
         self.settings = settings
         self.publisher = publisher
         self.job_id, self.node = job_id, node
-        self.producer_id = producer_id or f"torch-{node}-{os.getpid()}"[:128]
+        self.producer_id = self_id
         if flush_interval_s is None:
             flush_interval_s = settings.publish_interval_ms / 1000 if settings is not None else None
         if stats_interval_s is None and settings is not None:
@@ -776,7 +778,7 @@ class Pipeline:
         self.callbacks = callbacks
         self.overhead_ns = 0  # time spent in perfloop's own code on the training thread
         self.meter = _overhead_meter()
-        self._charged = (0, 0.0)  # overhead ns and step ms already given to the meter
+        self._charged = (0.0, 0.0)  # overhead ns and step ms already given to the meter
         self.recorder = Recorder(
             self.emitter,
             rank=rank,
@@ -830,7 +832,9 @@ class Pipeline:
         meter = self.meter
         if meter is None:
             return
-        o, ms = self.overhead_ns, self.recorder.step_ms_total
+        # the training thread's time in hooks, plus the publisher thread's CPU time
+        o = self.overhead_ns + self._publisher_cpu_s(self._publisher_stats()) * 1e9
+        ms = self.recorder.step_ms_total
         o0, ms0 = self._charged
         self._charged = (o, ms)
         meter.charge((o - o0) / 1e9)
@@ -842,21 +846,39 @@ class Pipeline:
         last_t, last_o = self._last_stats
         self._last_stats = (now, self.overhead_ns)
         wall = max(now - last_t, 1)
-        ps = getattr(self.publisher, "stats", None)
+        ps = self._publisher_stats()
         em = self.emitter
+
+        def n(name: str) -> int:
+            return max(int(getattr(ps, name, 0) or 0), 0)
+
         self.event(
             ProducerStats,
             producer_id=self.producer_id,
             samples=em.samples,
             messages=em.messages,
-            published=int(getattr(ps, "delivered", getattr(ps, "published", 0)) or 0),
-            spooled=int(getattr(ps, "spooled", 0) or 0),
-            replayed=int(getattr(ps, "replayed", 0) or 0),
-            dropped=int(getattr(ps, "dropped", 0) or 0),
-            failed=int(getattr(ps, "failed", 0) or 0) + self.errors.count,
-            cpu_time_ms=self.overhead_ns / 1e6,
+            published=n("published"),
+            spooled=n("spooled"),
+            replayed=n("replayed"),
+            dropped=n("dropped"),
+            dropped_samples=n("dropped_samples"),
+            failed=n("failed") + self.errors.count,
+            in_flight=n("in_flight"),
+            spool_bytes=n("spool_bytes"),
+            cpu_time_ms=self.overhead_ns / 1e6 + self._publisher_cpu_s(ps) * 1e3,
             overhead_pct=self.overhead_pct(last_o, wall),
         )
+
+    def _publisher_stats(self) -> Any:
+        try:
+            return getattr(self.publisher, "stats", None)
+        except Exception:
+            return None
+
+    @staticmethod
+    def _publisher_cpu_s(ps: Any) -> float:
+        v = getattr(ps, "cpu_time_s", 0.0) if ps is not None else 0.0
+        return float(v) if isinstance(v, (int, float)) and v >= 0 else 0.0
 
     def overhead_pct(self, since_ns: int = 0, wall_ns: int = 0) -> float:
         """The training thread's time in perfloop code as a share of step time (the
@@ -877,7 +899,7 @@ class Pipeline:
         state: str = "finished",
         exit_code: int | None = None,
         message: str = "",
-        timeout_s: float = 5.0,
+        timeout_s: float = 3.0,
     ) -> None:
         """Record what is pending, publish the final lifecycle and stats, flush (bounded)."""
         if self._closed:
@@ -890,19 +912,28 @@ class Pipeline:
             self.lifecycle(state, exit_code, message)
             self.stats()
             self.emitter.close()
-            close = getattr(self.publisher, "close", None)
-            if not self.owns_publisher:
-                pass  # whoever made the publisher flushes and closes it
-            elif callable(close):
-                close()
-            else:
-                flush = getattr(self.publisher, "flush", None)
-                if callable(flush):
-                    flush(timeout_s)
+            if self.owns_publisher:  # else whoever made it flushes and closes it
+                close_publisher(self.publisher, timeout_s)
         except Exception as e:
             self.errors("closing the publisher", e)
         with contextlib.suppress(Exception):
             self.callbacks.on_train_end(state)
+
+
+def close_publisher(publisher: Any, timeout_s: float) -> int:
+    """Wait up to ``timeout_s`` for delivery, then close (a spooling publisher keeps the
+    rest on disk); return the messages not delivered yet."""
+    left = 0
+    flush = getattr(publisher, "flush", None)
+    if callable(flush):
+        left = int(flush(timeout_s) or 0)
+    close = getattr(publisher, "close", None)
+    if callable(close):
+        try:
+            close(timeout_s=0)
+        except TypeError:
+            close()
+    return left
 
 
 def _overhead_meter() -> Any:
