@@ -9,7 +9,9 @@ Private helpers of `perfloop.producers.replay`:
 - classification: `kernel_class` (GPU activity → one of `KERNEL_CLASSES`), `phase_of` (CPU op or
   user annotation → a standard phase), `collective_op` (NCCL/Gloo/c10d names → one of
   `COLLECTIVE_OPS`), `dtype_bytes`.
-- `union_us`: the length of a union of intervals (overlaps counted once).
+- one step's figures: `union_us` (the length of a union of intervals, overlaps once),
+  `kernel_rows` (busy time and counts per stream and class) and `tile_step` (the depth-0
+  phase tiling of a step from the host spans that mark phases).
 
 Every failure to read a trace is a `TraceError` whose message is one line naming the file.
 """
@@ -33,6 +35,7 @@ import ijson
 import numpy as np
 
 from perfloop.exceptions import PerfloopError
+from perfloop.schemas.telemetry import KERNEL_CLASSES
 
 __all__ = [
     "EVENTS_PREFIX",
@@ -46,7 +49,9 @@ __all__ = [
     "iter_events",
     "iter_trace",
     "kernel_class",
+    "kernel_rows",
     "phase_of",
+    "tile_step",
     "union_us",
 ]
 
@@ -555,3 +560,100 @@ def union_us(starts: np.ndarray, ends: np.ndarray) -> float:
     closes[-1] = True
     closes[:-1] = opens[1:]
     return float(np.sum(reach[closes] - s[opens]))
+
+
+# --- one step's figures ---------------------------------------------------------------------
+
+
+def kernel_rows(
+    start: np.ndarray, end: np.ndarray, stream: np.ndarray, cls: np.ndarray
+) -> list[tuple[int, str, int, float]]:
+    """``(stream, kernel_class, count, busy_us)`` rows of one step's GPU activities.
+
+    One row per stream and class, per stream over its classes (``"all"``), per class over
+    all streams (stream ``-1``), and the step's GPU busy time (stream ``-1``, ``"all"``);
+    busy time is the union of the intervals. A step without GPU activity gets the last row
+    only, with zeros.
+
+    >>> import numpy as np
+    >>> kernel_rows(np.array([0.0, 5.0, 2.0]), np.array([10.0, 12.0, 4.0]),
+    ...             np.array([7, 7, 9]), np.array([0, 0, 3], dtype=np.int8))
+    [(-1, 'all', 3, 12.0), (-1, 'gemm', 2, 12.0), (-1, 'elementwise', 1, 2.0), \
+(7, 'all', 2, 12.0), (7, 'gemm', 2, 12.0), (9, 'all', 1, 2.0), (9, 'elementwise', 1, 2.0)]
+    """
+    rows = [(-1, "all", len(start), union_us(start, end))]
+    for code in np.unique(cls):
+        m = cls == code
+        rows.append((-1, KERNEL_CLASSES[int(code)], int(m.sum()), union_us(start[m], end[m])))
+    for s in np.unique(stream):
+        on = stream == s
+        rows.append((int(s), "all", int(on.sum()), union_us(start[on], end[on])))
+        for code in np.unique(cls[on]):
+            m = on & (cls == code)
+            rows.append(
+                (int(s), KERNEL_CLASSES[int(code)], int(m.sum()), union_us(start[m], end[m]))
+            )
+    return rows
+
+
+def tile_step(
+    start: float, end: float, m_start: np.ndarray, m_end: np.ndarray, m_phase: np.ndarray
+) -> list[tuple[float, float, str, str]]:
+    """Tile ``[start, end]`` with phases: ``(start_us, end_us, phase, name)``, in order.
+
+    Each instant takes the highest-priority phase (`PHASES` order) among the marks covering
+    it. Unmarked time before the first backward mark is ``forward`` (when the step has a
+    backward); any other unmarked time is phase ``user``, name ``other``. Adjacent tiles of
+    one phase are merged; together the tiles cover the step exactly once.
+
+    >>> import numpy as np
+    >>> codes = np.array([PHASES.index("backward"), PHASES.index("optimizer")], dtype=np.int8)
+    >>> for t in tile_step(0.0, 10.0, np.array([4.0, 8.0]), np.array([7.0, 9.0]), codes):
+    ...     print(t)
+    (0.0, 4.0, 'forward', 'forward')
+    (4.0, 7.0, 'backward', 'backward')
+    (7.0, 8.0, 'user', 'other')
+    (8.0, 9.0, 'optimizer', 'optimizer')
+    (9.0, 10.0, 'user', 'other')
+    """
+    if not end > start:
+        return []
+    s = np.clip(m_start, start, end)
+    e = np.clip(m_end, start, end)
+    keep = e > s
+    s, e, ph = s[keep], e[keep], m_phase[keep]
+    backward = PHASES.index("backward")
+    bw = s[ph == backward]
+    first_backward = float(bw.min()) if len(bw) else None
+    # Sweep over the marks' boundaries with a count of open marks per phase.
+    times = np.concatenate([s, e])
+    deltas = np.concatenate([np.ones(len(s), dtype=np.int64), -np.ones(len(e), dtype=np.int64)])
+    phases = np.concatenate([ph, ph]).astype(np.int64)
+    order = np.lexsort((deltas, times))
+    counts = [0] * len(PHASES)
+    tiles: list[tuple[float, float, str, str]] = []
+    cur = start
+
+    def label(a: float, b: float) -> None:
+        if not b > a:
+            return
+        active = next((p for p, c in enumerate(counts) if c > 0), None)
+        if active is not None:
+            phase = name = PHASES[active]
+        elif first_backward is not None and b <= first_backward:
+            phase = name = "forward"
+        else:
+            phase, name = "user", "other"
+        if tiles and tiles[-1][2] == phase and tiles[-1][3] == name and tiles[-1][1] == a:
+            tiles[-1] = (tiles[-1][0], b, phase, name)
+        else:
+            tiles.append((a, b, phase, name))
+
+    for k in order:
+        t = float(times[k])
+        if t > cur:
+            label(cur, t)
+            cur = t
+        counts[int(phases[k])] += int(deltas[k])
+    label(cur, end)
+    return tiles

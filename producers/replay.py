@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 
-from perfloop.catalog import KIND_TOPICS
 from perfloop.exceptions import ConfigError
 from perfloop.producers._kineto import (
     EVENTS_PREFIX,
@@ -57,8 +56,9 @@ from perfloop.producers._kineto import (
     iter_events,
     iter_trace,
     kernel_class,
+    kernel_rows,
     phase_of,
-    union_us,
+    tile_step,
 )
 from perfloop.producers.emitter import Emitter, Sends
 from perfloop.schemas import JobInfo
@@ -248,17 +248,14 @@ def index_trace(path: str | Path, *, whole_trace: bool = False) -> TraceIndex:
         if hi < lo:
             raise TraceError(f"{p}: no timed ('X') event in {events} events")
         ordered = [Step(0, lo, hi)]
-    source = (
-        "kernel"
-        if nccl_kernels
-        else "record_param_comms"
-        if rpc_collectives
-        else "annotation"
-        if backend_spans
-        else "c10d"
-        if c10d_ops
-        else "none"
-    )
+    if nccl_kernels:
+        source = "kernel"
+    elif rpc_collectives:
+        source = "record_param_comms"
+    elif backend_spans:
+        source = "annotation"
+    else:
+        source = "c10d" if c10d_ops else "none"
     launch_corr, launch_step = _launch_table(ordered, corr, launch_ts)
     return TraceIndex(
         p,
@@ -598,100 +595,6 @@ def _emit_step(
     return added
 
 
-def kernel_rows(
-    start: np.ndarray, end: np.ndarray, stream: np.ndarray, cls: np.ndarray
-) -> list[tuple[int, str, int, float]]:
-    """``(stream, kernel_class, count, busy_us)`` rows of one step's GPU activities.
-
-    One row per stream and class, per stream over its classes (``"all"``), per class over
-    all streams (stream ``-1``), and the step's GPU busy time (stream ``-1``, ``"all"``);
-    busy time is the union of the intervals. A step without GPU activity gets the last row
-    only, with zeros.
-
-    >>> import numpy as np
-    >>> kernel_rows(np.array([0.0, 5.0, 2.0]), np.array([10.0, 12.0, 4.0]),
-    ...             np.array([7, 7, 9]), np.array([0, 0, 3], dtype=np.int8))
-    [(-1, 'all', 3, 12.0), (-1, 'gemm', 2, 12.0), (-1, 'elementwise', 1, 2.0), \
-(7, 'all', 2, 12.0), (7, 'gemm', 2, 12.0), (9, 'all', 1, 2.0), (9, 'elementwise', 1, 2.0)]
-    """
-    rows = [(-1, "all", len(start), union_us(start, end))]
-    for code in np.unique(cls):
-        m = cls == code
-        rows.append((-1, KERNEL_CLASSES[int(code)], int(m.sum()), union_us(start[m], end[m])))
-    for s in np.unique(stream):
-        on = stream == s
-        rows.append((int(s), "all", int(on.sum()), union_us(start[on], end[on])))
-        for code in np.unique(cls[on]):
-            m = on & (cls == code)
-            rows.append(
-                (int(s), KERNEL_CLASSES[int(code)], int(m.sum()), union_us(start[m], end[m]))
-            )
-    return rows
-
-
-def tile_step(
-    start: float, end: float, m_start: np.ndarray, m_end: np.ndarray, m_phase: np.ndarray
-) -> list[tuple[float, float, str, str]]:
-    """Tile ``[start, end]`` with phases: ``(start_us, end_us, phase, name)``, in order.
-
-    Each instant takes the highest-priority phase (`PHASES` order) among the marks covering
-    it. Unmarked time before the first backward mark is ``forward`` (when the step has a
-    backward); any other unmarked time is phase ``user``, name ``other``. Adjacent tiles of
-    one phase are merged; together the tiles cover the step exactly once.
-
-    >>> import numpy as np
-    >>> codes = np.array([PHASES.index("backward"), PHASES.index("optimizer")], dtype=np.int8)
-    >>> for t in tile_step(0.0, 10.0, np.array([4.0, 8.0]), np.array([7.0, 9.0]), codes):
-    ...     print(t)
-    (0.0, 4.0, 'forward', 'forward')
-    (4.0, 7.0, 'backward', 'backward')
-    (7.0, 8.0, 'user', 'other')
-    (8.0, 9.0, 'optimizer', 'optimizer')
-    (9.0, 10.0, 'user', 'other')
-    """
-    if not end > start:
-        return []
-    s = np.clip(m_start, start, end)
-    e = np.clip(m_end, start, end)
-    keep = e > s
-    s, e, ph = s[keep], e[keep], m_phase[keep]
-    backward = PHASES.index("backward")
-    bw = s[ph == backward]
-    first_backward = float(bw.min()) if len(bw) else None
-    # Sweep over the marks' boundaries with a count of open marks per phase.
-    times = np.concatenate([s, e])
-    deltas = np.concatenate([np.ones(len(s), dtype=np.int64), -np.ones(len(e), dtype=np.int64)])
-    phases = np.concatenate([ph, ph]).astype(np.int64)
-    order = np.lexsort((deltas, times))
-    counts = [0] * len(PHASES)
-    tiles: list[tuple[float, float, str, str]] = []
-    cur = start
-
-    def label(a: float, b: float) -> None:
-        if not b > a:
-            return
-        active = next((p for p, c in enumerate(counts) if c > 0), None)
-        if active is not None:
-            phase = name = PHASES[active]
-        elif first_backward is not None and b <= first_backward:
-            phase = name = "forward"
-        else:
-            phase, name = "user", "other"
-        if tiles and tiles[-1][2] == phase and tiles[-1][3] == name and tiles[-1][1] == a:
-            tiles[-1] = (tiles[-1][0], b, phase, name)
-        else:
-            tiles.append((a, b, phase, name))
-
-    for k in order:
-        t = float(times[k])
-        if t > cur:
-            label(cur, t)
-            cur = t
-        counts[int(phases[k])] += int(deltas[k])
-    label(cur, end)
-    return tiles
-
-
 # --- the command line -------------------------------------------------------------------------
 
 _JOB_ID = re.compile(JOB_ID_PATTERN)
@@ -794,8 +697,7 @@ def _summary(r: ReplayResult) -> str:
         gpu += f" ({r.unattributed_gpu_events} outside any step, left out)"
     return (
         f"{r.path}: rank {r.rank}, node {r.node}: {steps}, {gpu}, {r.kernel_rows} kernel "
-        f"summaries, {r.spans} spans, {r.collectives} collectives ({r.comm_source}) -> "
-        f"{KIND_TOPICS['step'].rsplit('.', 1)[0]}.*"
+        f"summaries, {r.spans} spans, {r.collectives} collectives (from {r.comm_source})"
     )
 
 
