@@ -224,7 +224,7 @@ _VALUE_READERS = {
 }
 
 
-def _field_values(handle: Any, ids: Sequence[Any]) -> Sequence[Any]:
+def _field_values(handle: Any, ids: Sequence[Any]) -> Any:
     """``nvmlDeviceGetFieldValues``, answered as fast plain structures where the layout allows."""
     values = pynvml.nvmlDeviceGetFieldValues(handle, list(ids))
     if _FAST_FIELDS and isinstance(values, ctypes.Array):

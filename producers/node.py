@@ -144,6 +144,10 @@ def _columns(
     return out
 
 
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"[:500]
+
+
 class _Once:
     """Log a message once per key (a failing sampler must not flood the training job's log)."""
 
@@ -212,7 +216,7 @@ class NodeSampler:
         self.meter = meter or OverheadMeter()
         self.flush = flush
         self.stop_when_pids_exit = stop_when_pids_exit
-        self.samples = 0
+        self.gpu_samples = self.host_samples = 0
         self.capabilities: dict[str, CapabilityReport] = {}
         """The last capability report published per component."""
         self._gpu_max_s = gpu_max_interval_ms / 1000.0
@@ -322,6 +326,11 @@ class NodeSampler:
             self._flush()
 
     @property
+    def samples(self) -> int:
+        """GPU and host samples handed to the emitter so far."""
+        return self.gpu_samples + self.host_samples
+
+    @property
     def stopped(self) -> bool:
         return self._stop.is_set()
 
@@ -415,11 +424,29 @@ class NodeSampler:
     # -- threads ---------------------------------------------------------------------------
 
     def _gpu_loop(self) -> None:
-        cap = self.backend.open()
+        try:
+            cap = self.backend.open()
+        except Exception as e:  # a backend that breaks its contract: degrade all the same
+            cap = GpuCapability(available=False, missing=("gpu",), reason=_why(e))
         self._publish_gpu_capability(cap)
         if not cap.available:
             log.warning("GPU telemetry off: %s; host sampling continues", cap.reason)
             return
+        try:
+            self._gpu_rounds()
+        except Exception as e:  # a sampler bug ends GPU telemetry, never the job
+            reason = f"GPU sampler failed: {_why(e)}"
+            self._publish_gpu_capability(
+                GpuCapability(
+                    available=False,
+                    missing=("gpu",),
+                    reason=reason,
+                    generation=self._gpu_generation + 1,
+                )
+            )
+            log.warning("GPU telemetry off: %s; host sampling continues", reason)
+
+    def _gpu_rounds(self) -> None:
         for name, floor in self.backend.min_interval_s().items():
             if name in GPU_SIGNALS:
                 self.controller.set_min_interval(f"gpu.{name}", floor)
@@ -454,7 +481,7 @@ class NodeSampler:
                 device=[int(r["device"]) for r in rows],
                 **_columns(rows, _GPU_BOUNDS),
             )
-            self.samples += n
+            self.gpu_samples += n
         for s in due:
             fields = GPU_SIGNALS[s[4:]]
             if rows:
@@ -468,14 +495,21 @@ class NodeSampler:
         while not self._stop.is_set():
             now = time.monotonic()
             if self.controller.due(now, ("host",)):
-                with self.meter.cpu():
-                    rows = self.host.sample()
-                    ts = time.time_ns()
-                    for row in rows:
-                        self.emitter.add(
-                            "host", ts_ns=ts, rank=int(row["rank"]), **_clean(row, _HOST_BOUNDS)
-                        )
-                self.samples += len(rows)
+                try:
+                    with self.meter.cpu():
+                        rows = self.host.sample()
+                        ts = time.time_ns()
+                        for row in rows:
+                            self.emitter.add(
+                                "host",
+                                ts_ns=ts,
+                                rank=int(row["rank"]),
+                                **_clean(row, _HOST_BOUNDS),
+                            )
+                    self.host_samples += len(rows)
+                except Exception as e:  # skip this round; say it once per kind of failure
+                    if self._once(f"host:{type(e).__name__}"):
+                        log.warning("host sampling failed (%s); it keeps trying", _why(e))
                 self.controller.observe("host", (), now)
                 if self.stop_when_pids_exit and not self.host.alive:
                     log.info("every watched process has exited; sampling stops")
@@ -536,7 +570,7 @@ def sample_command(args: argparse.Namespace, settings: ProducerSettings) -> int:
     plog.addHandler(handler)
     old_level = plog.level
     plog.setLevel(logging.INFO)
-    old_handlers: dict[int, Any] = {}
+    old_handlers: dict[signal.Signals, Any] = {}
     try:
         publisher = Publisher(settings)
         emitter = Emitter(publisher, job_id=job_id, node=node, producer_id=f"sample-{node}")

@@ -239,3 +239,34 @@ def _args(**kw: Any) -> argparse.Namespace:
 def test_sample_command_rejects_bad_arguments(kw: dict, message: str) -> None:
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(")):
         sample_command(_args(**kw), ProducerSettings())
+
+
+class BrokenGpu(FakeGpuBackend):
+    """A backend that breaks its never-raise contract."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(devices=1)
+        self.where = where
+
+    def open(self) -> Any:
+        if self.where == "open":
+            raise RuntimeError("driver exploded")
+        return super().open()
+
+    def sample(self, signals: Any = None, pids: Any = ()) -> list[dict[str, Any]]:
+        if self.reads >= 2:
+            raise RuntimeError("bad reading")
+        return super().sample(signals, pids)
+
+
+@pytest.mark.parametrize("where", ["open", "sample"])
+def test_a_broken_gpu_backend_degrades_instead_of_raising(
+    where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pub = Collect()
+    s = _sampler(BrokenGpu(where), pub)
+    s.run(duration_s=0.4)
+    caps = [c for c in pub.events(CapabilityReport) if c.component == "fake"]
+    assert not caps[-1].available and "RuntimeError" in caps[-1].reason
+    assert len(pub.samples("host")) >= 2
+    assert sum("GPU telemetry off" in r.getMessage() for r in caplog.records) == 1
