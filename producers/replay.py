@@ -599,6 +599,7 @@ def _emit_step(
 
 _JOB_ID = re.compile(JOB_ID_PATTERN)
 _SUFFIXES = (".gz", ".json", ".trace", ".pt")
+_KEEP_TIME_NS = 7 * 86_400 * 10**9  # traces younger than this keep their own times
 _RANK_MARK = re.compile(r"[_.-]?rank[_-]?\d+", re.IGNORECASE)
 
 
@@ -625,11 +626,12 @@ def default_job_id(path: str | Path) -> str:
 def replay_command(args: argparse.Namespace, settings: Any) -> int:
     """``perfloop replay``: replay each trace, one line per file; non-zero if any failed.
 
-    Times are moved so that the first trace ends now (every file by the same amount, so
-    ranks stay aligned): raw warehouse tables expire rows 30 days after their event time,
-    and ClickHouse drops already-expired rows as they are inserted. The shift and the
-    original start are kept in each rank's `JobInfo` ``extra``. ``args.keep_time`` (not on
-    the command line yet) publishes the trace's own times instead.
+    A trace that ended more than a week ago is moved so that the first trace ends now
+    (every file by the same amount, so ranks stay aligned): raw warehouse tables expire rows
+    30 days after their event time, and ClickHouse drops already-expired rows as they are
+    inserted. The shift and the original start are kept in each rank's `JobInfo` ``extra``.
+    A recent trace keeps its times, so it lines up with the job's live telemetry;
+    ``args.keep_time`` (not on the command line yet) keeps them always.
     """
     from perfloop.producers.publisher import Publisher
 
@@ -648,13 +650,15 @@ def replay_command(args: argparse.Namespace, settings: Any) -> int:
         try:
             idx = index_trace(p, whole_trace=whole_trace)
             if shift is None:
-                shift = time.time_ns() - idx.end_ns
-                when = datetime.fromtimestamp(idx.end_ns / 1e9, tz=UTC).isoformat(" ", "seconds")
-                print(
-                    f"times shifted by {shift / 86_400e9:+.2f} days so the trace that ended "
-                    f"{when} ends now",
-                    flush=True,
-                )
+                age_ns = time.time_ns() - idx.end_ns
+                shift = age_ns if age_ns > _KEEP_TIME_NS else 0
+                if shift:
+                    when = datetime.fromtimestamp(idx.end_ns / 1e9, tz=UTC)
+                    print(
+                        f"times shifted by {shift / 86_400e9:+.2f} days so the trace that "
+                        f"ended {when.isoformat(' ', 'seconds')} ends now",
+                        flush=True,
+                    )
             idx.shift_ns = shift
             r = replay_trace(p, publisher, job_id=job_id, node=node, index=idx)
         except TraceError as e:
@@ -673,6 +677,9 @@ def replay_command(args: argparse.Namespace, settings: Any) -> int:
         print(_summary(r), flush=True)
     timeout_s = getattr(settings, "message_timeout_ms", 15_000) / 1000.0 + 5.0
     left = publisher.flush(timeout_s)
+    close = getattr(publisher, "close", None)
+    if callable(close):
+        close()
     if left:
         print(
             f"perfloop: replay: {left} message(s) not delivered to "

@@ -412,7 +412,9 @@ def test_gpu_work_counts_for_the_step_that_launched_it(tmp_path: Path) -> None:
     assert [r["step"] for r in rows["step"]] == [1, 2] and result.rank == 0
 
 
-def test_a_cpu_trace_recorded_here_with_torch_profiler(tmp_path: Path) -> None:
+def test_a_cpu_trace_recorded_here_with_torch_profiler(
+    tmp_path: Path, fake_publisher: list[Collect], capsys: pytest.CaptureFixture[str]
+) -> None:
     torch = pytest.importorskip("torch")
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -443,6 +445,13 @@ def test_a_cpu_trace_recorded_here_with_torch_profiler(tmp_path: Path) -> None:
     assert all(r["data_wait_ms"] > 0 for r in rows["step"])
     # New traces carry baseTimeNanoseconds: their times are Unix times, from just now.
     assert abs(time.time_ns() - rows["step"][-1]["ts_ns"]) < 300 * 10**9
+    # ... and the command keeps a recent trace's times (it lines up with live telemetry).
+    assert replay_command(_args(path), ProducerSettings()) == 0
+    assert "shifted" not in capsys.readouterr().out
+    [pub] = fake_publisher
+    cli_rows = pub.rows()
+    assert [r["ts_ns"] for r in cli_rows["step"]] == [r["ts_ns"] for r in rows["step"]]
+    assert "time_shift_ns" not in cli_rows["job_info"][0]["extra"]
 
 
 # --- tiling --------------------------------------------------------------------------------------
