@@ -697,7 +697,7 @@ def _summary(r: ReplayResult) -> str:
     steps = (
         "whole trace as step 0 (no ProfilerStep spans)"
         if r.whole_trace
-        else f"{r.steps} steps ({_ranges(r.step_numbers)})"
+        else f"{r.steps} step{'s' * (r.steps != 1)} ({_ranges(r.step_numbers)})"
     )
     gpu = f"{r.gpu_events} GPU activities"
     if r.unattributed_gpu_events:
