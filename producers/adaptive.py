@@ -21,12 +21,15 @@ weighted mean: a value outside the tolerance band (``abs_tol + rel_tol·|mean|``
 signal moves, and its interval drops to the minimum at once; a signal that stays inside the
 band is flat, and its interval grows by ``growth`` each read, up to the maximum. A noisy signal
 (high variance) keeps landing outside the band and stays fast; a steady one slows down.
-Counters (``counter=True``) are judged on their rate. ``update_budget(overhead_pct)`` (the
-meter's figure) scales every interval: over budget, the scale grows by ``backoff`` (or by
-overhead/budget when that is larger, up to 10×) and no
-interval shrinks until overhead is back under budget; under half the budget, the scale relaxes
-back towards 1 (with ``settle_s``, at most one change per ``settle_s``, so a lagging
-measurement does not wind the scale up). Intervals always stay within
+Counters (``counter=True``) are judged on their rate.
+
+``update_budget(overhead_pct)`` (the meter's figure) multiplies every interval by one scale.
+Over budget, the scale grows in proportion to aim at ``target`` (70 %) of the budget — by at
+least ``backoff``, at most 10× a step — and no interval shrinks until overhead is back under
+budget. Under half the budget, the scale shrinks the same way (by at most ``relax`` a step)
+back towards 1; in between it holds. With ``settle_s``, the scale changes at most once per
+``settle_s`` (set it to the measurement's window, so that a lagging figure does not wind the
+scale up). Intervals always stay within
 ``[min_interval_s, max_interval_s]``: when even the maximum intervals cost more than the
 budget, the controller says so (``saturated``) and does not go slower than the maximum.
 """
@@ -215,10 +218,19 @@ class AdaptiveController:
         backoff: float = 1.5,
         relax: float = 1.25,
         settle_s: float = 0.0,
+        target: float = 0.7,
     ) -> None:
-        if growth < 1 or backoff <= 1 or relax <= 1 or not 0 < alpha <= 1 or budget_pct <= 0:
+        if (
+            growth < 1
+            or backoff <= 1
+            or relax <= 1
+            or not 0 < alpha <= 1
+            or budget_pct <= 0
+            or not 0 < target <= 1
+        ):
             raise ValueError(
-                "need growth >= 1, backoff > 1, relax > 1, 0 < alpha <= 1 and budget_pct > 0"
+                "need growth >= 1, backoff > 1, relax > 1, 0 < alpha <= 1, budget_pct > 0 "
+                "and 0 < target <= 1"
             )
         self.specs = {s.name: s for s in specs}
         if len(self.specs) != len(specs):
@@ -227,6 +239,8 @@ class AdaptiveController:
         self.enabled = enabled
         self.growth, self.alpha, self.backoff, self.relax = growth, alpha, backoff, relax
         self.settle_s = settle_s
+        self.target = target
+        self._aim = target * budget_pct
         self._changed_at = -math.inf
         self.scale = 1.0
         self.over_budget = False
@@ -341,8 +355,8 @@ class AdaptiveController:
             settled = now is None or now - self._changed_at >= self.settle_s
             if overhead_pct > self.budget_pct:
                 self.over_budget = True
-                if settled:  # at least `backoff`, more when far over: converge in a step
-                    factor = max(self.backoff, min(overhead_pct / self.budget_pct, 10.0))
+                if settled:  # aim at `target` of the budget, by at least `backoff`
+                    factor = max(self.backoff, min(overhead_pct / self._aim, 10.0))
                     self.scale = min(self._max_scale, self.scale * factor)
                     self._changed_at = -math.inf if now is None else now
                 for n, st in self._state.items():  # stretch now, not only at the next read
@@ -356,5 +370,6 @@ class AdaptiveController:
                 self.over_budget = False
                 self.saturated = False
                 if overhead_pct < 0.5 * self.budget_pct and settled and self.scale > 1.0:
-                    self.scale = max(1.0, self.scale / self.relax)
+                    factor = max(overhead_pct / self._aim, 1.0 / self.relax)
+                    self.scale = max(1.0, self.scale * factor)
                     self._changed_at = -math.inf if now is None else now

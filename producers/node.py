@@ -68,7 +68,7 @@ log = logging.getLogger("perfloop.producers.node")
 
 CONTROL_WINDOW_S = 2.0
 """The budget controller judges overhead over this recent window (the published figure uses
-the meter's whole window) and changes the scale at most every half of it."""
+the meter's whole window) and changes the scale at most once per window."""
 
 GPU_TOLERANCES: dict[str, dict[str, Any]] = {
     "utilization": {"abs_tol": 2.0},  # percentage points
@@ -249,7 +249,7 @@ class NodeSampler:
             specs,
             budget_pct=st.overhead_budget_pct,
             enabled=st.adaptive_sampling,
-            settle_s=CONTROL_WINDOW_S / 2,
+            settle_s=CONTROL_WINDOW_S,
         )
 
     # -- service ---------------------------------------------------------------------------

@@ -133,8 +133,8 @@ def test_budget_scales_intervals_up_and_relaxes_back() -> None:
     ctl.observe("s", [1.0], 0.0)
     ctl.observe("s", [100.0], 0.01)  # moving: at the minimum
     assert ctl.interval("s") == pytest.approx(0.01)
-    ctl.update_budget(0.9)
-    ctl.update_budget(0.9)
+    ctl.update_budget(0.6)  # aiming at 70 % of the budget asks for x1.7; at least x2
+    ctl.update_budget(0.6)
     assert ctl.over_budget and ctl.scale == pytest.approx(4.0)
     assert ctl.interval("s") == pytest.approx(0.04)  # stretched at once
     ctl.observe("s", [1.0], 0.05)  # still moving, but over budget: not faster
@@ -187,10 +187,12 @@ def test_non_adaptive_signal_only_stretches_under_budget() -> None:
     for i in range(10):
         ctl.observe("host", [], float(i))
     assert ctl.interval("host") == 1.0
-    ctl.update_budget(0.6)
-    assert ctl.interval("host") == pytest.approx(1.5)
-    ctl.update_budget(3.0)  # six times the budget: one bigger step
-    assert ctl.interval("host") == pytest.approx(9.0)
+    ctl.update_budget(0.5 * 0.7 * 1.2)  # 20 % over the aim (but under budget): hold
+    assert ctl.interval("host") == 1.0
+    ctl.update_budget(0.6)  # over budget: aim at 70 % of it, x1.71
+    assert ctl.interval("host") == pytest.approx(0.6 / 0.35)
+    ctl.update_budget(1.4)  # 4x the aim: one bigger step
+    assert ctl.interval("host") == pytest.approx(0.6 / 0.35 * 4.0)
 
 
 def test_due_and_next_due_in() -> None:
@@ -212,7 +214,7 @@ def test_set_min_interval_raises_the_floor() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"growth": 0.5}, {"backoff": 1.0}, {"alpha": 0.0}, {"budget_pct": 0.0}],
+    [{"growth": 0.5}, {"backoff": 1.0}, {"alpha": 0.0}, {"budget_pct": 0.0}, {"target": 1.5}],
 )
 def test_controller_rejects_bad_parameters(kwargs: dict) -> None:
     with pytest.raises(ValueError, match="need"):
@@ -297,9 +299,9 @@ def test_meter_is_thread_safe() -> None:
 def test_settle_limits_scale_changes_to_one_per_period() -> None:
     ctl = AdaptiveController([SignalSpec("s", 0.01, 1.0)], backoff=2.0, settle_s=1.0)
     for t in (0.0, 0.25, 0.5, 0.75):  # the same lagging measurement, four times
-        ctl.update_budget(0.8, now=t)
+        ctl.update_budget(0.6, now=t)
     assert ctl.scale == 2.0 and ctl.over_budget
-    ctl.update_budget(0.8, now=1.0)
+    ctl.update_budget(0.6, now=1.0)
     assert ctl.scale == 4.0
     ctl.update_budget(0.1, now=1.5)  # too soon to relax
     assert ctl.scale == 4.0 and not ctl.over_budget
