@@ -96,6 +96,8 @@ class ProducerSettings(BaseServiceSettings):
     # samplers
     gpu_interval_ms: float = Field(100.0, ge=10, le=60_000)
     gpu_min_interval_ms: float = Field(10.0, ge=1)
+    gpu_max_interval_ms: float = Field(1000.0, ge=10, le=600_000)
+    host_max_interval_factor: float = Field(10.0, ge=1)
     host_interval_ms: float = Field(1000.0, ge=10, le=600_000)
     overhead_budget_pct: float = Field(0.5, gt=0, le=100)
     adaptive_sampling: bool = True

@@ -200,8 +200,8 @@ class NodeSampler:
         meter: OverheadMeter | None = None,
         flush: bool = False,
         producer_id: str | None = None,
-        gpu_max_interval_ms: float = 1000.0,
-        host_max_factor: float = 10.0,
+        gpu_max_interval_ms: float | None = None,
+        host_max_factor: float | None = None,
         stop_when_pids_exit: bool = False,
     ) -> None:
         self.settings = settings
@@ -219,8 +219,12 @@ class NodeSampler:
         self.gpu_samples = self.host_samples = 0
         self.capabilities: dict[str, CapabilityReport] = {}
         """The last capability report published per component."""
+        if gpu_max_interval_ms is None:
+            gpu_max_interval_ms = settings.gpu_max_interval_ms
         self._gpu_max_s = gpu_max_interval_ms / 1000.0
-        self._host_max_factor = host_max_factor
+        self._host_max_factor = (
+            settings.host_max_interval_factor if host_max_factor is None else host_max_factor
+        )
         self.controller = self._controller({})
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
