@@ -69,6 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("replay", help="stream PyTorch-profiler traces as perfloop telemetry")
     rep.add_argument("--job-id", help="job id (default: derived from the first trace's name)")
     rep.add_argument("--node", help="node name (default: from the trace, else 'replay')")
+    rep.add_argument(
+        "--whole-trace",
+        action="store_true",
+        help="replay a trace without ProfilerStep spans as one step 0 (no step rows)",
+    )
+    rep.add_argument(
+        "--keep-time",
+        action="store_true",
+        help="keep the trace's own times even if it is older than a week",
+    )
     rep.add_argument("traces", nargs="+", metavar="TRACE", help=".json or .json.gz, one per rank")
 
     sim = sub.add_parser("simulate", help="run a simulated multi-node job with a chosen fault")
