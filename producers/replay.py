@@ -243,7 +243,8 @@ def index_trace(path: str | Path, *, whole_trace: bool = False) -> TraceIndex:
         if not whole_trace:
             raise TraceError(
                 f"{p}: no ProfilerStep#N span in {events} events, so no step to attribute "
-                "them to (record with torch.profiler.schedule and call prof.step() each step)"
+                "them to (record with torch.profiler.schedule and call prof.step() each step, "
+                "or pass --whole-trace to replay the capture as one step 0)"
             )
         if hi < lo:
             raise TraceError(f"{p}: no timed ('X') event in {events} events")
