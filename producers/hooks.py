@@ -118,7 +118,8 @@ class Tracer:
         self.rec = recorder
         self.open: str | None = None  # the open depth-0 activity
         self.open_t0 = 0
-        self.pending: list[tuple[int, int, int, int, int, int]] = []  # unclassified fetches
+        self.pending: list[tuple[int, int, int, int, Any, int]] = []  # unclassified fetches
+        self._source: Any = None  # the loader pass training data last came from
         self.eval_t0: int | None = None
         self.eval_t1 = 0
         self.primary: int | None = None
@@ -145,14 +146,18 @@ class Tracer:
             self._close_eval()
         if self.pending:
             rec = self.rec
-            for t0, t1, bs, tok, epoch, workers in self.pending:
+            for t0, t1, bs, tok, source, workers in self.pending:
                 rec.span("data_wait", "data_wait", t0, t1)
                 if bs:
                     self.samples += bs
                     if not self.batch_size:
                         self.batch_size = bs
                 self.tokens += tok
-                self.epoch, self.workers = epoch, workers
+                self.workers = workers
+                if source is not None and source != self._source:
+                    if self._source is not None:
+                        self.epoch += 1  # a new pass over the training data
+                    self._source = source
             self.pending.clear()
 
     def _eval(self, t: int) -> None:
@@ -172,18 +177,22 @@ class Tracer:
         t1: int,
         batch_size: int = 0,
         tokens: int = 0,
-        epoch: int = 0,
+        source: Any = None,
         workers: int = 0,
         *,
         stop: bool = False,
     ) -> None:
-        """A DataLoader fetch (``stop``: the one that ended an epoch)."""
+        """A DataLoader fetch (``stop``: the one that ended a pass over the data).
+
+        ``source`` names the pass (loader iterator and its generation): a new source of
+        training data starts a new epoch.
+        """
         if self.open is not None:
             return
         if stop and self.eval_t0 is not None and not self.pending:
             self.eval_t1 = t1  # the end of an evaluation loop
             return
-        self.pending.append((t0, t1, batch_size, tokens, epoch, workers))
+        self.pending.append((t0, t1, batch_size, tokens, source, workers))
 
     def forward_begin(self, t: int, training: bool) -> bool:
         if self.open is not None:
@@ -737,7 +746,7 @@ def _make_next(orig: Any) -> Any:
                 t1,
                 bs,
                 tok,
-                getattr(self, "_perfloop_epoch", 0),
+                (id(self), getattr(self, "_perfloop_epoch", 0)),
                 getattr(self, "_num_workers", 0),
             )
         except Exception as e:

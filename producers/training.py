@@ -344,10 +344,12 @@ class Recorder:
         return self._start is not None
 
     # -- spans -------------------------------------------------------------------------
-    def _emit(self, phase: str, name: str, t0: int, t1: int, depth: int) -> None:
+    def _emit(
+        self, phase: str, name: str, t0: int, t1: int, depth: int, tiles: bool = True
+    ) -> None:
         ms = (t1 - t0) / 1e6
         self._spans.append((t0 + self.offset, self.rank, self.step, phase, name, ms, depth))
-        if depth == 0:
+        if depth == 0 and tiles:
             key = name if phase == "user" else phase
             self._phase_ms[key] = self._phase_ms.get(key, 0.0) + ms
         if "on_phase_end" in self.callbacks.wanted:
@@ -386,7 +388,7 @@ class Recorder:
             return
         if self._start is None:
             if not self.contiguous:  # outside a step block: kept, but it tiles nothing
-                self._emit(phase, name, t0, t1, 0)
+                self._emit(phase, name, t0, t1, 0, tiles=False)
                 return
             self._begin(t0)
         cur = self._cursor
@@ -1020,7 +1022,7 @@ class Monitor:
     ) -> None:
         hooks = sys.modules.get("perfloop.producers.hooks")
         session = hooks.explicit_monitor_started() if hooks is not None else None
-        if settings is None and publisher is None and session is not None:
+        if settings is None and session is not None:  # under `perfloop run`: its job
             settings = session.settings
         if settings is None and publisher is None:
             from perfloop.settings import ProducerSettings

@@ -1,0 +1,317 @@
+"""The zero-code-change hooks: the step/phase logic (pure Python), the torch layer on a real
+CPU training loop (in process, a fake publisher), and the run bootstrap (subprocesses)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perfloop.producers import hooks
+from perfloop.producers.hooks import Tracer
+from perfloop.producers.launch import BOOTSTRAP_DIR, child_env
+from perfloop.producers.training import Recorder
+from perfloop.schemas import decode_batch, decode_event
+from perfloop.settings import ProducerSettings
+
+MS = 1_000_000
+
+
+def _tracer() -> Tracer:
+    return Tracer(Recorder(None, wall_offset_ns=0, glue_ns=0))
+
+
+def _train_iteration(tr: Tracer, t: int, *, bs: int = 8, opt: int = 1, step: bool = True) -> Any:
+    """fetch 1 ms, forward 2 ms, loss 0.5 ms, backward 3 ms[, optimizer 1 ms] from ``t``."""
+    tr.fetch(t, t + MS, batch_size=bs, tokens=bs * 16)
+    assert tr.forward_begin(t + MS, training=True)
+    tr.forward_end(t + 3 * MS)
+    assert tr.backward_begin(t + 3_500_000)
+    tr.backward_end(t + 6_500_000, loss=1.0)
+    if not step:
+        return None
+    assert tr.optimizer_begin(t + 6_500_000, key=opt)
+    return tr.optimizer_end(t + 7_500_000, key=opt, lr=0.01)
+
+
+def _top_spans(rec: Recorder) -> dict[int, list[tuple[str, str, float]]]:
+    out: dict[int, list[tuple[str, str, float]]] = defaultdict(list)
+    for _, _, step, phase, name, ms, depth in rec._spans:
+        if depth == 0:
+            out[step].append((phase, name, round(ms, 6)))
+    return out
+
+
+def test_one_iteration_is_one_tiled_step() -> None:
+    tr = _tracer()
+    r0 = _train_iteration(tr, 0)
+    r1 = _train_iteration(tr, 8 * MS)  # 0.5 ms of loop overhead before the fetch
+    assert (r0.step, r0.step_time_ms, r1.step, r1.step_time_ms) == (0, 7.5, 1, 8.0)
+    assert r1.phase_ms == {
+        "other": 1.0,  # 0.5 ms before the fetch + 0.5 ms loss between forward and backward
+        "data_wait": 1.0,
+        "forward": 2.0,
+        "backward": 3.0,
+        "optimizer": 1.0,
+    }
+    assert (r1.fields["batch_size"], r1.fields["samples"], r1.fields["tokens"]) == (8, 8, 128)
+    assert (r1.fields["loss"], r1.fields["lr"], r1.fields["grad_accum_steps"]) == (1.0, 0.01, 1)
+
+
+def test_gradient_accumulation_makes_one_step() -> None:
+    tr = _tracer()
+    for i in range(3):
+        assert _train_iteration(tr, i * 7 * MS, bs=4, step=False) is None
+    assert tr.optimizer_begin(21 * MS, key=1)
+    rec = tr.optimizer_end(22 * MS, key=1)
+    assert rec.step == 0 and rec.step_time_ms == 22.0
+    assert rec.fields["grad_accum_steps"] == 3 and rec.fields["samples"] == 12
+    assert rec.fields["batch_size"] == 4 and rec.fields["tokens"] == 3 * 64
+    assert sum(ms for *_, ms in _top_spans(tr.rec)[0]) == pytest.approx(22.0)
+
+
+def test_an_evaluation_loop_is_an_eval_span_not_steps() -> None:
+    tr = _tracer()
+    _train_iteration(tr, 0)  # step 0 ends at 7.5 ms
+    t = 8 * MS
+    for _ in range(3):  # eval: fetch 1 ms, forward under no_grad 1 ms
+        tr.fetch(t, t + MS, batch_size=16)
+        assert tr.forward_begin(t + MS, training=False)
+        tr.forward_end(t + 2 * MS)
+        t += 2 * MS
+    tr.fetch(t, t + MS, stop=True)  # the eval loader is exhausted: still evaluation
+    rec = _train_iteration(tr, 16 * MS)
+    assert rec.step == 1 and rec.fields["samples"] == 8  # eval batches are not samples
+    spans = _top_spans(tr.rec)[1]
+    assert spans[:3] == [("user", "other", 0.5), ("eval", "eval", 7.0), ("user", "other", 1.0)]
+    assert sum(ms for *_, ms in spans) == pytest.approx(rec.step_time_ms)
+
+
+def test_the_first_optimizer_ends_steps_and_another_takes_over_when_alone() -> None:
+    tr = _tracer()
+    t = 0
+    ended = []
+    for _ in range(2):  # a GAN: two optimizers per iteration → one step per iteration
+        for opt in (1, 2):
+            _train_iteration(tr, t, step=False)
+            tr.optimizer_begin(t + 6_500_000, key=opt)
+            ended.append(tr.optimizer_end(t + 7 * MS, key=opt) is not None)
+            t += 7 * MS
+    assert ended == [True, False, True, False]
+    for _ in range(3):  # the script switched to optimizer 3: it ends steps from its 2nd step
+        _train_iteration(tr, t, step=False)
+        tr.optimizer_begin(t + 6_500_000, key=3)
+        ended.append(tr.optimizer_end(t + 7 * MS, key=3) is not None)
+        t += 7 * MS
+    assert ended[4:] == [False, True, True]
+
+
+def test_nested_activity_and_collectives() -> None:
+    tr = _tracer()
+    tr.collective("broadcast", 0, MS, 64, "world", 2, "float32")  # before any step: row only
+    assert not tr.rec.started and tr.rec._spans == []
+    tr.fetch(MS, 2 * MS, batch_size=2)
+    assert tr.forward_begin(2 * MS, training=True)
+    tr.forward_end(3 * MS)
+    assert tr.backward_begin(3 * MS)
+    assert not tr.forward_begin(3_500_000, training=True)  # recomputation inside backward
+    tr.collective("all_reduce", 4 * MS, 5 * MS, 1024, "world", 2, "float32")  # inside: depth 1
+    tr.backward_end(6 * MS)
+    tr.collective("all_reduce", 6 * MS, 7 * MS, 4, "world", 2, "float32")  # between: depth 0
+    tr.optimizer_begin(7 * MS, key=1)
+    rec = tr.optimizer_end(8 * MS, key=1)
+    assert rec.phase_ms == {
+        "data_wait": 1.0,
+        "forward": 1.0,
+        "backward": 3.0,
+        "comm": 1.0,
+        "optimizer": 1.0,
+    }
+    assert len(tr.rec._colls) == 3
+    nested = [(p, d) for _, _, _, p, _, _, d in tr.rec._spans if d]
+    assert nested == [("comm", 1)]
+
+
+# -- the torch layer -----------------------------------------------------------------------
+torch = pytest.importorskip("torch")
+
+
+class FakePublisher:
+    def __init__(self) -> None:
+        self.messages: list[bytes] = []
+
+    def publish(self, topic: str, key: str, value: bytes) -> bool:
+        self.messages.append(value)
+        return True
+
+    def rows(self, kind: str) -> dict[str, list[Any]]:
+        cols: dict[str, list[Any]] = defaultdict(list)
+        for v in self.messages:
+            if b'"columns"' in v and (b := decode_batch(v)).kind == kind:
+                for c, a in b.columns.items():
+                    cols[c].extend(a.tolist())
+        return cols
+
+    def events(self, kind: str) -> list[Any]:
+        events = [decode_event(v) for v in self.messages if b'"columns"' not in v]
+        return [e for e in events if kind == e.KIND]
+
+
+@pytest.fixture
+def installed() -> Iterator[FakePublisher]:
+    pub = FakePublisher()
+    settings = ProducerSettings(job_id="hooks-test", node="n0", stats_interval_s=3600)
+    assert hooks.install(settings, publisher=pub, command="pytest")
+    try:
+        yield pub
+    finally:
+        hooks.uninstall()
+    assert not hooks.installed()
+
+
+def _loop(epochs: int = 2, n: int = 48, bs: int = 8, workers: int = 0) -> int:
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(n, 6), torch.randint(0, 3, (n,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=bs, num_workers=workers)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = torch.nn.CrossEntropyLoss()
+    steps = 0
+    for _ in range(epochs):
+        for x, y in loader:
+            opt.zero_grad()
+            crit(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            steps += 1
+        with torch.no_grad():
+            for x, _ in loader:
+                model(x)
+    return steps
+
+
+def test_a_real_loop_publishes_its_steps_tiled(installed: FakePublisher) -> None:
+    steps = _loop()
+    hooks.uninstall()  # closes the session: everything is handed over
+    rows = installed.rows("step")
+    assert rows["step"] == list(range(steps))
+    assert set(rows["batch_size"]) == {8} and set(rows["epoch"]) == {0, 1}
+    assert all(v == v for v in rows["grad_norm"]) and set(rows["lr"]) == {0.1}
+    spans = installed.rows("span")
+    for i, ms in enumerate(rows["step_time_ms"]):
+        top = [
+            d
+            for s, d, depth in zip(spans["step"], spans["duration_ms"], spans["depth"], strict=True)
+            if s == i and depth == 0
+        ]
+        assert sum(top) == pytest.approx(ms, rel=1e-6)
+    evals = [s for s, p in zip(spans["step"], spans["phase"], strict=True) if p == "eval"]
+    assert evals == [steps // 2, steps]  # after each epoch; the last in the unfinished step
+    (info,) = installed.events("job_info")
+    assert (info.model_name, info.optimizer, info.model_params) == ("Sequential", "SGD", 163)
+    assert [e.state for e in installed.events("lifecycle")] == ["started", "finished"]
+
+
+def test_after_discovery_only_root_modules_carry_hooks(installed: FakePublisher) -> None:
+    from torch.nn.modules import module as mm
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    crit = torch.nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        crit(model(torch.randn(4, 6)), torch.randint(0, 3, (4,))).backward()
+        opt.step()
+    assert not hooks._S.discovering
+    assert not mm._global_forward_pre_hooks and not mm._global_forward_hooks
+    roots = {type(m).__name__ for m in hooks._S.roots}
+    assert roots == {"Sequential", "CrossEntropyLoss"}  # not Linear or ReLU
+
+
+def test_uninstall_restores_torch(installed: FakePublisher) -> None:
+    from torch.optim import optimizer as optim
+    from torch.utils.data import dataloader as dl
+
+    assert hasattr(torch.autograd.backward, "__perfloop_wrapped__")
+    assert hasattr(torch.distributed.all_reduce, "__perfloop_wrapped__")
+    _loop(epochs=1)
+    hooks.uninstall()
+    assert not hasattr(torch.autograd.backward, "__perfloop_wrapped__")
+    assert not hasattr(dl._BaseDataLoaderIter.__next__, "__perfloop_wrapped__")
+    assert not hasattr(torch.distributed.all_reduce, "__perfloop_wrapped__")
+    assert not optim._global_optimizer_pre_hooks and not optim._global_optimizer_post_hooks
+
+
+def test_a_failing_hook_never_breaks_the_script(
+    installed: FakePublisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_: Any) -> Any:
+        raise ZeroDivisionError("perfloop bug")
+
+    monkeypatch.setattr(hooks, "_inspect_batch", broken)
+    monkeypatch.setattr(hooks.Tracer, "backward_end", broken)
+    assert _loop(epochs=1) == 6
+    assert hooks._S.errors >= 12
+
+
+def test_data_loader_workers_do_not_publish(installed: FakePublisher) -> None:
+    steps = _loop(epochs=1, workers=1)
+    hooks.uninstall()
+    assert installed.rows("step")["step"] == list(range(steps))
+    assert len({e.producer_id for e in installed.events("producer")}) == 1
+
+
+def test_an_explicit_monitor_takes_over(installed: FakePublisher) -> None:
+    from perfloop.producers.training import Monitor
+
+    _loop(epochs=1)
+    mine = FakePublisher()
+    mon = Monitor(publisher=mine)  # the job id comes from the hooks' settings
+    assert len(installed.rows("step")["step"]) == 6  # the hooks' session was closed
+    _loop(epochs=1)
+    with mon.step():
+        pass
+    mon.close()
+    assert len(installed.rows("step")["step"]) == 6  # nothing more from the hooks
+    assert mine.rows("step")["step"] == [0]
+    assert {e.job_id for e in mine.events("lifecycle")} == {"hooks-test"}
+
+
+# -- the run bootstrap ---------------------------------------------------------------------
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    other = tmp_path / "other"
+    other.mkdir(exist_ok=True)
+    (other / "sitecustomize.py").write_text("import builtins; builtins.CHAINED = True\n")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PERFLOOP_")}
+    base.update(PYTHONPATH=str(other), PERFLOOP_HOME=str(tmp_path), PERFLOOP_KAFKA_PORT="9")
+    env = child_env(base, job_id="boot", node="n0", command=["python", "x.py"])
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(BOOTSTRAP_DIR)
+    env.update(extra)
+    return env
+
+
+def test_the_bootstrap_chains_sitecustomize_and_waits_for_torch(tmp_path: Path) -> None:
+    code = (
+        "import builtins, sys\n"
+        "print(getattr(builtins, 'CHAINED', False), 'torch' in sys.modules)\n"
+        "import torch\n"
+        "from perfloop.producers import hooks\n"
+        "print(hooks.installed(), hooks.session() is None)\n"
+    )
+    out = _python(code, _env(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False", "True", "True"]  # installed, not active
+    off = _python(code, _env(tmp_path, PERFLOOP_RUN_HOOKS="0"))
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.split() == ["True", "False", "False", "True"]
