@@ -261,6 +261,7 @@ class SimulatedJob:
         self.ground_truth: list[GroundTruth] = []
         self.t0_ns = 0
         self._published: set[int] = set()
+        self._outbox: list[tuple[int, Any]] = []
         w = self.world
         self._start = np.zeros(w)  # each rank's next step start, ms
         self._clock = 0.0
@@ -371,6 +372,7 @@ class SimulatedJob:
         else:  # run at the pace, and end near the wall time the run is expected to end at
             self.t0_ns = time.time_ns() - int(max(0.0, duration_s * (1 - 1 / self.pace)) * 1e9)
         self._begin()
+        self._send_events()
         wall0 = time.monotonic()
         last_flush = wall0
         while self.state in ("running", "hung") and self._clock < end_ms:
@@ -392,6 +394,9 @@ class SimulatedJob:
             for node, kind, cols in parts:
                 self.emitters[node].extend(kind, **cols)
                 self.samples += len(cols["ts_ns"])
+            if self._outbox:  # after the samples before them (a flush sends those first)
+                self.flush_batches()
+                self._send_events()
             if on_step is not None:
                 for rep in chunk.get("reports", ()):
                     on_step(rep)
@@ -402,6 +407,7 @@ class SimulatedJob:
                 on_tick()
         self._end()
         self.flush_batches()
+        self._send_events()
         return self.step
 
     def flush_batches(self) -> None:
@@ -414,7 +420,15 @@ class SimulatedJob:
         return self.t0_ns + np.rint(np.asarray(ms) * 1e6).astype(np.int64)
 
     def _event(self, node: int, event: Any) -> None:
-        self.emitters[node].event(event)
+        """Queue a job event; it leaves with the telemetry of its chunk (`_send_events`)."""
+        self._outbox.append((node, event))
+
+    def _send_events(self) -> None:
+        for node, event in self._outbox:
+            self.emitters[node].event(event)
+            if isinstance(event, GroundTruth) and self.on_ground_truth is not None:
+                self.on_ground_truth(event)
+        self._outbox.clear()
 
     def _begin(self) -> None:
         cfg, g = self.cfg, self.per_node
@@ -516,8 +530,6 @@ class SimulatedJob:
         )
         self.ground_truth.append(gt)
         self._event(nodes[0], gt)
-        if self.on_ground_truth is not None:
-            self.on_ground_truth(gt)
 
     def _publish_truth(self, until_ms: float) -> None:
         for i, f in enumerate(self.cfg.faults):
@@ -532,14 +544,13 @@ class SimulatedJob:
         if self.state == "hung":
             until = min(self._clock + self._idle_ms, end_ms)
             chunk: dict[str, Any] = {}
+            self._clock = until
         else:
             chunk = self._steps(end_ms)
             until = chunk.pop("until")
         chunk["gpu"] = self._gpu(until)
         chunk["host"] = self._host(until)
         self._publish_truth(until)
-        if self.state == "hung" or self.state == "failed":
-            self._clock = max(self._clock, until)
         return chunk
 
     def _steps(self, end_ms: float) -> dict[str, Any]:
