@@ -340,6 +340,7 @@ def _simulate(
     out: TextIO,
 ) -> int:
     from perfloop.actuators.agent import JobAgent
+    from perfloop.kafka import ping
     from perfloop.producers.publisher import Publisher
     from perfloop.producers.simulator import SimulatedJob
 
@@ -358,6 +359,7 @@ def _simulate(
             gt_file.write(gt.model_dump_json() + "\n")
             gt_file.flush()
 
+    ping(settings)  # a broker that is not there is one line now, not undelivered data later
     publisher = Publisher(settings)
     job = SimulatedJob(cfg, publisher, on_ground_truth=on_ground_truth)
     pace = f"rate {cfg.rate:,.0f} samples/s" if cfg.rate else f"speed {cfg.speed:g}x"

@@ -441,3 +441,14 @@ def test_fault_factors_are_checked() -> None:
         Fault("thermal_throttle", 1.0, factor=1.5)
     with pytest.raises(ConfigError, match="must come after its onset"):
         Fault("straggler", 5.0, end_s=4.0)
+
+
+def test_no_broker_is_one_line_before_anything_runs(tmp_path: Any) -> None:
+    from perfloop.exceptions import BrokerError
+    from perfloop.settings import ProducerSettings
+
+    gt = tmp_path / "gt.jsonl"
+    args = _args("--scenario", "healthy", "--duration", "1", "--ground-truth", str(gt))
+    with pytest.raises(BrokerError, match=r"127\.0\.0\.1:1 is unreachable"):
+        simulate_command(args, ProducerSettings(kafka_port=1), signing_key=b"k")
+    assert gt.read_text() == ""
