@@ -433,18 +433,17 @@ class SimulatedJob:
     def _begin(self) -> None:
         cfg, g = self.cfg, self.per_node
         self.state = "running"
-        common = {"ts_ns": self.t0_ns, "job_id": cfg.job_id}
         command = (
             f"perfloop simulate --scenario {cfg.scenario} --nodes {cfg.nodes} "
             f"--ranks-per-node {g} --seed {cfg.seed}"
         )
         for rank in range(self.world):
-            node = cfg.node_names[rank // g]
             self._event(
                 rank // g,
                 JobInfo(
-                    **common,
-                    node=node,
+                    ts_ns=self.t0_ns,
+                    job_id=cfg.job_id,
+                    node=cfg.node_names[rank // g],
                     rank=rank,
                     model_name=cfg.model_name,
                     model_params=cfg.model_params,
@@ -467,14 +466,29 @@ class SimulatedJob:
                     extra={"simulated": "true", "scenario": cfg.scenario, **cfg.extra},
                 ),
             )
-            self._event(rank // g, JobLifecycle(**common, node=node, rank=rank, state="started"))
-        self._event(0, JobLifecycle(**common, node=cfg.node, rank=-1, state="started"))
+            self._lifecycle(0.0, rank, "started")
+        self._lifecycle(0.0, -1, "started")
 
-    def _end(self, message: str = "") -> None:
-        cfg, g = self.cfg, self.per_node
+    def _lifecycle(
+        self, t_ms: float, rank: int, state: str, code: int | None = None, message: str = ""
+    ) -> None:
+        """Queue one rank's (or, with rank -1, the job's) lifecycle event."""
+        node = 0 if rank < 0 else rank // self.per_node
+        event = JobLifecycle(
+            ts_ns=int(self._ns(t_ms)),
+            job_id=self.cfg.job_id,
+            node=self.cfg.node_names[node],
+            rank=rank,
+            state=state,  # type: ignore[arg-type]
+            exit_code=code,
+            message=message,
+        )
+        self._event(node, event)
+
+    def _end(self) -> None:
         if self.state == "failed":
             return  # the out-of-memory path said everything already
-        ts = int(self._ns(self._clock))
+        message = ""
         if self.state == "hung":
             state, code = "killed", 137
             message = "no progress since the hang; stopped at the end of the simulation"
@@ -482,31 +496,8 @@ class SimulatedJob:
             state, code, message = "killed", 130, "stopped before the end of the simulation"
         else:
             state, code = "finished", 0
-        for rank in range(self.world):
-            self._event(
-                rank // g,
-                JobLifecycle(
-                    ts_ns=ts,
-                    job_id=cfg.job_id,
-                    node=cfg.node_names[rank // g],
-                    rank=rank,
-                    state=state,  # type: ignore[arg-type]
-                    exit_code=code,
-                    message=message,
-                ),
-            )
-        self._event(
-            0,
-            JobLifecycle(
-                ts_ns=ts,
-                job_id=cfg.job_id,
-                node=cfg.node,
-                rank=-1,
-                state=state,  # type: ignore[arg-type]
-                exit_code=code,
-                message=message,
-            ),
-        )
+        for rank in [*range(self.world), -1]:
+            self._lifecycle(self._clock, rank, state, code, message)
         if self.state == "running":
             self.state = "finished"
 
@@ -677,7 +668,7 @@ class SimulatedJob:
         }
 
     def _oom(self, at: tuple[int, int], t_ms: float, need: float) -> None:
-        cfg, g = self.cfg, self.per_node
+        cfg = self.cfg
         step, rank = self.step, at[1]
         self.state = "failed"
         self._publish_truth(t_ms)
@@ -689,37 +680,12 @@ class SimulatedJob:
             f"CUDA out of memory on rank {rank} at step {step}: needs {need / _GIB:.1f} GiB "
             f"of {cfg.gpu_mem_bytes / _GIB:.1f} GiB",
         )
-        ts = int(self._ns(t_ms))
         for r in range(self.world):
-            failed = r == rank
-            self._event(
-                r // g,
-                JobLifecycle(
-                    ts_ns=ts,
-                    job_id=cfg.job_id,
-                    node=cfg.node_names[r // g],
-                    rank=r,
-                    state="failed" if failed else "killed",
-                    exit_code=1 if failed else -15,
-                    message=(
-                        "torch.OutOfMemoryError: CUDA out of memory"
-                        if failed
-                        else f"terminated: rank {rank} failed"
-                    ),
-                ),
-            )
-        self._event(
-            0,
-            JobLifecycle(
-                ts_ns=ts,
-                job_id=cfg.job_id,
-                node=cfg.node,
-                rank=-1,
-                state="failed",
-                exit_code=1,
-                message=f"rank {rank} ran out of GPU memory at step {step}",
-            ),
-        )
+            if r == rank:
+                self._lifecycle(t_ms, r, "failed", 1, "torch.OutOfMemoryError: CUDA out of memory")
+            else:
+                self._lifecycle(t_ms, r, "killed", -15, f"terminated: rank {rank} failed")
+        self._lifecycle(t_ms, -1, "failed", 1, f"rank {rank} ran out of GPU memory at step {step}")
 
     def _averages(self, ticks: np.ndarray) -> np.ndarray:
         """Each signature channel averaged over the interval before each tick: (C, T, W)."""
