@@ -28,6 +28,8 @@ log = logging.getLogger("perfloop.actuator")
 # Knobs the fast loop may change, with their inclusive bounds.
 KNOB_BOUNDS: dict[str, tuple[float, float]] = {
     "dataloader.num_workers": (0, 64),
+    "dataloader.prefetch_factor": (1, 64),
+    "gpu.power_limit_w": (100, 700),  # per-device NVML limits narrow it (optimization tier)
 }
 
 

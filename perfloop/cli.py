@@ -261,8 +261,10 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     from perfloop.producers.scenarios import simulate_command
+    from perfloop.settings import ActuatorSettings
 
-    return simulate_command(args, _producer_settings())
+    key = _settings(ActuatorSettings).signing_key.get_secret_value().encode()
+    return simulate_command(args, _producer_settings(), signing_key=key)
 
 
 def _sample(args: argparse.Namespace) -> int:
