@@ -94,6 +94,7 @@ _TOPIC = frozenset({KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART}
 _PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 _TOPIC_ATTEMPTS = 5  # replays of one message to a missing topic before it counts as failed
 _WARN_EVERY_S = 10.0
+_BYTES = (bytes, bytearray, memoryview)
 _FRAMING_BYTES = 1024  # record batch overhead on top of a message's key and value
 
 
@@ -252,6 +253,7 @@ class Publisher:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._wake = threading.Event()
+        self._dozing = True  # the background thread waits long: publish() wakes it
         self._inbox: deque[_Rec] = deque()
         self._mem_bytes = 0  # inbox + held + unacked new messages
         self._seq = 0
@@ -313,7 +315,7 @@ class Publisher:
         """
         t0 = time.perf_counter_ns()
         try:
-            if not isinstance(value, bytes | bytearray | memoryview) or not topic:
+            if not isinstance(value, _BYTES) or not topic:
                 return self._refuse("bad", f"cannot publish a {type(value).__name__} to {topic!r}")
             size = len(value)
             if size + len(key) > self._max_message:
@@ -338,7 +340,8 @@ class Publisher:
                 self._inbox.append(_Rec(self._seq, topic, k, bytes(value)))
                 self._mem_bytes += size
                 self._st.accepted += 1
-            self._wake.set()
+            if self._dozing:  # a busy background thread looks again within 10 ms anyway
+                self._wake.set()
             return True
         except Exception as e:  # never into the training loop
             return self._refuse("bad", f"cannot publish to {topic!r}: {type(e).__name__}: {e}")
@@ -376,6 +379,12 @@ class Publisher:
             st.in_flight_bytes = self._mem_bytes
             st.cpu_time_s = self._cpu + self._publish_ns / 1e9
         return st
+
+    def pending_bytes(self) -> int:
+        """Bytes of accepted messages held in memory, not yet acknowledged or spooled (for a
+        caller that may wait, such as a replay tool or a benchmark; a training loop never
+        needs to)."""
+        return self._mem_bytes
 
     def flush(self, timeout_s: float = 10.0) -> int:
         """Wait up to ``timeout_s`` for every accepted (and spooled) message to be resolved;
@@ -497,7 +506,9 @@ class Publisher:
                 if closing and (self._idle() or time.monotonic() >= deadline):
                     break
                 busy = self._unacked or self._replay_next or self._held or closing
+                self._dozing = not busy
                 self._wake.wait(0.01 if busy else 0.5)
+                self._dozing = True
                 self._wake.clear()
         except Exception:  # a bug here must not take the training job down: say it, go on
             log.exception("publisher thread failed; messages still in memory are spooled")
