@@ -43,7 +43,6 @@ from perfloop.producers.training import (
     CallbackSet,
     Pipeline,
     StepRecord,
-    clean_float,
     describe_job,
     launcher_world,
 )
@@ -109,7 +108,7 @@ class Tracer:
     >>> tr.optimizer_begin(9 * ms, key=1); rec = tr.optimizer_end(10 * ms, key=1, lr=0.1)
     True
     >>> rec.step, rec.step_time_ms, rec.fields["samples"], rec.fields["loss"]
-    (0, 10.0, 32, 0.5)
+    (0, 10.0, 32, [0.5])
     >>> rec.phase_ms
     {'data_wait': 2.0, 'forward': 3.0, 'backward': 4.0, 'optimizer': 1.0}
     """
@@ -125,7 +124,6 @@ class Tracer:
         self.primary: int | None = None
         self._other: int | None = None
         self._other_run = 0
-        self.grad_norm: float | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -133,9 +131,8 @@ class Tracer:
         self.samples = 0
         self.tokens = 0
         self.backwards = 0
-        self.loss_sum = 0.0
-        self.loss_n = 0
-        self.grad_norm = None
+        self.losses: list[Any] = []
+        self.grad_norm: Any = None
         self.epoch = getattr(self, "epoch", 0)
         self.workers = getattr(self, "workers", 0)
 
@@ -220,13 +217,13 @@ class Tracer:
         self.open, self.open_t0 = "backward", t
         return True
 
-    def backward_end(self, t: int, loss: float | None = None) -> None:
+    def backward_end(self, t: int, loss: Any = None) -> None:
+        """``loss``: what backward was called on (read later, when rows are published)."""
         self.rec.span("backward", "backward", self.open_t0, t)
         self.open = None
         self.backwards += 1
         if loss is not None:
-            self.loss_sum += loss
-            self.loss_n += 1
+            self.losses.append(loss)
 
     def optimizer_begin(self, t: int, key: int) -> bool:
         if self.open is not None:
@@ -235,7 +232,7 @@ class Tracer:
         self.open, self.open_t0 = "optimizer", t
         return True
 
-    def optimizer_end(self, t: int, key: int, lr: float | None = None) -> StepRecord | None:
+    def optimizer_end(self, t: int, key: int, lr: Any = None) -> StepRecord | None:
         """The optimizer ``key`` stepped; return the step's record if that ended a step.
 
         The first optimizer that steps ends steps; another one takes over once it steps
@@ -254,23 +251,19 @@ class Tracer:
                 return None
             self.primary = key
         self._other, self._other_run = None, 0
-        row = {
+        fields = {
             "batch_size": self.batch_size,
-            "num_workers": min(self.workers, 1024),
+            "num_workers": self.workers,
             "epoch": self.epoch,
             "samples": self.samples,
             "tokens": self.tokens,
-            "grad_accum_steps": min(max(1, self.backwards), 1 << 16),
-            "loss": clean_float(self.loss_sum / self.loss_n) if self.loss_n else None,
-            "grad_norm": clean_float(self.grad_norm, True),
-            "lr": clean_float(lr, True),
-            "mem_allocated_bytes": 0,
-            "mem_reserved_bytes": 0,
-            "mem_peak_bytes": 0,
-            "rss_bytes": 0,
+            "grad_accum_steps": self.backwards or 1,
+            "loss": self.losses or None,
+            "grad_norm": self.grad_norm,
+            "lr": None if lr is None else [lr],
         }
         self._reset()
-        return self.rec.end_step(t, row)
+        return self.rec.end_step(t, fields)
 
     def collective(
         self,
@@ -333,6 +326,7 @@ class Session:
             contiguous=True,
             callbacks=CallbackSet([callbacks] if callbacks is not None else []),
         )
+        self.pipeline.recorder.resolve = _scalar  # losses, norms: CPU tensors only
         self.tracer = Tracer(self.pipeline.recorder)
         self.model: Any = None  # weakref of the first trained root module with parameters
         self.optimizer: Any = None  # weakref of the optimizer that ends steps
@@ -639,7 +633,7 @@ def _make_backward(orig: Any) -> Any:
             if opened:
                 t1 = _now()
                 try:
-                    tr.backward_end(t1, _scalar(tensors))
+                    tr.backward_end(t1, tensors)
                 except Exception as e:
                     _oops("the backward hook", e)
                 pipe.overhead_ns += _now() - t1  # type: ignore[union-attr]
@@ -669,10 +663,8 @@ def _opt_post(opt: Any, args: Any, kwargs: Any) -> None:
     t = _now()
     if s.opt_stack.pop():
         try:
-            lr = None
             groups = opt.param_groups
-            if groups:
-                lr = _scalar(groups[0].get("lr"))
+            lr = groups[0].get("lr") if groups else None
             rec = s.tracer.optimizer_end(t, id(opt), lr)  # type: ignore[union-attr]
             if rec is not None:
                 if s.session is not None and s.session.optimizer is None:
@@ -688,9 +680,7 @@ def _make_clip(orig: Any) -> Any:
     def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
         out = orig(*args, **kwargs)
         if _S.tid == _get_ident() and _S.tracer is not None:
-            v = _scalar(out)
-            if v is not None:
-                _S.tracer.grad_norm = v
+            _S.tracer.grad_norm = [out]  # read when the step is published
         return out
 
     clip_grad_norm_.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]

@@ -31,6 +31,7 @@ once. torch is optional: it is only looked at (``sys.modules``) once the script 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -70,7 +71,11 @@ _CONTROL = re.compile(r"[\x00-\x1f]")
 
 @dataclass(slots=True)
 class StepRecord:
-    """One finished step as callbacks see it (times in Unix ns and ms)."""
+    """One finished step as callbacks see it (times in Unix ns and ms).
+
+    ``phase_ms`` is the depth-0 time per phase (user spans by their name); ``fields`` are
+    the step's figures as reported (cleaned when the step is published).
+    """
 
     step: int
     start_ns: int
@@ -289,6 +294,10 @@ class Recorder:
     recorded as ``("user", "other")`` spans, and two spans of the same phase closer than
     ``coalesce_ns`` become one, so the spans of a step sum to its step time.
 
+    The training thread only appends tuples: memory is read at most every
+    ``memory_every_ns``, and rows are cleaned (losses read with ``resolve``) and handed to
+    the emitter every ``handover_ns``, by `drain` on another thread when ``background``.
+
     >>> r = Recorder(None, wall_offset_ns=0)
     >>> r.span("data_wait", "data_wait", 0, 2_000_000)
     >>> r.span("forward", "forward", 2_010_000, 5_000_000)   # 10 µs glue → data_wait
@@ -311,6 +320,8 @@ class Recorder:
         memory: Callable[[], dict[str, int]] | None = None,
         errors: _Errors | None = None,
         handover_ns: int = 100_000_000,
+        memory_every_ns: int = 250_000_000,
+        resolve: Callable[[Any], float | None] | None = None,
     ) -> None:
         self.emitter = emitter
         self.rank = rank
@@ -337,6 +348,14 @@ class Recorder:
         self._colls: list[tuple[Any, ...]] = []  # rows in _COLLECTIVE_COLUMNS order
         self.handover_ns = handover_ns
         self._handed = 0
+        self.background = False
+        self._outbox: collections.deque[tuple[list[Any], list[Any], list[Any]]] = (
+            collections.deque()
+        )
+        self.memory_every_ns = memory_every_ns
+        self._mem_t = -(1 << 62)
+        self._mem: dict[str, int] | None = None
+        self.resolve = resolve
 
     @property
     def started(self) -> bool:
@@ -454,11 +473,12 @@ class Recorder:
 
     # -- steps -------------------------------------------------------------------------
     def end_step(
-        self, t: int, row: dict[str, Any] | None = None, **fields: Any
+        self, t: int, fields: dict[str, Any] | None = None, **figures: Any
     ) -> StepRecord | None:
-        """Close the open step at ``t`` with the figures in ``fields`` (`StepEvent` names).
+        """Close the open step at ``t`` with its figures (`StepEvent` names), given as the
+        ``fields`` dict or as keywords. They are cleaned when rows are handed over (a
+        ``loss`` may be a list of values to average, read with ``resolve``).
 
-        ``row`` instead is a row already made by `step_row` (every column, clean values).
         Returns the step's record, or None when no step was open (nothing to time).
         """
         start = self._start
@@ -476,21 +496,28 @@ class Recorder:
                 self._emit("user", "other", cur, t, 0)
         self._flush_last()
         step_ms = max((t - start) / 1e6, 1e-6)
-        if row is None:
-            row = step_row(fields)
-        if self.memory is not None:
+        if fields is None:
+            fields = figures
+        if self.memory is not None and t - self._mem_t >= self.memory_every_ns:
+            self._mem_t = t
             try:
-                row.update(self.memory())
+                self._mem = self.memory()
             except Exception as e:
                 self.errors("reading memory", e)
-        row["ts_ns"] = t + self.offset
-        row["rank"] = self.rank
-        row["step"] = self.step
-        row["step_time_ms"] = step_ms
-        row["data_wait_ms"] = self._phase_ms.get("data_wait", 0.0)
-        self._steps.append(row)
-        rec = StepRecord(self.step, start + self.offset, t + self.offset, step_ms, self._phase_ms)
-        rec.fields = row
+        phase_ms = self._phase_ms
+        self._steps.append(
+            (
+                t + self.offset,
+                self.rank,
+                self.step,
+                step_ms,
+                phase_ms.get("data_wait", 0.0),
+                fields,
+                self._mem,
+            )
+        )
+        rec = StepRecord(self.step, start + self.offset, t + self.offset, step_ms, phase_ms)
+        rec.fields = fields
         self._phase_ms = {}
         self.step += 1
         self.steps += 1
@@ -508,29 +535,57 @@ class Recorder:
             self._begin(t)
         return rec
 
+    def _step_rows(self, steps: list[tuple[Any, ...]]) -> dict[str, list[Any]]:
+        rows = []
+        for ts, rank, step, step_ms, data_wait, fields, mem in steps:
+            row = step_row(fields, self.resolve)
+            if mem:
+                row.update(mem)
+            row["ts_ns"], row["rank"], row["step"] = ts, rank, step
+            row["step_time_ms"], row["data_wait_ms"] = step_ms, data_wait
+            rows.append(row)
+        return {k: [r[k] for r in rows] for k in rows[0]}
+
     def handover(self) -> None:
-        """Hand the pending rows to the emitter (cheap: a list extend per kind)."""
+        """Hand the pending rows over: to the emitter at once, or with ``background`` set,
+        to `drain` (another thread cleans them, reads losses and calls the emitter)."""
+        batch = (self._steps, self._spans, self._colls)
+        self._steps, self._spans, self._colls = [], [], []
+        if self.background:
+            self._outbox.append(batch)
+        else:
+            self._publish(batch)
+
+    def drain(self) -> None:
+        """Publish what `handover` queued (thread-safe against the training thread)."""
+        out = self._outbox
+        while out:
+            try:
+                batch = out.popleft()
+            except IndexError:
+                return
+            self._publish(batch)
+
+    def _publish(self, batch: tuple[list[Any], list[Any], list[Any]]) -> None:
+        steps, spans, colls = batch
         em = self.emitter
+        if em is None:
+            return
         try:
-            if self._steps:
-                steps, self._steps = self._steps, []
-                if em is not None:
-                    em.extend("step", **{k: [r[k] for r in steps] for k in steps[0]})
-            if self._spans:
-                spans, self._spans = self._spans, []
-                if em is not None:
-                    em.extend("span", **_columns(_SPAN_COLUMNS, spans))
-            if self._colls:
-                colls, self._colls = self._colls, []
-                if em is not None:
-                    em.extend("collective", **_columns(_COLLECTIVE_COLUMNS, colls))
+            if steps:
+                em.extend("step", **self._step_rows(steps))
+            if spans:
+                em.extend("span", **_columns(_SPAN_COLUMNS, spans))
+            if colls:
+                em.extend("collective", **_columns(_COLLECTIVE_COLUMNS, colls))
         except Exception as e:
             self.errors("handing rows to the emitter", e)
 
     def close(self) -> None:
-        """Record the last open span of an unfinished step and hand everything over."""
+        """Record the last open span of an unfinished step and publish everything."""
         self._flush_last()
         self.handover()
+        self.drain()
 
 
 def _columns(names: tuple[str, ...], rows: list[tuple[Any, ...]]) -> dict[str, list[Any]]:
@@ -584,7 +639,9 @@ def clean_float(v: Any, nonneg: bool = False) -> float | None:
     return f
 
 
-def step_row(fields: dict[str, Any]) -> dict[str, Any]:
+def step_row(
+    fields: dict[str, Any], resolve: Callable[[Any], float | None] | None = None
+) -> dict[str, Any]:
     """A step row with every optional column, values clamped to what `StepEvent` accepts.
 
     >>> r = step_row({"batch_size": 8, "loss": float("inf"), "grad_accum_steps": 0})
@@ -597,6 +654,10 @@ def step_row(fields: dict[str, Any]) -> dict[str, Any]:
             continue
         nonneg = _FLOAT_FIELDS.get(k)
         if nonneg is not None:
+            if isinstance(v, (list, tuple)):  # values to average (micro-batch losses)
+                vals = [clean_float(resolve(x) if resolve else x) for x in v]
+                vals = [x for x in vals if x is not None]
+                v = sum(vals) / len(vals) if vals else None
             row[k] = clean_float(v, nonneg)
         elif type(v) is int and 0 <= v < _INT_LIMITS.get(k, 1 << 62):
             row[k] = v
@@ -780,7 +841,9 @@ class Pipeline:
         self.callbacks = callbacks
         self.overhead_ns = 0  # time spent in perfloop's own code on the training thread
         self.meter = _overhead_meter()
-        self._charged = (0.0, 0.0)  # overhead ns and step ms already given to the meter
+        # overhead ns (the hooks', and the publisher's CPU, which may predate us) and step
+        # ms already given to the meter
+        self._charged = (self._publisher_cpu_s(self._publisher_stats()) * 1e9, 0.0)
         self.recorder = Recorder(
             self.emitter,
             rank=rank,
@@ -793,15 +856,15 @@ class Pipeline:
         self._last_stats = (self.t0_ns, 0)
         self._closed = False
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if stats_interval_s:
-            self._thread = threading.Thread(
-                target=self._stats_loop,
-                args=(stats_interval_s,),
-                name="perfloop-stats",
-                daemon=True,
-            )
-            self._thread.start()
+        # one worker: publishes the recorder's rows off the training thread, and stats
+        self.recorder.background = True
+        self._thread = threading.Thread(
+            target=self._work,
+            args=(stats_interval_s or 0.0,),
+            name="perfloop-pipeline",
+            daemon=True,
+        )
+        self._thread.start()
 
     @property
     def rank(self) -> int:
@@ -892,9 +955,13 @@ class Pipeline:
         wall = wall_ns or max(time.perf_counter_ns() - self.t0_ns, 1)
         return 100.0 * max(self.overhead_ns - since_ns, 0) / wall
 
-    def _stats_loop(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            self.stats()
+    def _work(self, stats_interval_s: float, drain_interval_s: float = 0.1) -> None:
+        next_stats = time.monotonic() + stats_interval_s
+        while not self._stop.wait(drain_interval_s):
+            self.recorder.drain()
+            if stats_interval_s and time.monotonic() >= next_stats:
+                next_stats = time.monotonic() + stats_interval_s
+                self.stats()
 
     def close(
         self,
@@ -908,6 +975,8 @@ class Pipeline:
             return
         self._closed = True
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
         try:
             self.recorder.close()
             self.emitter.flush()
