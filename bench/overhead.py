@@ -181,7 +181,7 @@ def _run(args: argparse.Namespace) -> int:
                 hooks.install(settings, publisher=publisher, command="bench/overhead.py")
             half: list[tuple[int, int]] = []
 
-            def mark() -> None:
+            def mark(half: list[tuple[int, int]] = half) -> None:
                 sess = hooks.session()
                 if sess is not None:
                     half.append((sess.pipeline.overhead_ns, sess.pipeline.recorder.steps))
