@@ -412,7 +412,7 @@ class Publisher:
             self._closing = True
             self._close_deadline = time.monotonic() + max(0.0, timeout_s)
         self._wake.set()
-        self._thread.join()
+        self._thread.join(max(0.0, timeout_s) + 10.0)  # a stuck disk must not hang the caller
         with contextlib.suppress(Exception):
             atexit.unregister(self._atexit)
 
@@ -659,6 +659,8 @@ class Publisher:
         self._up = True
         self._backoff = 0.0
         part, off = msg.partition(), msg.offset()
+        part = -1 if part is None else part
+        off = -1 if off is None else off
         lost = self._check_offset(rec.topic, part, off)
         p = self._p
         if kind == _NEW:
@@ -687,7 +689,7 @@ class Publisher:
             self._keep(rec, part, off)
 
     def _check_offset(self, topic: str, part: int, off: int) -> bool:
-        if off is None or off < 0:
+        if off < 0 or part < 0:
             return False
         tp = (topic, part)
         last = self._last_offset.get(tp)
@@ -932,7 +934,7 @@ class Publisher:
             with contextlib.suppress(Exception):
                 self._producer.purge(in_queue=True, in_flight=True, blocking=False)
             if self._spool is not None:
-                self._spool.rewind()
+                self._count_lost(self._spool.rewind())
                 self._snapshot()
                 self._spool.close()
             else:
