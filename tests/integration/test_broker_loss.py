@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -164,3 +165,46 @@ def test_broker_killed_mid_run_every_accepted_event_lands_exactly_once(
     assert ids == ledger.ids
     assert count == uniq == len(ledger.ids)
     pub.close()
+
+
+def test_a_restarted_process_replays_what_its_spool_kept(
+    own_stack: StackSettings, tmp_path: Path
+) -> None:
+    stack = own_stack
+    job = f"it-rs-{uuid.uuid4().hex[:8]}"
+    spool = tmp_path / "spool"
+    with socket.socket() as s:  # a port nothing listens on: the broker is unreachable
+        s.bind(("127.0.0.1", 0))
+        dead_port = int(s.getsockname()[1])
+    first = Publisher(
+        ProducerSettings(
+            home=tmp_path, kafka_port=dead_port, kafka_bootstrap_override=None, spool_dir=spool
+        ),
+        producer_id="restart",
+    )
+    ledger = Ledger(first)
+    em = Emitter(ledger, job_id=job, node="n0", producer_id="restart", max_samples=50)
+    n = np.arange(500, dtype=np.int64)
+    em.extend("step", ts_ns=time.time_ns() + n, rank=n % 2, step=n, step_time_ms=n + 1.0)
+    assert em.flush() == 10
+    first.close(timeout_s=0)  # the process ends before the broker answered
+    assert first.stats.spool_messages == 10
+
+    settings = ProducerSettings(
+        home=stack.home,
+        kafka_port=stack.kafka_port,
+        clickhouse_port=stack.clickhouse_port,
+        kafka_bootstrap_override=stack.kafka_bootstrap_override,
+        spool_dir=spool,
+    )
+    again = Publisher(settings, producer_id="restart")
+    assert again.flush(60) == 0
+    st = again.stats
+    assert st.restored == st.replayed == st.published == 10
+    assert st.spool_messages == 0 and not list(spool.glob("*.seg"))
+    again.close()
+    wait_for(
+        lambda: _warehouse(stack, job)[2] == ledger.ids, 60, "the replayed events in the warehouse"
+    )
+    count, uniq, _ = _warehouse(stack, job)
+    assert count == uniq == 500
