@@ -31,6 +31,7 @@ once. torch is optional: it is only looked at (``sys.modules``) once the script 
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import logging
@@ -1125,6 +1126,7 @@ class Monitor:
             self._pipe.callbacks.on_train_begin(
                 {"job_id": job_id, "node": node, "rank": self._rec.rank}
             )
+        atexit.register(self._at_exit)  # a script that never calls close() still publishes
 
     @property
     def steps(self) -> int:
@@ -1214,8 +1216,13 @@ class Monitor:
 
     def close(self, exit_code: int | None = 0, message: str = "") -> None:
         """Publish what is pending and the lifecycle end: ``finished`` for exit code 0."""
+        with contextlib.suppress(Exception):
+            atexit.unregister(self._at_exit)
         state = "finished" if not exit_code else "failed"
         self._pipe.close(state, exit_code, message)
+
+    def _at_exit(self) -> None:
+        self.close(None)
 
     def __enter__(self) -> Monitor:
         return self
