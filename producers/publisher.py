@@ -271,6 +271,7 @@ class Publisher:
         self._producer: Producer = first
         self._up = False  # the current producer had a delivery acknowledged
         self._lost = False  # every broker connection of an up producer went down
+        self._down = False  # every broker connection is down now (no wait at close)
         self._fatal = ""
         self._failed_delivery = ""
         self._mode = _NORMAL
@@ -405,7 +406,8 @@ class Publisher:
                 self._wake.set()
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Deliver for up to ``timeout_s``, spool what is left (a restart replays it), stop."""
+        """Deliver for up to ``timeout_s`` (not at all while no broker answers), spool what
+        is left (a restart replays it) and stop."""
         with self._lock:
             if self._closed:
                 return
@@ -503,8 +505,8 @@ class Publisher:
                     self._cpu = time.thread_time() - self._cpu0
                     self._cond.notify_all()
                     closing, deadline = self._closing, self._close_deadline
-                if closing and (self._idle() or time.monotonic() >= deadline):
-                    break
+                if closing and (self._idle() or self._down or time.monotonic() >= deadline):
+                    break  # no broker to wait for: what is left goes to the spool
                 busy = self._unacked or self._replay_next or self._held or closing
                 self._dozing = not busy
                 self._wake.wait(0.01 if busy else 0.5)
@@ -657,6 +659,7 @@ class Publisher:
             return
         del self._unacked[sid]
         self._up = True
+        self._down = False
         self._backoff = 0.0
         part, off = msg.partition(), msg.offset()
         part = -1 if part is None else part
@@ -759,7 +762,7 @@ class Publisher:
         self._gen += 1
         self._producer = producer(self.settings, **self._conf_for(self._gen))
         del old  # its reports are void: everything it held is accounted for below
-        self._up = False
+        self._up = self._down = False
         now = time.monotonic()
         self._backoff = min(5.0, max(0.25, self._backoff * 2))
         self._pause_until = now + self._backoff
@@ -794,8 +797,9 @@ class Publisher:
             return
         if err.fatal():
             self._fatal = f"fatal producer error: {err.str()}"
-        elif err.code() == KafkaError._ALL_BROKERS_DOWN and self._up:
-            self._lost = True
+        elif err.code() == KafkaError._ALL_BROKERS_DOWN:
+            self._down = True
+            self._lost = self._lost or self._up
 
     def _count_lost(self, lost: tuple[int, int]) -> None:
         self._p.dropped += lost[0]
