@@ -250,6 +250,13 @@ def _producer_settings() -> Any:
 def _run(args: argparse.Namespace) -> int:
     from perfloop.producers.launch import run_command
 
+    if not [a for a in args.cmd if a != "--"]:
+        print(
+            "perfloop: error: run needs a command, e.g. `perfloop run -- python train.py`",
+            file=sys.stderr,
+        )
+        return 2
+
     return run_command(args, _producer_settings())
 
 

@@ -92,6 +92,7 @@ class HostSampler:
                 log.warning("process %d does not exist; it is not watched", pid)
                 self._gone.append(pid)
         self._watched_any = bool(watch)
+        self._checked: set[int] = set()  # descendants already checked for a launcher's RANK
         self._proc_cpu: dict[int, tuple[float, float]] = {}  # pid -> (cpu seconds, at)
         self._children: dict[int, psutil.Process] = {}
         self._proc_children = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
@@ -214,11 +215,14 @@ class HostSampler:
         (milliseconds on a busy node). Elsewhere, psutil.
         """
         if not self._proc_children:
-            return [k.pid for k in p.children(recursive=True)]
+            kids = p.children(recursive=True)
+            return [k.pid for k in kids if k.pid not in self._procs]
         out: list[int] = []
         stack = [p.pid]
         while stack:
             parent = stack.pop()
+            if parent != p.pid and parent in self._procs:
+                continue  # a watched rank of its own: its workers are its own
             try:
                 tids = os.listdir(f"/proc/{parent}/task")
             except OSError:
@@ -229,9 +233,38 @@ class HostSampler:
                         kids = [int(k) for k in f.read().split()]
                 except OSError:
                     continue
-                out += kids
+                out += [k for k in kids if k not in self._procs]
                 stack += kids
         return out
+
+    def _adopt_ranks(self) -> None:
+        """Watch, as ranks of their own, descendants a launcher started with a ``RANK``.
+
+        Under ``perfloop run -- torchrun …`` the watched process is torchrun; its children are
+        the ranks (each with its own data-loader workers), not loader workers of torchrun.
+        """
+        present: set[int] = set()
+        for pid, (p, rank) in list(self._procs.items()):
+            if rank >= 0:
+                continue
+            for kid in self._descendants(p):
+                present.add(kid)
+                if kid in self._checked:
+                    continue
+                self._checked.add(kid)
+                kid_rank = rank_of(kid)
+                if kid_rank < 0:
+                    continue
+                try:
+                    proc = psutil.Process(kid)
+                    if rank_of(proc.ppid()) == kid_rank:
+                        continue  # a rank's loader worker inherits its RANK: not a rank
+                except psutil.Error:
+                    continue
+                self._procs[kid] = (proc, kid_rank)
+                self._children.pop(kid, None)
+                log.info("watching rank %d (pid %d) started by pid %d", kid_rank, kid, pid)
+        self._checked &= present
 
     def sample(self) -> list[dict[str, Any]]:
         """One row per live watched process (or one node-level row); never raises."""
@@ -241,6 +274,10 @@ class HostSampler:
         except (psutil.Error, OSError) as e:  # pragma: no cover - the platform failed us
             log.debug("system counters failed: %s", e)
             system = {}
+        try:
+            self._adopt_ranks()
+        except (psutil.Error, OSError) as e:  # pragma: no cover - raced with an exit
+            log.debug("looking for launched ranks failed: %s", e)
         rows: list[dict[str, Any]] = []
         seen_children: set[int] = set()
         for pid, (p, rank) in list(self._procs.items()):

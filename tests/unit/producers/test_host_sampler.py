@@ -179,3 +179,46 @@ def test_platform_without_disk_counters_reports_missing() -> None:
         row = s.sample()[0]
     assert "disk_io" in s.missing
     assert "disk_read_bytes_per_s" not in row
+
+
+def test_ranks_started_by_a_launcher_are_watched_as_ranks_with_their_own_workers() -> None:
+    """Under `perfloop run -- torchrun …` the watched pid is the launcher: its children that
+    carry a RANK are ranks (with their own loader workers), not the launcher's workers."""
+    import textwrap
+
+    rank_code = textwrap.dedent(
+        """
+        import subprocess, sys, time
+        w = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        print("ready", flush=True)
+        time.sleep(30)
+        """
+    )
+    launcher_code = textwrap.dedent(
+        f"""
+        import os, subprocess, sys, time
+        env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2")
+        r = subprocess.Popen([sys.executable, "-c", {rank_code!r}], env=env,
+                             stdout=subprocess.PIPE, text=True)
+        r.stdout.readline()
+        print("ready", flush=True)
+        time.sleep(30)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", launcher_code], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert launcher.stdout is not None and launcher.stdout.readline().strip() == "ready"
+        s = HostSampler([launcher.pid])
+        rows = {r["pid"]: r for r in s.sample()}
+        assert s.pids[launcher.pid] == -1
+        (rank_pid,) = [p for p, rank in s.pids.items() if rank == 1]
+        assert rows[launcher.pid]["loader_workers"] == 0
+        assert rows[rank_pid]["rank"] == 1 and rows[rank_pid]["loader_workers"] == 1
+    finally:
+        for p in psutil.Process(launcher.pid).children(recursive=True):
+            p.kill()
+        launcher.kill()
+        launcher.wait()
