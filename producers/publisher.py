@@ -66,7 +66,7 @@ from perfloop.producers.spool import Position, Spool, SpoolError, SpoolLocked, S
 from perfloop.schemas import ProducerStats, encode_event
 from perfloop.settings import BaseServiceSettings, ProducerSettings
 
-__all__ = ["Publisher", "PublisherStats"]
+__all__ = ["Publisher", "PublisherStats", "count_samples"]
 
 log = logging.getLogger("perfloop.producers")
 
@@ -225,7 +225,6 @@ class Publisher:
         self.settings = settings
         self.producer_id = producer_id
         self._queue_max = int(t["queue_max_messages"])
-        self._timeout_s = t["message_timeout_ms"] / 1000
         self._spool_max = int(t["spool_max_bytes"])
         self._segment_bytes = int(t["spool_segment_bytes"])
         self._window_s = float(t["resend_window_s"])
@@ -292,7 +291,6 @@ class Publisher:
         self._last_offset: dict[tuple[str, int], int] = {}
         self._probe_needed = False
         self._probes: set[int] = set()  # send ids of probes in flight
-        self._recycled_at = 0.0
         self._backoff = 0.0
         self._pause_until = 0.0
         self._p = PublisherStats()  # the background thread's counts (its own, no lock)
