@@ -1,11 +1,12 @@
 """The warehouse sink: every topic in `TABLES`, batched into its table, at least once.
 
 Rows accumulate in memory per table and are inserted column by column about once a second
-(or at ``max_batch_rows``). Each insert carries a deduplication token built from the source
-offsets, so a retried or replayed batch lands once; offsets are committed only after every
-insert they cover succeeded. While the warehouse is down the sink pauses its consumer (memory
-stays bounded by one batch) and retries with backoff; nothing is lost. A message that does not
-decode goes to ``perfloop.dlq`` with the reason and the source, and is committed past.
+(or at ``max_batch_rows``). Each insert carries a deduplication token built from the ids of
+the messages it holds (batch or event ids), so a retried batch lands once; offsets are
+committed only after every insert they cover succeeded. While the warehouse is down the sink
+pauses its consumer (memory stays bounded by one batch) and retries with backoff; nothing is
+lost. A message that does not decode goes to ``perfloop.dlq`` with the reason and the source,
+and is committed past.
 
 A message that arrives twice (a producer resending what a restarted broker lost) carries the
 same batch or event id; the sink remembers the last ``dedup_window_messages`` ids and drops a
@@ -176,19 +177,26 @@ class _RecentIds:
 
 @dataclass
 class _Pending:
+    """Rows waiting for one table's next insert, and the identity of what they came from."""
+
     columns: Rows = field(default_factory=dict)
     rows: int = 0
-    sources: list[tuple[str, int, int]] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
 
-    def extend(self, cols: Rows, topic: str, partition: int, offset: int) -> None:
+    def extend(self, cols: Rows, message_id: str) -> None:
         # Every builder of one table yields the same columns (defaults are filled at decode).
         for k, v in cols.items():
             self.columns.setdefault(k, []).extend(v)
         self.rows += len(cols["ts"])
-        self.sources.append((topic, partition, offset))
+        self.ids.append(message_id)
 
     def token(self) -> str:
-        h = hashlib.sha256(orjson.dumps(sorted(self.sources)))
+        """The insert's deduplication token: a hash of the messages it holds, by their own ids.
+
+        Offsets would not do: a broker that restarts empty numbers its log from 0 again, so a
+        new insert could repeat an old token and be dropped by the warehouse as a retry.
+        """
+        h = hashlib.sha256("\n".join(sorted(self.ids)).encode())
         return h.hexdigest()[:32]
 
 
@@ -264,7 +272,9 @@ class Sink:
             else:
                 if dedup:
                     self._seen.add(dedup)
-                self._pending.setdefault(table, _Pending()).extend(cols, topic, part, off)
+                # A message without an id of its own (windows) is known by its content.
+                message_id = dedup or hashlib.sha1(msg.value() or b"").hexdigest()
+                self._pending.setdefault(table, _Pending()).extend(cols, message_id)
         self._offsets[(topic, part)] = off + 1
 
     def _flush(self) -> None:

@@ -97,7 +97,7 @@ def test_gpu_and_host_samples_reports_and_stats() -> None:
     assert last.samples == s.samples == len(gpu) + len(host)
     assert {"gpu.power", "gpu.utilization", "host"} <= set(last.rates_hz)
     assert last.cpu_time_ms > 0 and last.overhead_pct >= 0
-    assert not any(t.name.startswith("perfloop-") and t.is_alive() for t in threading.enumerate())
+    assert s._threads and not any(t.is_alive() for t in s._threads)  # run() joined its own
 
 
 def test_no_gpu_degrades_says_it_once_and_host_keeps_sampling(
