@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,20 @@ def isolate_env(home: Path, kafka_port: int, clickhouse_port: int) -> dict[str, 
         PERFLOOP_CLICKHOUSE_PORT=str(clickhouse_port),
     )
     return dict(os.environ)
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(port: int) -> bool:
+    """Whether something accepts connections on loopback ``port``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def bench_ports() -> tuple[int, int]:

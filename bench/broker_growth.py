@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,21 +31,17 @@ if __package__ in (None, ""):  # run as `python bench/broker_growth.py`
 import cramjam
 import numpy as np
 
-from bench._common import isolate_env, raise_on_sigterm, rss_bytes, save_result, say
+from bench._common import (
+    free_port,
+    isolate_env,
+    port_open,
+    raise_on_sigterm,
+    rss_bytes,
+    save_result,
+    say,
+)
 
 MIB = 1 << 20
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _settled_rss(pid: int, settle_s: float) -> int:
@@ -66,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     raise_on_sigterm()
 
     home = Path(tempfile.mkdtemp(prefix="perfloop-bench-broker-"))
-    port = _free_port()
-    isolate_env(home, port, _free_port())  # this process is the entry point
+    port = free_port()
+    isolate_env(home, port, free_port())  # this process is the entry point
 
     from perfloop.broker import broker_argv
     from perfloop.catalog import Topics
@@ -86,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"bench": "broker_growth", "args": vars(args)}
     try:
         deadline = time.monotonic() + 30
-        while not _port_open(port):
+        while not port_open(port):
             if broker.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the broker did not start; see {log_path}")
             time.sleep(0.1)

@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,21 +42,9 @@ if __package__ in (None, ""):  # run as `python bench/producer.py`
 
 import numpy as np
 
-from bench._common import isolate_env, raise_on_sigterm, save_result, say
+from bench._common import free_port, isolate_env, port_open, raise_on_sigterm, save_result, say
 
 TARGET_SAMPLES_PER_S = 200_000
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _rdkafka_cpu_s() -> float:
@@ -242,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     home = Path(tempfile.mkdtemp(prefix="perfloop-bench-producer-"))
     broker: subprocess.Popen[bytes] | None = None
     if not reuse:
-        isolate_env(home, _free_port(), _free_port())  # this process is the entry point
+        isolate_env(home, free_port(), free_port())  # this process is the entry point
 
     from perfloop.broker import broker_argv
     from perfloop.catalog import Topics
@@ -267,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                     stderr=log,
                 )
             deadline = time.monotonic() + 30
-            while not _port_open(settings.kafka_port):
+            while not port_open(settings.kafka_port):
                 if broker.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the broker did not start; see {log_path}")
                 time.sleep(0.1)
