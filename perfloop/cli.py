@@ -70,9 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--job-id", help="job id (default: derived from the first trace's name)")
     rep.add_argument("--node", help="node name (default: from the trace, else 'replay')")
     rep.add_argument(
-        "--whole-trace",
+        "--require-steps",
         action="store_true",
-        help="replay a trace without ProfilerStep spans as one step 0 (no step rows)",
+        help="refuse a trace without ProfilerStep spans (by default it replays as one step 0)",
     )
     rep.add_argument(
         "--keep-time",

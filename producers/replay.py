@@ -243,8 +243,7 @@ def index_trace(path: str | Path, *, whole_trace: bool = False) -> TraceIndex:
         if not whole_trace:
             raise TraceError(
                 f"{p}: no ProfilerStep#N span in {events} events, so no step to attribute "
-                "them to (record with torch.profiler.schedule and call prof.step() each step, "
-                "or pass --whole-trace to replay the capture as one step 0)"
+                "them to (record with torch.profiler.schedule and call prof.step() each step)"
             )
         if hi < lo:
             raise TraceError(f"{p}: no timed ('X') event in {events} events")
@@ -641,7 +640,9 @@ def replay_command(args: argparse.Namespace, settings: Any) -> int:
     if not _JOB_ID.match(job_id):
         raise ConfigError(f"invalid job id {job_id!r}: use 1-128 of A-Z a-z 0-9 . _ : / @ + -")
     node = args.node or getattr(settings, "node", None)
-    whole_trace = bool(getattr(args, "whole_trace", False))
+    # A trace recorded without a profiler schedule has no ProfilerStep: the command still
+    # replays it (as one step 0, said in its summary line) unless --require-steps.
+    whole_trace = not bool(getattr(args, "require_steps", False))
     keep_time = bool(getattr(args, "keep_time", False))
     publisher = Publisher(settings)
     print(f"replaying {len(paths)} trace(s) as job {job_id}", flush=True)

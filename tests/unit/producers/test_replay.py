@@ -511,8 +511,12 @@ def fake_publisher(monkeypatch: pytest.MonkeyPatch) -> list[Collect]:
     return made
 
 
-def _args(*traces: Path, job_id: str | None = "cli-job") -> argparse.Namespace:
-    return argparse.Namespace(job_id=job_id, node=None, traces=[str(t) for t in traces])
+def _args(
+    *traces: Path, job_id: str | None = "cli-job", require_steps: bool = False
+) -> argparse.Namespace:
+    return argparse.Namespace(
+        job_id=job_id, node=None, traces=[str(t) for t in traces], require_steps=require_steps
+    )
 
 
 def test_bad_files_fail_with_one_line_each_and_the_others_still_replay(
@@ -529,7 +533,9 @@ def test_bad_files_fail_with_one_line_each_and_the_others_still_replay(
     nosteps.write_text('{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "a", "ts": 1}]}')
     bad = [notjson, truncated, noevents, nosteps]
 
-    code = replay_command(_args(notjson, good, truncated, noevents, nosteps), ProducerSettings())
+    code = replay_command(
+        _args(notjson, good, truncated, noevents, nosteps, require_steps=True), ProducerSettings()
+    )
 
     out, err = capsys.readouterr()
     assert code == 1
@@ -584,3 +590,16 @@ def test_an_invalid_job_id_is_a_config_error(fake_publisher: list[Collect]) -> N
 
 def test_module_exports() -> None:
     assert set(replay_mod.__all__) >= {"replay_command", "replay_trace", "index_trace"}
+
+
+def test_a_trace_without_profiler_steps_replays_whole_by_default(
+    fake_publisher: list[Collect], capsys: pytest.CaptureFixture[str]
+) -> None:
+    (nosteps,) = [p for p in ALL if "simple_add" in str(p)]
+    assert replay_command(_args(nosteps), ProducerSettings()) == 0
+    out = capsys.readouterr().out
+    assert "whole trace as step 0" in out
+    [pub] = fake_publisher
+    rows = pub.rows()
+    assert rows.get("step", []) == []  # no ProfilerStep: no step rows, but its kernels
+    assert {r["step"] for r in rows["kernel"]} == {0}
