@@ -330,6 +330,8 @@ MIGRATIONS = (
     dropped UInt64,
     dropped_samples UInt64,
     failed UInt64,
+    resent UInt64,
+    refused UInt64,
     in_flight UInt64,
     spool_bytes UInt64,
     cpu_time_ms Float64,

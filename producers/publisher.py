@@ -463,6 +463,8 @@ class Publisher:
             dropped=st.dropped,
             dropped_samples=st.dropped_samples,
             failed=st.failed + st.corrupt,
+            resent=st.resent,
+            refused=st.refused,
             in_flight=st.in_flight,
             spool_bytes=st.spool_bytes,
             cpu_time_ms=st.cpu_time_s * 1000,

@@ -110,10 +110,12 @@ class ProducerStats(Event):
     """A producer's self-metrics, cumulative since it started.
 
     ``published`` messages were acknowledged by the broker, ``spooled`` went to the on-disk
-    spool while the broker was unreachable, ``replayed`` came back out of it, ``dropped`` were
-    lost on purpose (spool full: oldest first) and ``failed`` could not be delivered or
-    spooled. ``overhead_pct`` is the producer's own CPU time as a share of the job's wall
-    time over the last interval.
+    spool while the broker was unreachable, ``replayed`` came back out of it, ``resent`` were
+    sent again after a broker lost them, ``refused`` were turned away by ``publish`` (it
+    returned False: over the memory bound or not sendable), ``dropped`` were lost on purpose
+    (spool full: oldest first) and ``failed`` could not be delivered or spooled.
+    ``overhead_pct`` is the producer's own CPU time as a share of the job's wall time over
+    the last interval.
 
     >>> ProducerStats(ts_ns=1, job_id="j", node="n", rank=0, producer_id="p").dropped
     0
@@ -130,6 +132,8 @@ class ProducerStats(Event):
     dropped: int = Field(0, ge=0)
     dropped_samples: int = Field(0, ge=0)
     failed: int = Field(0, ge=0)
+    resent: int = Field(0, ge=0)
+    refused: int = Field(0, ge=0)
     in_flight: int = Field(0, ge=0)
     spool_bytes: int = Field(0, ge=0)
     cpu_time_ms: float = Field(0.0, ge=0, allow_inf_nan=False)
