@@ -45,6 +45,8 @@ def test_wheel_installs_only_the_perfloop_namespace(wheel: Path) -> None:
     for tier in ("producers", "streams", "models", "actuators", "schemas"):
         assert f"perfloop/{tier}/__init__.py" in names
     assert not any(n.startswith(("models/", "schemas/", "tests/", "bench/")) for n in names)
+    # `perfloop run` puts this folder on the command's PYTHONPATH: it must ship.
+    assert "perfloop/producers/_bootstrap/sitecustomize.py" in names
 
 
 def test_wheel_declares_the_console_script_and_keeps_torch_optional(wheel: Path) -> None:
