@@ -272,11 +272,7 @@ class NodeSampler:
             targets.insert(0, ("perfloop-gpu-sampler", self._gpu_loop))
         else:
             self._publish(
-                CapabilityReport(
-                    ts_ns=time.time_ns(),
-                    job_id=self.job_id,
-                    node=self.node,
-                    rank=self.rank,
+                self._capability(
                     component=self.backend.name,
                     available=False,
                     missing=["gpu"],
@@ -359,14 +355,16 @@ class NodeSampler:
         if isinstance(event, CapabilityReport):
             self.capabilities[event.component] = event
 
+    def _capability(self, **fields: Any) -> CapabilityReport:
+        """A capability report of this sampler's job, node and rank, stamped now."""
+        return CapabilityReport(
+            ts_ns=time.time_ns(), job_id=self.job_id, node=self.node, rank=self.rank, **fields
+        )
+
     def _publish_gpu_capability(self, cap: GpuCapability) -> None:
         self._gpu_generation = cap.generation
         self._publish(
-            CapabilityReport(
-                ts_ns=time.time_ns(),
-                job_id=self.job_id,
-                node=self.node,
-                rank=self.rank,
+            self._capability(
                 component=self.backend.name,
                 available=cap.available,
                 devices=cap.devices,
@@ -380,11 +378,7 @@ class NodeSampler:
     def _publish_host_capability(self) -> None:
         missing = self.host.missing
         self._publish(
-            CapabilityReport(
-                ts_ns=time.time_ns(),
-                job_id=self.job_id,
-                node=self.node,
-                rank=self.rank,
+            self._capability(
                 component="host",
                 available=True,
                 devices=0,
