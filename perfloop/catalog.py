@@ -50,6 +50,9 @@ KIND_TOPICS: dict[str, str] = {
     "recommendation": Topics.RECOMMENDATIONS,
     "command": Topics.CONTROL,
     "actuation": Topics.ACTUATIONS,
+    "phase": Topics.PHASES,
+    "diagnosis": Topics.DIAGNOSES,
+    "config": Topics.CONTROL,
 }
 
 # The table each event kind lands in (the sink picks it by the message's kind).
@@ -68,6 +71,9 @@ KIND_TABLES: dict[str, str] = {
     "recommendation": "recommendations",
     "command": "commands",
     "actuation": "actuations",
+    "phase": "phases",
+    "diagnosis": "diagnoses",
+    "config": "config_changes",
 }
 
 # Tables the sink fills, by the topic they come from (a topic may carry several kinds).

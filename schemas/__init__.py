@@ -8,12 +8,21 @@ names. The catalog:
   `GpuSample`, `HostSample`, `StepEvent`, `PhaseSpan`, `CollectiveOp`, `KernelSummary`;
 - job-level events, one per message (`encode_event`, `decode_event`): `JobInfo`,
   `JobLifecycle`, `CapabilityReport`, `ProducerStats`, `GroundTruth`;
-- control events: `Recommendation`, `Command`, `ActuationResult`.
+- control events: `Recommendation`, `Command`, `ActuationResult`;
+- stream-tier conclusions and live changes: `PhaseChange`, `Diagnosis`, `ConfigChange`.
 
 Bad input raises `SchemaError` with a one-line message naming the field and the value.
 `export_json_schemas` writes JSON Schema for consumers in other languages.
 """
 
+from perfloop.schemas.analysis import (
+    BOTTLENECKS,
+    FUNNEL_LEVELS,
+    RUN_PHASES,
+    ConfigChange,
+    Diagnosis,
+    PhaseChange,
+)
 from perfloop.schemas.base import Event, new_event_id, now_ns
 from perfloop.schemas.codec import (
     BATCH_KINDS,
@@ -51,11 +60,14 @@ from perfloop.schemas.telemetry import (
 
 __all__ = [
     "BATCH_KINDS",
+    "BOTTLENECKS",
     "COLLECTIVE_OPS",
     "EVENT_KINDS",
     "FAULT_KINDS",
+    "FUNNEL_LEVELS",
     "KERNEL_CLASSES",
     "MAX_MESSAGE_BYTES",
+    "RUN_PHASES",
     "STANDARD_PHASES",
     "ActuationResult",
     "Batch",
@@ -63,6 +75,8 @@ __all__ = [
     "CapabilityReport",
     "CollectiveOp",
     "Command",
+    "ConfigChange",
+    "Diagnosis",
     "Event",
     "GpuSample",
     "GroundTruth",
@@ -71,6 +85,7 @@ __all__ = [
     "JobLifecycle",
     "KernelSummary",
     "KnobValue",
+    "PhaseChange",
     "PhaseSpan",
     "ProducerStats",
     "Recommendation",

@@ -30,6 +30,7 @@ import numpy as np
 import orjson
 from pydantic import ValidationError
 
+from perfloop.schemas.analysis import ConfigChange, Diagnosis, PhaseChange
 from perfloop.schemas.base import JOB_ID_PATTERN, Event, new_event_id
 from perfloop.schemas.control import ActuationResult, Command, Recommendation
 from perfloop.schemas.exceptions import SchemaError
@@ -76,6 +77,9 @@ EVENT_KINDS: dict[str, type[Event]] = {
         Recommendation,
         Command,
         ActuationResult,
+        PhaseChange,
+        Diagnosis,
+        ConfigChange,
     )
 }
 _ENVELOPE = ("schema_version", "event_id", "job_id", "node")

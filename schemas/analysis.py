@@ -1,0 +1,145 @@
+"""What the stream tier concludes: phases, diagnoses, and the live changes made to it.
+
+These are events, one JSON object per message (`encode_event` / `decode_event`):
+`PhaseChange` on ``perfloop.phases``, `Diagnosis` on ``perfloop.diagnoses`` and `ConfigChange`
+on ``perfloop.control`` (job agents ignore it; stream workers and producers apply it).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field
+
+from perfloop.schemas.base import Event
+from perfloop.schemas.control import KnobValue
+
+__all__ = [
+    "BOTTLENECKS",
+    "FUNNEL_LEVELS",
+    "RUN_PHASES",
+    "ConfigChange",
+    "Diagnosis",
+    "PhaseChange",
+]
+
+Short = Annotated[str, Field(max_length=256)]
+
+RUN_PHASES = ("warmup", "steady", "eval", "checkpoint", "stalled", "finished")
+"""Run-level states of the phase machine (``stalled``: no progress; ``finished``: ended)."""
+
+FUNNEL_LEVELS = ("cluster_health", "network", "host", "memory", "kernel")
+"""The top-down funnel, first level first (DESIGN.md): a higher level explains a lower one."""
+
+BOTTLENECKS: dict[str, str] = {
+    # cluster health
+    "hang": "cluster_health",
+    "thermal_throttle": "cluster_health",
+    "power_throttle": "cluster_health",
+    "gpu_error": "cluster_health",
+    # network
+    "straggler": "network",
+    "comm_degradation": "network",
+    "exposed_comm": "network",
+    "load_imbalance": "network",
+    # host
+    "dataloader_starvation": "host",
+    "cpu_saturation": "host",
+    "launch_overhead": "host",
+    # memory
+    "memory_leak": "memory",
+    "oom": "memory",
+    "low_memory_headroom": "memory",
+    # kernel (roofline)
+    "memory_bound": "kernel",
+    "compute_bound": "kernel",
+    "overhead_bound": "kernel",
+}
+"""Every bottleneck a diagnosis can name, and its funnel level."""
+
+
+class PhaseChange(Event):
+    """The phase machine moved: a run-level or step-level state changed for a rank.
+
+    ``rank`` -1 is the job as a whole. ``source`` says what the state was read from: phase
+    spans when the job publishes them, otherwise the GPU signal signature learned online.
+    ``next_phase`` / ``next_ts_ns`` predict the next transition (0 and "" when unknown).
+
+    >>> PhaseChange(ts_ns=1, job_id="j", node="n", rank=-1, level="run", phase="steady",
+    ...             previous="warmup", since_ns=1, source="spans", step=40).phase
+    'steady'
+    """
+
+    KIND: ClassVar[str] = "phase"
+
+    level: Literal["run", "step"]
+    phase: Annotated[str, Field(min_length=1, max_length=128)]
+    previous: Short = ""
+    since_ns: int = Field(ge=0, description="When the new phase began (event time).")
+    step: int = Field(0, ge=0)
+    source: Literal["spans", "gpu", "steps", "lifecycle"]
+    confidence: float = Field(1.0, ge=0, le=1)
+    duration_ms: float = Field(0.0, ge=0, allow_inf_nan=False, description="Of the previous.")
+    next_phase: Short = ""
+    next_ts_ns: int = Field(0, ge=0, description="Predicted time of the next transition.")
+
+
+class Diagnosis(Event):
+    """One bottleneck found by the top-down funnel, for a job (``rank`` -1) or one rank.
+
+    A diagnosis opens when the bottleneck is found (``state`` "open", ``ts_ns`` the moment it
+    was detected, ``onset_ns`` the estimated start), is updated while it persists
+    ("update", at most every few seconds) and is closed when it clears ("resolved").
+    ``diagnosis_id`` is the same across the three. ``explained_by`` names the higher-level
+    bottleneck that explains this one (a rank slowed by its throttled GPU straggles): only an
+    unexplained bottleneck on the critical path may lead to a recommendation.
+
+    >>> d = Diagnosis(ts_ns=2, job_id="j", node="n", rank=3, diagnosis_id="d1",
+    ...               bottleneck="straggler", level="network", loop="training",
+    ...               state="open", onset_ns=1, step_share=0.3, confidence=0.9,
+    ...               critical_path=True, ranks=[3], evidence={"score": 0.8})
+    >>> d.level, d.explained_by
+    ('network', '')
+    """
+
+    KIND: ClassVar[str] = "diagnosis"
+
+    diagnosis_id: Annotated[str, Field(min_length=1, max_length=64)]
+    bottleneck: Annotated[str, Field(min_length=1, max_length=64)]
+    level: Literal["cluster_health", "network", "host", "memory", "kernel"]
+    loop: Literal["inner", "training", "product"]
+    state: Literal["open", "update", "resolved"]
+    onset_ns: int = Field(ge=0)
+    step_share: float = Field(ge=0, le=1, description="Share of step time it costs.")
+    confidence: float = Field(ge=0, le=1)
+    critical_path: bool
+    explained_by: Short = ""
+    ranks: list[int] = Field(default_factory=list)
+    nodes: list[Short] = Field(default_factory=list)
+    step: int = Field(0, ge=0)
+    evidence: dict[str, float] = Field(default_factory=dict)
+    summary: str = Field("", max_length=2000)
+
+
+class ConfigChange(Event):
+    """A live change to the stream tier or to producers, applied without a restart.
+
+    ``target`` "streams" changes a stream worker setting (thresholds, windows); "producers"
+    changes sampling on the job's nodes. ``applies_to`` is a job id, or "*" for every job
+    (``job_id`` then names who issued it). Every change is recorded in the warehouse
+    (``config_changes``) with who asked and why.
+
+    >>> ConfigChange(ts_ns=1, job_id="ops", node="cli", rank=-1, target="streams",
+    ...              key="thresholds.straggler_score", value=0.7).applies_to
+    '*'
+
+    """
+
+    KIND: ClassVar[str] = "config"
+
+    target: Literal["streams", "producers"]
+    applies_to: Annotated[str, Field(min_length=1, max_length=128)] = "*"
+    key: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[a-z0-9_.]+$")]
+    value: KnobValue | list[list[float]]
+    author: Short = ""
+    reason: str = Field("", max_length=1000)
