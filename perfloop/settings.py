@@ -119,15 +119,27 @@ class WarehouseServerSettings(BaseServiceSettings):
 
 
 class StreamsSettings(BaseServiceSettings):
-    """The Faust stream workers (windows and the data-wait rule)."""
+    """The Faust stream workers: ingest, windows, phases, cross-rank analysis, the funnel.
+
+    ``windows`` lists window sizes in seconds, tumbling ("10") or hopping ("60/10": 60 s
+    windows every 10 s). State is snapshotted to ``$PERFLOOP_HOME/streams/<worker_name>``
+    every ``snapshot_interval_s``; input is acknowledged (and its offsets committed) only once
+    a snapshot holds it, so a restarted worker resumes where the snapshot left off.
+    """
 
     app_id: str = "perfloop-streams"
+    worker_name: str = Field("0", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     broker_session_timeout_s: float = Field(6.0, gt=0)
-    window_s: float = Field(10.0, gt=0)
-    allowed_lateness_s: float = Field(2.0, ge=0)
+    windows: str = Field("1,10,60,60/10", min_length=1)
+    allowed_lateness_s: float = Field(1.0, ge=0)
+    tick_interval_s: float = Field(0.25, gt=0, le=10)
+    snapshot_interval_s: float = Field(2.0, gt=0)
     data_wait_share_threshold: float = Field(0.3, gt=0, lt=1)
     recommendation_cooldown_s: float = Field(30.0, ge=0)
-    max_skew_s: float = Field(300.0, gt=0)
+    max_skew_s: float = Field(300.0, gt=0, description="Event time this far ahead: DLQ.")
+    max_age_s: float = Field(
+        31 * 86400.0, gt=0, description="Event time this far behind the clock: DLQ."
+    )
 
 
 class SinkSettings(BaseServiceSettings):

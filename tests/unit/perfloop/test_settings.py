@@ -88,7 +88,7 @@ def test_every_service_reads_the_shared_variables(monkeypatch: pytest.MonkeyPatc
         (BaseServiceSettings, "PERFLOOP_CLICKHOUSE_DATABASE", "drop table; --"),
         (BaseServiceSettings, "PERFLOOP_TOPIC_PARTITIONS", "0"),
         (StackSettings, "PERFLOOP_START_TIMEOUT_S", "0"),
-        (StreamsSettings, "PERFLOOP_WINDOW_S", "0"),
+        (StreamsSettings, "PERFLOOP_TICK_INTERVAL_S", "0"),
         (StreamsSettings, "PERFLOOP_DATA_WAIT_SHARE_THRESHOLD", "1.5"),
         (StreamsSettings, "PERFLOOP_ALLOWED_LATENESS_S", "-1"),
         (SinkSettings, "PERFLOOP_MAX_BATCH_ROWS", "0"),
