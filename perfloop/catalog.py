@@ -3,13 +3,32 @@
 Topics are keyed by ``job_id`` so all ranks of a job meet in one partition. Tables are
 MergeTree, partitioned by day, ordered by ``(job_id, rank, ts)``, with a deduplication window
 so that a retried insert carrying the same ``insert_deduplication_token`` lands once.
+Raw telemetry is rolled up 1 s → 1 min → 1 h by materialized views (`perfloop._rollups`).
+Migrations never change once released: a change is a new migration whose statements are
+idempotent (``IF NOT EXISTS``, ``ADD COLUMN IF NOT EXISTS``, ``MODIFY TTL``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["KIND_TABLES", "KIND_TOPICS", "MIGRATIONS", "TABLES", "TOPICS", "Migration", "Topics"]
+from perfloop._rollups import ROLLUP_RESOLUTIONS, ROLLUP_TTL_DAYS, ROLLUPS, rollup_statements
+
+__all__ = [
+    "DEAD_LETTER_PAYLOAD_BYTES",
+    "KIND_TABLES",
+    "KIND_TOPICS",
+    "MIGRATIONS",
+    "RAW_TTL_DAYS",
+    "ROLLUPS",
+    "ROLLUP_RESOLUTIONS",
+    "ROLLUP_TTL_DAYS",
+    "TABLES",
+    "TOPICS",
+    "WINDOW_KEY",
+    "Migration",
+    "Topics",
+]
 
 
 class Topics:
@@ -353,6 +372,125 @@ MIGRATIONS = (
     ranks Array(Int32),
     nodes Array(String),
     detail String""",
+            ),
+        ),
+    ),
+)
+
+# -- migration 3: stream tier tables, dead letters, windows v2, rollups, TTLs ----------------
+#
+# Retention (README "The SQL tables"): high-rate raw telemetry (gpu_samples, host_samples,
+# spans, collectives, kernel_summaries) 7 days; steps, windows and dead_letters 30 days;
+# rollups 1 s 30 days, 1 min 365 days, 1 h kept. Events (jobs, phases, diagnoses, changes,
+# recommendations, commands, actuations) are small and kept.
+
+RAW_TTL_DAYS = 7
+"""Days high-rate raw telemetry is kept (its 1 s / 1 min / 1 h rollups outlive it)."""
+DEAD_LETTER_PAYLOAD_BYTES = 64 << 10
+"""A dead letter's payload is stored up to this many bytes (``payload_bytes`` is the size)."""
+WINDOW_KEY = ("job_id", "node", "rank", "device", "metric", "window_s", "hop_s", "ts")
+"""The columns that identify one window row (a re-emitted window repeats them)."""
+
+
+def _ttl(table: str, days: int) -> str:
+    return f"ALTER TABLE {table}\n    MODIFY TTL toDateTime(ts) + INTERVAL {days} DAY"
+
+
+_WINDOWS_LATEST = f"""CREATE VIEW IF NOT EXISTS windows_latest AS
+SELECT
+    {", ".join(WINDOW_KEY)},
+    argMax(event_id, inserted) AS event_id,
+    argMax(window_end, inserted) AS window_end,
+    argMax(count, inserted) AS count,
+    argMax(mean, inserted) AS mean,
+    argMax(min, inserted) AS min,
+    argMax(max, inserted) AS max,
+    argMax(p50, inserted) AS p50,
+    argMax(p95, inserted) AS p95,
+    argMax(p99, inserted) AS p99,
+    argMax(rate_per_s, inserted) AS rate_per_s,
+    argMax(slope_per_s, inserted) AS slope_per_s,
+    argMax(closed, inserted) AS closed,
+    max(inserted) AS last_inserted
+FROM windows
+GROUP BY {", ".join(WINDOW_KEY)}"""
+
+MIGRATIONS = (
+    *MIGRATIONS,
+    Migration(
+        3,
+        "stream tier: phases, diagnoses, config changes, dead letters, windows v2, rollups, TTLs",
+        (
+            _table(
+                "phases",
+                """    level LowCardinality(String),
+    phase LowCardinality(String),
+    previous LowCardinality(String),
+    since DateTime64(9, 'UTC'),
+    step UInt64,
+    source LowCardinality(String),
+    confidence Float32,
+    duration_ms Float64,
+    next_phase LowCardinality(String),
+    next_ts Nullable(DateTime64(9, 'UTC'))""",
+            ),
+            _table(
+                "diagnoses",
+                """    diagnosis_id String,
+    bottleneck LowCardinality(String),
+    level LowCardinality(String),
+    loop LowCardinality(String),
+    state LowCardinality(String),
+    onset DateTime64(9, 'UTC'),
+    step_share Float32,
+    confidence Float32,
+    critical_path Bool,
+    explained_by LowCardinality(String),
+    ranks Array(Int32),
+    nodes Array(String),
+    step UInt64,
+    evidence Map(String, Float64),
+    summary String""",
+            ),
+            _table(
+                "config_changes",
+                """    target LowCardinality(String),
+    applies_to String,
+    key LowCardinality(String),
+    value String,
+    author String,
+    reason String""",
+            ),
+            _table(
+                "dead_letters",
+                """    topic LowCardinality(String),
+    partition Int32,
+    offset Int64,
+    reason String,
+    reason_class LowCardinality(String),
+    key String,
+    payload String,
+    payload_bytes UInt64,
+    headers Map(String, String)""",
+            ).replace("SETTINGS", "TTL toDateTime(ts) + INTERVAL 30 DAY\nSETTINGS"),
+            _add_columns(
+                "windows",
+                """device Int32 DEFAULT -1,
+    hop_s Float32,
+    closed DateTime64(9, 'UTC'),
+    inserted DateTime64(9, 'UTC') DEFAULT now64(9)""",
+            ),
+            _WINDOWS_LATEST,
+            _ttl("windows", 30),
+            *(
+                _ttl(t, RAW_TTL_DAYS)
+                for t in ("gpu_samples", "host_samples", "spans", "collectives", "kernel_summaries")
+            ),
+            *(
+                stmt
+                for source, keys, spec in ROLLUPS
+                for res in ROLLUP_RESOLUTIONS
+                for stmt in rollup_statements(source, keys, spec, res)
             ),
         ),
     ),
