@@ -6,6 +6,15 @@ bounds — failing closed: a command that does not pass changes nothing and is a
 rejected with its reason. Commands that pass wait in a queue until the training loop calls
 `JobAgent.step_boundary`, which applies them through the registered knob handlers and acks
 each on ``perfloop.actuations``. Nothing here ever raises into the training loop.
+
+Live configuration: a `ConfigChange` with target "producers" whose ``applies_to`` is the
+agent's job or "*" goes to the registered `ConfigHandler` (``on_config``, e.g.
+`NodeSampler.configure`) at once, on the agent's thread — sampling changes need no step
+boundary and are not signed (they change what is observed, not the job). A change the handler
+refuses (unknown key, bad value) is logged as one warning line and changes nothing; it is never
+acked and never raises. The change itself is recorded in the warehouse by the sink
+(``config_changes``). `ConfigListener` does the same for a process with no job agent
+(``perfloop sample``).
 """
 
 from __future__ import annotations
@@ -16,16 +25,19 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from confluent_kafka import KafkaError
 
 from perfloop.actuators.service import KNOB_BOUNDS
 from perfloop.actuators.signing import verify
 from perfloop.catalog import Topics
+from perfloop.exceptions import ConfigError
 from perfloop.kafka import consumer, producer
 from perfloop.schemas import (
     ActuationResult,
     Command,
+    ConfigChange,
     KnobValue,
     SchemaError,
     decode_event,
@@ -33,11 +45,131 @@ from perfloop.schemas import (
 )
 from perfloop.settings import BaseServiceSettings
 
-__all__ = ["JobAgent", "KnobHandler"]
+__all__ = ["ConfigHandler", "ConfigListener", "JobAgent", "KnobHandler", "apply_config"]
 
 log = logging.getLogger("perfloop.agent")
 
 KnobHandler = Callable[[KnobValue], None]
+ConfigHandler = Callable[[str, Any], tuple[Any, Any]]
+"""``configure(key, value) -> (old, new)``; raises `ConfigError` for an unknown key or a bad
+value (the shape of `NodeSampler.configure` and of the stream components' ``configure``)."""
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    return " ".join(text.split())[:limit]
+
+
+def apply_config(
+    change: ConfigChange, job_id: str, handler: ConfigHandler | None
+) -> tuple[Any, Any] | str | None:
+    """Apply ``change`` if it is for the producers of ``job_id``; never raises.
+
+    Returns ``(old, new)`` when applied, the one-line reason when it was for this job and
+    refused (also logged as a warning), and ``None`` when it is not for this job's producers.
+    """
+    if change.target != "producers" or change.applies_to not in ("*", job_id):
+        return None
+    what = f"config change {change.key}={change.value!r} for job {job_id}"
+    if handler is None:
+        reason = "no sampling control is registered in this process"
+    else:
+        try:
+            old, new = handler(change.key, change.value)
+        except ConfigError as e:
+            reason = _one_line(str(e))
+        except Exception as e:  # a failing handler must not break training
+            reason = _one_line(f"handler failed: {e!r}")
+        else:
+            log.info("%s applied: %r -> %r (by %s)", what, old, new, change.author or "?")
+            return old, new
+    log.warning("%s not applied: %s", what, reason)
+    return reason
+
+
+def _for_job(key: bytes | None, job_id: str) -> bool:
+    """Whether a control message keyed ``key`` may be for ``job_id`` (its own key or "*")."""
+    return key is None or key == b"*" or key == job_id.encode()
+
+
+class ConfigListener:
+    """Applies live `ConfigChange` events for ``job_id``'s producers from ``perfloop.control``.
+
+    For a process that runs samplers but no `JobAgent` (``perfloop sample``); commands are
+    left to the job agent. A plain service: ``start()``, ``stop()``, ``run()``.
+
+    >>> from perfloop.settings import BaseServiceSettings
+    >>> seen = {}
+    >>> def configure(key, value):
+    ...     old, seen[key] = seen.get(key), value
+    ...     return old, value
+    >>> listener = ConfigListener(BaseServiceSettings(kafka_port=1), job_id="j1",
+    ...                           on_config=configure)
+    >>> change = ConfigChange(ts_ns=1, job_id="ops", node="cli", rank=-1, target="producers",
+    ...                       key="sampling.host_interval_ms", value=250)
+    >>> listener.receive(encode_event(change))
+    (None, 250)
+    >>> listener.close()
+    """
+
+    def __init__(
+        self, settings: BaseServiceSettings, *, job_id: str, on_config: ConfigHandler
+    ) -> None:
+        self.job_id = job_id
+        self.on_config = on_config
+        self._consumer = consumer(
+            settings,
+            f"perfloop-config-{job_id}-{uuid.uuid4().hex[:8]}",
+            **{"auto.offset.reset": "latest"},
+        )
+        self._stop = threading.Event()
+        self._assigned = threading.Event()
+        self._errors: set[int] = set()
+        self._thread = threading.Thread(target=self.run, name="perfloop-config", daemon=True)
+
+    def start(self, wait_assigned_s: float = 0.0) -> bool:
+        """Start consuming; return True once the control topic is assigned (no wait by default)."""
+        self._consumer.subscribe([Topics.CONTROL], on_assign=lambda c, p: self._assigned.set())
+        self._thread.start()
+        return self._assigned.wait(wait_assigned_s)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def close(self) -> None:
+        """Release the consumer of a listener that was never started."""
+        if not self._thread.is_alive() and not self._stop.is_set():
+            self._stop.set()
+            self._consumer.close()
+
+    def run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                msg = self._consumer.poll(0.1)
+                if msg is None:
+                    continue
+                if msg.error():
+                    code = msg.error().code()
+                    if code != KafkaError._PARTITION_EOF and code not in self._errors:
+                        self._errors.add(code)  # once per kind: the broker may be away long
+                        log.warning("control consumer error: %s", msg.error())
+                    continue
+                if _for_job(msg.key(), self.job_id):
+                    self.receive(msg.value() or b"")
+        finally:
+            self._consumer.close()
+
+    def receive(self, data: bytes) -> tuple[Any, Any] | str | None:
+        """Apply one control message if it is a change for this job's producers (see
+        `apply_config`); anything else (commands, unreadable messages) is left alone."""
+        try:
+            event = decode_event(data)
+        except SchemaError:
+            return None  # the job agent and the stream tier report bad control messages
+        if not isinstance(event, ConfigChange):
+            return None
+        return apply_config(event, self.job_id, self.on_config)
 
 
 class JobAgent:
@@ -52,11 +184,14 @@ class JobAgent:
         signing_key: bytes,
         handlers: dict[str, KnobHandler],
         on_result: Callable[[ActuationResult], None] | None = None,
+        on_config: ConfigHandler | None = None,
     ) -> None:
         self.job_id, self.node = job_id, node
         self._key = signing_key
         self._handlers = dict(handlers)
         self._on_result = on_result
+        self.on_config = on_config
+        """Where live `ConfigChange` events for this job's producers go (see the module)."""
         # Each agent reads the control topic from its start; a group per agent instance.
         self._consumer = consumer(
             settings,
@@ -99,7 +234,7 @@ class JobAgent:
                     if msg.error().code() != KafkaError._PARTITION_EOF:
                         log.warning("control consumer error: %s", msg.error())
                     continue
-                if msg.key() not in (None, self.job_id.encode()):
+                if not _for_job(msg.key(), self.job_id):
                     continue
                 self.receive(msg.value() or b"")
         finally:
@@ -107,12 +242,19 @@ class JobAgent:
 
     # -- checks and application --------------------------------------------------------------
     def receive(self, data: bytes, *, now_ns: int | None = None) -> str | None:
-        """Check one control message; queue it, or ack it as rejected. Returns the reason."""
+        """Check one control message; queue it, or ack it as rejected. Returns the reason.
+
+        A `ConfigChange` for this job's producers is applied at once through ``on_config``;
+        the reason is returned when it was refused.
+        """
         try:
             cmd = decode_event(data)
         except SchemaError as e:
             log.warning("rejected unreadable control message: %s", e)
             return str(e)
+        if isinstance(cmd, ConfigChange):
+            outcome = apply_config(cmd, self.job_id, self.on_config)
+            return outcome if isinstance(outcome, str) else None
         if not isinstance(cmd, Command) or cmd.job_id != self.job_id:
             return None
         reason = self.check(cmd, now_ns=time.time_ns() if now_ns is None else now_ns)

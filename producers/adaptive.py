@@ -32,6 +32,12 @@ back towards 1; in between it holds. With ``settle_s``, the scale changes at mos
 scale up). Intervals always stay within
 ``[min_interval_s, max_interval_s]``: when even the maximum intervals cost more than the
 budget, the controller says so (``saturated``) and does not go slower than the maximum.
+
+**Live changes.** ``set_interval``, ``set_enabled`` and ``set_budget`` change a running
+controller from any thread (a control message, `NodeSampler.configure`); the next read of a
+signal follows its new interval. `SAMPLING_KEYS` names the sampling settings that may be
+changed live and `sampling_value` checks a new value against the bounds of its
+`ProducerSettings` field.
 """
 
 from __future__ import annotations
@@ -43,8 +49,71 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
-__all__ = ["AdaptiveController", "OverheadMeter", "SignalSpec"]
+import annotated_types
+
+from perfloop.exceptions import ConfigError
+from perfloop.settings import ProducerSettings
+
+__all__ = [
+    "SAMPLING_KEYS",
+    "AdaptiveController",
+    "OverheadMeter",
+    "SignalSpec",
+    "sampling_value",
+]
+
+SAMPLING_KEYS: dict[str, str] = {
+    "sampling.gpu_interval_ms": "gpu_interval_ms",
+    "sampling.host_interval_ms": "host_interval_ms",
+    "sampling.adaptive": "adaptive_sampling",
+    "sampling.overhead_budget_pct": "overhead_budget_pct",
+}
+"""Sampling settings a `ConfigChange` (target "producers") may change live → the
+`ProducerSettings` field each one sets."""
+
+
+def sampling_value(key: str, value: Any) -> float | bool:
+    """``value`` checked for the live sampling setting ``key``: a bool for
+    ``sampling.adaptive``, else a finite number within the bounds of its `ProducerSettings`
+    field (as float). Raises `ConfigError` naming the bad key or value and the valid ones.
+
+    >>> sampling_value("sampling.gpu_interval_ms", 50)
+    50.0
+    >>> sampling_value("sampling.gpu_interval_ms", 5)
+    Traceback (most recent call last):
+    ...
+    perfloop.exceptions.ConfigError: sampling.gpu_interval_ms=5 is outside [10, 60000]
+    """
+    name = SAMPLING_KEYS.get(key)
+    if name is None:
+        raise ConfigError(f"unknown sampling setting {key!r}; valid: {', '.join(SAMPLING_KEYS)}")
+    info = ProducerSettings.model_fields[name]
+    if info.annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} must be true or false")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{key}={value!r} must be a number")
+    v = float(value)
+    lo, lo_open, hi, hi_open = -math.inf, False, math.inf, False
+    for meta in info.metadata:
+        if isinstance(meta, annotated_types.Ge):
+            lo = float(meta.ge)  # type: ignore[arg-type]
+        elif isinstance(meta, annotated_types.Gt):
+            lo, lo_open = float(meta.gt), True  # type: ignore[arg-type]
+        elif isinstance(meta, annotated_types.Le):
+            hi = float(meta.le)  # type: ignore[arg-type]
+        elif isinstance(meta, annotated_types.Lt):
+            hi, hi_open = float(meta.lt), True  # type: ignore[arg-type]
+    inside = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not (math.isfinite(v) and inside):
+        raise ConfigError(
+            f"{key}={value!r} is outside {'(' if lo_open else '['}{lo:g}, {hi:g}"
+            f"{')' if hi_open else ']'}"
+        )
+    return v
 
 
 class OverheadMeter:
@@ -292,6 +361,69 @@ class AdaptiveController:
             st.interval = min(hi, max(lo, st.interval))
             self._max_scale = max(s.max_interval_s / s.min_interval_s for s in self.specs.values())
 
+    def set_interval(
+        self,
+        name: str,
+        seconds: float,
+        *,
+        min_interval_s: float | None = None,
+        max_interval_s: float | None = None,
+    ) -> float:
+        """Start ``name`` over at ``seconds`` (thread-safe); return the interval now in use.
+
+        The signal's start interval becomes ``seconds`` (within its bounds; ``min_interval_s``
+        and ``max_interval_s`` replace them when given, the maximum never below the minimum);
+        its variance history is kept, the budget scale still applies, and the read already
+        scheduled moves by the difference (a shorter interval is due sooner).
+
+        >>> ctl = AdaptiveController([SignalSpec("host", 1.0, 10.0, adaptive=False)])
+        >>> ctl.set_interval("host", 0.2, min_interval_s=0.2, max_interval_s=2.0)
+        0.2
+        """
+        if not (0 < seconds < math.inf):
+            raise ValueError(f"signal {name!r}: interval must be > 0 and finite, got {seconds}")
+        with self._lock:
+            spec = self.specs[name]
+            lo = spec.min_interval_s if min_interval_s is None else min_interval_s
+            hi = max(lo, spec.max_interval_s if max_interval_s is None else max_interval_s)
+            start = min(hi, max(lo, seconds))
+            spec = replace(spec, min_interval_s=lo, max_interval_s=hi, start_interval_s=start)
+            self.specs[name] = spec  # validated by SignalSpec
+            st = self._state[name]
+            old = st.interval
+            st.base = start
+            st.interval = min(hi, max(lo, start * self.scale)) if self.enabled else start
+            if math.isfinite(st.next_t):
+                st.next_t += st.interval - old
+            self._max_scale = max(s.max_interval_s / s.min_interval_s for s in self.specs.values())
+            return st.interval
+
+    def set_enabled(self, enabled: bool) -> None:
+        """Turn adaptation on or off live; off, every signal returns to its start interval."""
+        with self._lock:
+            self.enabled = enabled
+            if enabled:
+                return
+            self.scale, self.over_budget, self.saturated = 1.0, False, False
+            for name, st in self._state.items():
+                spec = self.specs[name]
+                start = (
+                    spec.min_interval_s if spec.start_interval_s is None else spec.start_interval_s
+                )
+                old = st.interval
+                st.base = st.interval = start
+                if math.isfinite(st.next_t):
+                    st.next_t += start - old
+
+    def set_budget(self, budget_pct: float) -> None:
+        """Change the overhead budget live; the next `update_budget` reacts to it at once."""
+        if not (0 < budget_pct < math.inf):
+            raise ValueError(f"budget_pct must be > 0 and finite, got {budget_pct}")
+        with self._lock:
+            self.budget_pct = budget_pct
+            self._aim = self.target * budget_pct
+            self._changed_at = -math.inf
+
     def _moved(
         self, spec: SignalSpec, st: _State, values: Sequence[float], now: float
     ) -> bool | None:
@@ -319,8 +451,8 @@ class AdaptiveController:
 
     def observe(self, name: str, values: Sequence[float], now: float) -> None:
         """Record one read of ``name`` (one value per device or field) taken at ``now``."""
-        spec = self.specs[name]
         with self._lock:
+            spec = self.specs[name]
             st = self._state[name]
             st.reads += 1
             if self.enabled:

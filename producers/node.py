@@ -21,6 +21,13 @@ and ``gpu_max_interval_ms`` (starting at ``settings.gpu_interval_ms``), set by a
 sampling runs every ``settings.host_interval_ms``, stretched (up to ``host_max_factor`` times)
 only when over budget. With ``settings.adaptive_sampling`` off, every interval is fixed.
 
+``configure(key, value)`` changes one of those settings live, from any thread (`SAMPLING_KEYS`:
+``sampling.gpu_interval_ms``, ``sampling.host_interval_ms``, ``sampling.adaptive``,
+``sampling.overhead_budget_pct``), with the effect a restart with that setting would have;
+the sampler threads follow within half a second. ``perfloop sample`` applies the
+`ConfigChange` events (target "producers") addressed to its job or to every job from
+``perfloop.control`` this way (`perfloop.actuators.agent.ConfigListener`).
+
 Constructing it inside a training process (``perfloop run``)::
 
     sampler = NodeSampler(settings, emitter, rank=rank, pids={os.getpid(): rank},
@@ -54,7 +61,13 @@ from typing import Any
 import annotated_types
 
 from perfloop.exceptions import BrokerError, ConfigError
-from perfloop.producers.adaptive import AdaptiveController, OverheadMeter, SignalSpec
+from perfloop.producers.adaptive import (
+    SAMPLING_KEYS,
+    AdaptiveController,
+    OverheadMeter,
+    SignalSpec,
+    sampling_value,
+)
 from perfloop.producers.gpu import GPU_SIGNALS, GpuBackend, GpuCapability, NvmlBackend
 from perfloop.producers.host import HOST_SIGNALS, HostSampler
 from perfloop.schemas.base import JOB_ID_PATTERN, Event
@@ -226,6 +239,7 @@ class NodeSampler:
             settings.host_max_interval_factor if host_max_factor is None else host_max_factor
         )
         self.controller = self._controller({})
+        self._config_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._started = self._finished = self._in_run = False
@@ -255,6 +269,39 @@ class NodeSampler:
             enabled=st.adaptive_sampling,
             settle_s=CONTROL_WINDOW_S,
         )
+
+    def configure(self, key: str, value: Any) -> tuple[Any, Any]:
+        """Change one sampling setting live (thread-safe); return ``(old, new)``.
+
+        ``key`` is one of `SAMPLING_KEYS`; a bad key or value raises `ConfigError` and
+        changes nothing. ``settings`` then reads the new value.
+        """
+        new = sampling_value(key, value)
+        name = SAMPLING_KEYS[key]
+        with self._config_lock:
+            old = getattr(self.settings, name)
+            self.settings = self.settings.model_copy(update={name: new})
+            ctl = self.controller
+            if name == "gpu_interval_ms":
+                sec = float(new) / 1000.0
+                for signal_name in GPU_SIGNALS:
+                    ctl.set_interval(
+                        f"gpu.{signal_name}", sec, max_interval_s=max(self._gpu_max_s, sec)
+                    )
+            elif name == "host_interval_ms":
+                sec = float(new) / 1000.0
+                ctl.set_interval(
+                    "host",
+                    sec,
+                    min_interval_s=sec,
+                    max_interval_s=sec * max(1.0, self._host_max_factor),
+                )
+            elif name == "adaptive_sampling":
+                ctl.set_enabled(bool(new))
+            else:
+                ctl.set_budget(float(new))
+        log.info("sampling setting %s: %r -> %r", key, old, new)
+        return old, new
 
     # -- service ---------------------------------------------------------------------------
 
@@ -580,6 +627,7 @@ def sample_command(args: argparse.Namespace, settings: ProducerSettings) -> int:
             producer_id=f"sample-{node}",
             stop_when_pids_exit=bool(pids),
         )
+        listener = _config_listener(settings, job_id, sampler)
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 old_handlers[sig] = signal.signal(sig, lambda *_: sampler.stop())
@@ -587,7 +635,11 @@ def sample_command(args: argparse.Namespace, settings: ProducerSettings) -> int:
         until = f"for {args.duration:g} s" if args.duration else "until Ctrl-C"
         print(f"sampling job {job_id} on {node} ({watched}) {until}", flush=True)
         t0 = time.monotonic()
-        sampler.run(duration_s=args.duration)
+        try:
+            sampler.run(duration_s=args.duration)
+        finally:
+            if listener is not None:
+                listener.stop(timeout_s=2.0)
         left = publisher.flush(10.0)
         if left:
             raise BrokerError(
@@ -608,3 +660,17 @@ def sample_command(args: argparse.Namespace, settings: ProducerSettings) -> int:
             signal.signal(sig, old)
         plog.removeHandler(handler)
         plog.setLevel(old_level)
+
+
+def _config_listener(settings: ProducerSettings, job_id: str, sampler: NodeSampler) -> Any:
+    """Apply live sampling changes for ``job_id`` from ``perfloop.control`` (None if the
+    listener cannot be made: sampling goes on with its settings as they are)."""
+    try:
+        from perfloop.actuators.agent import ConfigListener
+
+        listener = ConfigListener(settings, job_id=job_id, on_config=sampler.configure)
+        listener.start()
+    except Exception as e:  # live control is an extra: never stop sampling for it
+        log.warning("live sampling changes are off: %s", _why(e))
+        return None
+    return listener
