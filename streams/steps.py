@@ -1,0 +1,571 @@
+"""Per-step analysis: GPU busy and idle time, phase shares and stragglers, per job, step and rank.
+
+`StepAnalysis` is a stream-tier component (no I/O, picklable state): it reads decoded step,
+span, kernel and collective batches and, once a step of a job is complete, computes per rank:
+
+- ``step_ms``: the `StepEvent`'s step time; ``end_ns`` its end (the event's time);
+- ``busy_ms``: GPU busy time, the `KernelSummary` row with ``stream=-1, kernel_class="all"``
+  (the union of the step's GPU intervals over all streams, overlaps once). When a job sends only
+  per-stream rows, their sum is kept apart as ``busy_streams_sum_ms``: it is **not** a union
+  (streams overlap, so it can exceed the step) and no idle time is derived from it;
+- ``idle_ms = max(0, step_ms - busy_ms)`` and ``idle_share = idle_ms / step_ms``. Replayed traces
+  count GPU work for the step that *launched* it, so busy can exceed the host step when the GPU
+  runs behind; idle is then 0;
+- ``phase_ms``: time per phase from depth-0 `PhaseSpan` rows (they tile the step), in the order
+  of `PHASE_NAMES` (any phase not standard counts as ``user``), NaN without spans;
+- ``collective_ms``: the sum of the step's `CollectiveOp` durations (a sum, not a union);
+- straggler analysis across the ranks of the step: a rank's *arrival* is its step end minus the
+  time it spent blocked in collectives (its depth-0 ``comm`` span time; 0 without spans), so in a
+  synchronous job, where every rank ends together, the rank the others waited for arrives last.
+  ``lateness_ms`` = arrival − the median arrival of the step's ranks; the step's straggler score
+  of a rank is ``clip(lateness / (straggler_full_share × median step time), 0, 1)`` and
+  ``straggler_score`` is its mean over the rank's last ``straggler_window`` steps.
+
+A step is complete when every expected rank (ranks that sent a step event within the last
+``expect_s``) has its `StepEvent` and every kind that rank sent for earlier steps (spans, kernel
+summaries), or, for a rank's first steps, once the step received nothing for ``settle_s``; after
+``timeout_s`` it completes with the ranks it has. Memory is bounded: ``max_open_steps`` open
+steps per job (a newer step forces the oldest to complete), ``recent_steps`` completed steps
+kept per job, and a job that ended or went quiet for ``forget_s`` is forgotten. Data for a step
+already completed is late and counted in ``late_rows``.
+
+`StepAnalysis.tick` returns the derived per-rank metrics (`DERIVED_METRICS`) as columns
+(`METRIC_COLUMNS`), one row per (job, rank, step, metric), for the windows.
+
+>>> from perfloop.schemas.codec import decode_batch, encode_batch
+>>> sa = StepAnalysis(settle_s=0.5)
+>>> cols = {"ts_ns": [10**9, 10**9 + 2_000_000], "rank": [0, 1], "step": [7, 7],
+...         "step_time_ms": [100.0, 102.0]}
+>>> sa.observe(decode_batch(encode_batch("step", cols, job_id="j", node="n")), 0)
+>>> k = {"ts_ns": [9 * 10**8] * 2, "rank": [0, 1], "step": [7, 7], "stream": [-1, -1],
+...      "kernel_class": ["all", "all"], "count": [5, 5], "busy_ms": [60.0, 90.0]}
+>>> sa.observe(decode_batch(encode_batch("kernel", k, job_id="j", node="n")), 0)
+>>> out = sa.tick(10**9)
+>>> [r.idle_ms.tolist() for r in sa.recent("j")], sa.recent("j")[0].slowest_rank
+([[40.0, 12.0]], 1)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from perfloop.exceptions import ConfigError
+from perfloop.schemas.base import Event
+from perfloop.schemas.codec import Batch
+from perfloop.schemas.job import JobLifecycle
+from perfloop.schemas.telemetry import STANDARD_PHASES
+
+__all__ = [
+    "DERIVED_METRICS",
+    "METRIC_COLUMNS",
+    "PHASE_NAMES",
+    "StepAnalysis",
+    "StepRecord",
+]
+
+NS = 1_000_000_000
+PHASE_NAMES: tuple[str, ...] = (*STANDARD_PHASES, "user")
+"""Depth-0 phases in the order of `StepRecord.phase_ms` columns; other names count as user."""
+SHARE_PHASES = ("data_wait", "forward", "backward", "comm", "optimizer")
+DERIVED_METRICS: tuple[str, ...] = (
+    "gpu_busy_ms",
+    "gpu_idle_ms",
+    "idle_share",
+    "collective_ms",
+    "lateness_ms",
+    "straggler_score",
+    *(f"{p}_share" for p in SHARE_PHASES),
+)
+"""Per-rank metrics `StepAnalysis.tick` returns (one row per rank and completed step)."""
+METRIC_COLUMNS = ("job_id", "node", "rank", "ts_ns", "step", "metric", "value")
+"""Columns of `StepAnalysis.tick`'s output; ``ts_ns`` is the step's end on that rank."""
+
+_PH = {p: i for i, p in enumerate(PHASE_NAMES)}
+_USER = _PH["user"]
+_COMM = _PH["comm"]
+_SHARE_IDX = [_PH[p] for p in SHARE_PHASES]
+_STEP, _SPAN, _UNION, _STREAMS, _COLL = 1, 2, 4, 8, 16
+_LEARNED = _SPAN | _UNION  # kinds a rank is expected to send again once it sent them
+_KINDS = frozenset({"step", "span", "kernel", "collective"})
+_ENDED = frozenset({"finished", "failed", "killed"})
+
+_PARAMS: dict[str, tuple[type, float, float]] = {
+    "settle_s": (float, 0.0, 3600.0),
+    "timeout_s": (float, 0.01, 86400.0),
+    "expect_s": (float, 0.01, 86400.0),
+    "forget_s": (float, 1.0, 86400.0),
+    "straggler_window": (int, 1, 10000),
+    "straggler_full_share": (float, 1e-6, 100.0),
+    "max_open_steps": (int, 2, 4096),
+    "recent_steps": (int, 1, 100000),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One completed step of one job: per-rank arrays aligned with ``ranks``.
+
+    Float figures are NaN where unknown (no kernel summary, no spans, a single rank).
+    """
+
+    job_id: str
+    step: int
+    ranks: np.ndarray  # int64
+    nodes: tuple[str, ...]
+    end_ns: np.ndarray  # int64
+    step_ms: np.ndarray
+    busy_ms: np.ndarray
+    busy_streams_sum_ms: np.ndarray
+    idle_ms: np.ndarray
+    idle_share: np.ndarray
+    phase_ms: np.ndarray  # (ranks, len(PHASE_NAMES))
+    collective_ms: np.ndarray
+    lateness_ms: np.ndarray
+    straggler_score: np.ndarray  # the rank's score over its recent steps, this one included
+    missing_ranks: tuple[int, ...] = ()
+
+    @property
+    def slowest_rank(self) -> int:
+        """The rank that arrived last at this step (-1 with fewer than two ranks)."""
+        if len(self.ranks) < 2 or not np.isfinite(self.lateness_ms).any():
+            return -1
+        return int(self.ranks[int(np.nanargmax(self.lateness_ms))])
+
+    def phase_share(self, phase: str) -> np.ndarray:
+        """Each rank's share of the step spent in ``phase`` (NaN without spans)."""
+        return self.phase_ms[:, _PH[phase]] / self.step_ms
+
+
+class _Job:
+    """One job's open steps (a ring of ``cap`` slots × ranks) and recent results."""
+
+    def __init__(self, job_id: str, cap: int, window: int, recent: int) -> None:
+        self.job_id = job_id
+        self.cap = cap
+        self.ranks: list[int] = []
+        self.col: dict[int, int] = {}
+        self.nodes: list[str] = []
+        self.seen_wall = np.zeros(0, np.int64)
+        self.kinds = np.zeros(0, np.uint8)
+        self.resize(cap)
+        self.hist = np.full((window, 0), np.nan)
+        self.hist_i = 0
+        self.max_done = -1
+        self.completed = 0
+        self.recent: collections.deque[StepRecord] = collections.deque(maxlen=recent)
+        self.last_wall = 0
+        self.ended_wall = 0
+
+    def resize(self, cap: int) -> None:
+        """(Re)allocate the ring of open steps, empty, with ``cap`` slots."""
+        r = len(self.ranks)
+        self.cap = cap
+        self.slot_step = np.full(cap, -1, np.int64)
+        self.slot_done = np.zeros(cap, bool)
+        self.slot_first = np.zeros(cap, np.int64)
+        self.slot_last = np.zeros(cap, np.int64)
+        self.flags = np.zeros((cap, r), np.uint8)
+        self.end_ns = np.zeros((cap, r), np.int64)
+        self.f = np.zeros((5, cap, r))  # step_ms, data_wait_ms, busy, streams sum, collective
+        self.phase = np.zeros((cap, r, len(PHASE_NAMES)))
+
+    def columns(self, ranks: np.ndarray, node: str, wall_ns: int) -> np.ndarray:
+        """Column of each rank, adding new ranks; their node is ``node``."""
+        uniq, inv = np.unique(ranks, return_inverse=True)
+        cols = np.empty(len(uniq), np.int64)
+        for i, r in enumerate(uniq.tolist()):
+            c = self.col.get(r)
+            if c is None:
+                c = self.col[r] = len(self.ranks)
+                self.ranks.append(r)
+                self.nodes.append(node)
+                self._grow()
+            elif self.nodes[c] != node:
+                self.nodes[c] = node
+            cols[i] = c
+        return cols[inv]
+
+    def _grow(self) -> None:
+        def pad(a: np.ndarray, axis: int, fill: Any) -> np.ndarray:
+            shape = list(a.shape)
+            shape[axis] = 1
+            return np.concatenate([a, np.full(shape, fill, a.dtype)], axis=axis)
+
+        self.seen_wall = pad(self.seen_wall, 0, 0)
+        self.kinds = pad(self.kinds, 0, 0)
+        self.flags = pad(self.flags, 1, 0)
+        self.end_ns = pad(self.end_ns, 1, 0)
+        self.f = pad(self.f, 2, np.nan)
+        self.phase = pad(self.phase, 1, 0.0)
+        self.hist = pad(self.hist, 1, np.nan)
+
+
+class StepAnalysis:
+    """Per (job, step, rank) busy, idle, phase and straggler figures; see the module docstring.
+
+    Parameters are constructor arguments of the same names, changed live with
+    ``configure("steps.<name>", value)``.
+    """
+
+    def __init__(
+        self,
+        *,
+        settle_s: float = 1.0,
+        timeout_s: float = 10.0,
+        expect_s: float = 60.0,
+        forget_s: float = 600.0,
+        straggler_window: int = 20,
+        straggler_full_share: float = 0.2,
+        max_open_steps: int = 64,
+        recent_steps: int = 64,
+    ) -> None:
+        self.settle_s = settle_s
+        self.timeout_s = timeout_s
+        self.expect_s = expect_s
+        self.forget_s = forget_s
+        self.straggler_window = straggler_window
+        self.straggler_full_share = straggler_full_share
+        self.max_open_steps = max_open_steps
+        self.recent_steps = recent_steps
+        for name in _PARAMS:
+            self._check(name, getattr(self, name))
+        self._jobs: dict[str, _Job] = {}
+        self._pending: list[tuple[Batch, int]] = []
+        self._done: list[StepRecord] = []
+        self._wall = 0
+        self.late_rows = 0
+        self.dropped_steps = 0
+
+    # -- the component interface ---------------------------------------------------------------
+    def observe(self, batch: Batch, wall_ns: int) -> None:
+        """Take a decoded batch (kinds other than step, span, kernel, collective are ignored)."""
+        if batch.kind in _KINDS:
+            self._pending.append((batch, wall_ns))
+            self._wall = wall_ns
+
+    def observe_event(self, event: Event, wall_ns: int) -> None:
+        """A job's end (`JobLifecycle` of rank -1) completes its open steps at the next tick."""
+        if isinstance(event, JobLifecycle) and event.rank == -1 and event.state in _ENDED:
+            job = self._jobs.get(event.job_id)
+            if job is not None:
+                job.ended_wall = max(wall_ns, 1)
+
+    def tick(self, wall_ns: int) -> dict[str, np.ndarray]:
+        """Apply what was observed, complete due steps; return their metrics (`METRIC_COLUMNS`)."""
+        self._apply()
+        for job_id in list(self._jobs):
+            job = self._jobs[job_id]
+            self._complete_due(job, wall_ns)
+            idle = wall_ns - job.last_wall > self.forget_s * NS
+            ended = job.ended_wall and wall_ns - job.ended_wall > self.forget_s * NS
+            if (idle or ended) and not (job.slot_step[~job.slot_done] >= 0).any():
+                del self._jobs[job_id]
+        done, self._done = self._done, []
+        return _metric_columns(done)
+
+    def configure(self, key: str, value: Any) -> tuple[Any, Any]:
+        """Change one parameter live (``steps.<name>``); return ``(old, new)``."""
+        name = key.removeprefix("steps.")
+        if not key.startswith("steps.") or name not in _PARAMS:
+            raise ConfigError(
+                f"unknown step analysis setting {key!r}; valid: "
+                + ", ".join(f"steps.{n}" for n in _PARAMS)
+            )
+        new = self._check(name, value)
+        old = getattr(self, name)
+        setattr(self, name, new)
+        if name == "straggler_window":
+            for job in self._jobs.values():
+                job.hist = np.full((new, len(job.ranks)), np.nan)
+                job.hist_i = 0
+        elif name == "recent_steps":
+            for job in self._jobs.values():
+                job.recent = collections.deque(job.recent, maxlen=new)
+        elif name == "max_open_steps":
+            self._apply()
+            for job in self._jobs.values():  # open steps complete with what they have
+                self._complete_due(job, self._wall, force=True)
+                job.resize(new)
+        return old, new
+
+    def snapshot(self) -> dict[str, Any]:
+        """Durable state: builtins and numpy arrays (observed batches are applied first)."""
+        self._apply()
+        jobs = {}
+        for job_id, job in self._jobs.items():
+            d = {k: v for k, v in vars(job).items() if k != "recent"}
+            d["recent"] = [_record_state(r) for r in job.recent]
+            jobs[job_id] = d
+        return {
+            "version": 1,
+            "params": {n: getattr(self, n) for n in _PARAMS},
+            "jobs": jobs,
+            "done": [_record_state(r) for r in self._done],
+            "late_rows": self.late_rows,
+            "dropped_steps": self.dropped_steps,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Replace this component's state with a `snapshot`."""
+        if state.get("version") != 1:
+            raise ConfigError(f"step analysis snapshot version {state.get('version')!r}; valid: 1")
+        for n, v in state["params"].items():
+            setattr(self, n, v)
+        self._jobs = {}
+        for job_id, d in state["jobs"].items():
+            job = _Job(job_id, self.max_open_steps, self.straggler_window, self.recent_steps)
+            for k, v in d.items():
+                if k == "recent":
+                    job.recent.extend(StepRecord(**r) for r in v)
+                else:
+                    setattr(job, k, v)
+            self._jobs[job_id] = job
+        self._done = [StepRecord(**r) for r in state["done"]]
+        self._pending = []
+        self.late_rows = state["late_rows"]
+        self.dropped_steps = state["dropped_steps"]
+
+    # -- queries -----------------------------------------------------------------------------
+    def recent(self, job_id: str) -> list[StepRecord]:
+        """The job's most recently completed steps, oldest first."""
+        job = self._jobs.get(job_id)
+        return list(job.recent) if job else []
+
+    def scores(self, job_id: str) -> dict[int, float]:
+        """Each rank's straggler score over its recent steps (ranks without one left out)."""
+        job = self._jobs.get(job_id)
+        if job is None or not len(job.ranks):
+            return {}
+        with np.errstate(all="ignore"):
+            s = _nanmean0(job.hist)
+        return {r: float(s[c]) for r, c in job.col.items() if np.isfinite(s[c])}
+
+    # -- internals ---------------------------------------------------------------------------
+    def _check(self, name: str, value: Any) -> Any:
+        kind, lo, hi = _PARAMS[name]
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if ok and kind is int:
+            ok = float(value).is_integer()
+        if not ok or not (lo <= value <= hi) or not math.isfinite(value):
+            what = "an integer" if kind is int else "a number"
+            raise ConfigError(f"steps.{name} must be {what} in [{lo:g}, {hi:g}], got {value!r}")
+        return kind(value)
+
+    def _job(self, job_id: str) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            job = self._jobs[job_id] = _Job(
+                job_id, self.max_open_steps, self.straggler_window, self.recent_steps
+            )
+        return job
+
+    def _apply(self) -> None:
+        """Fold the observed batches into the jobs' step tables, at the wall time each came."""
+        pending, self._pending = self._pending, []
+        for b, wall_ns in pending:
+            n = len(b)
+            if not n:
+                continue
+            job = self._job(b.job_id)
+            job.last_wall = wall_ns
+            c = b.columns
+            if b.kind == "span":
+                keep = c["depth"] == 0
+                if not keep.all():
+                    if not keep.any():
+                        continue
+                    c = {k: v[keep] for k, v in c.items()}
+            cols = job.columns(c["rank"], b.node, wall_ns)
+            slots = self._slots(job, c["step"], wall_ns, is_step=b.kind == "step")
+            ok = slots >= 0
+            if not ok.all():
+                self.late_rows += int((~ok).sum())
+                if not ok.any():
+                    continue
+                cols, slots = cols[ok], slots[ok]
+                c = {k: v[ok] for k, v in c.items()}
+            job.slot_last[slots] = wall_ns
+            if b.kind == "step":
+                job.end_ns[slots, cols] = c["ts_ns"]
+                job.f[0, slots, cols] = c["step_time_ms"]
+                job.f[1, slots, cols] = c["data_wait_ms"]
+                job.flags[slots, cols] |= _STEP
+                job.seen_wall[cols] = wall_ns
+            elif b.kind == "span":
+                codes = np.fromiter((_PH.get(p, _USER) for p in c["phase"]), np.int64, len(cols))
+                first = (job.flags[slots, cols] & _SPAN) == 0
+                job.phase[slots[first], cols[first]] = 0.0
+                np.add.at(job.phase, (slots, cols, codes), c["duration_ms"])
+                job.flags[slots, cols] |= _SPAN
+            elif b.kind == "kernel":
+                every = c["kernel_class"] == "all"
+                union = every & (c["stream"] == -1)
+                job.f[2, slots[union], cols[union]] = c["busy_ms"][union]
+                job.flags[slots[union], cols[union]] |= _UNION
+                per = every & (c["stream"] >= 0)
+                s, k = slots[per], cols[per]
+                fresh = (job.flags[s, k] & _STREAMS) == 0
+                job.f[3, s[fresh], k[fresh]] = 0.0
+                np.add.at(job.f[3], (s, k), c["busy_ms"][per])
+                job.flags[s, k] |= _STREAMS
+            else:  # collective
+                fresh = (job.flags[slots, cols] & _COLL) == 0
+                job.f[4, slots[fresh], cols[fresh]] = 0.0
+                np.add.at(job.f[4], (slots, cols), c["duration_ms"])
+                job.flags[slots, cols] |= _COLL
+
+    def _slots(self, job: _Job, steps: np.ndarray, wall_ns: int, *, is_step: bool) -> np.ndarray:
+        """The ring slot of each row's step, claiming slots for new steps; -1 for late rows."""
+        uniq, inv = np.unique(steps, return_inverse=True)
+        out = np.empty(len(uniq), np.int64)
+        if is_step and len(uniq) and uniq[0] < job.max_done - 4 * job.cap:
+            self._restart(job)  # step numbers went far back: the job restarted
+        for i, s in enumerate(uniq.tolist()):
+            slot = s % job.cap
+            held = int(job.slot_step[slot])
+            if held == s:
+                out[i] = -1 if job.slot_done[slot] else slot
+            elif held > s or s <= job.max_done - job.cap:
+                out[i] = -1
+            else:
+                if held >= 0 and not job.slot_done[slot]:
+                    self._complete(job, slot, wall_ns)  # the ring is full
+                job.slot_step[slot] = s
+                job.slot_done[slot] = False
+                job.slot_first[slot] = job.slot_last[slot] = wall_ns
+                job.flags[slot] = 0
+                job.end_ns[slot] = 0
+                job.f[:, slot] = np.nan
+                job.phase[slot] = np.nan
+                out[i] = slot
+        return out[inv]
+
+    def _restart(self, job: _Job) -> None:
+        job.slot_step[:] = -1
+        job.slot_done[:] = False
+        job.max_done = -1
+
+    def _complete_due(self, job: _Job, wall_ns: int, *, force: bool = False) -> None:
+        open_ = np.flatnonzero((job.slot_step >= 0) & ~job.slot_done)
+        if not len(open_):
+            return
+        expected = job.seen_wall >= wall_ns - int(self.expect_s * NS)
+        learned = job.kinds[expected]
+        for slot in open_[np.argsort(job.slot_step[open_])].tolist():
+            f = job.flags[slot]
+            present = (f & _STEP) != 0
+            all_in = bool(present[expected].all()) and bool(expected.any())
+            full = all_in and bool(((f[expected] & learned) == learned).all())
+            if not full or not job.completed:
+                full = False
+            settled = wall_ns - job.slot_last[slot] >= self.settle_s * NS
+            timed = force or job.ended_wall or wall_ns - job.slot_first[slot] >= self.timeout_s * NS
+            if (all_in and (full or settled)) or (timed and present.any()):
+                self._complete(job, slot, wall_ns)
+            elif timed:  # rows without any step event: nothing to relate them to
+                job.slot_done[slot] = True
+                self.dropped_steps += 1
+
+    def _complete(self, job: _Job, slot: int, wall_ns: int) -> None:
+        job.slot_done[slot] = True
+        f = job.flags[slot]
+        cols = np.flatnonzero(f & _STEP)
+        if not len(cols):
+            self.dropped_steps += 1
+            return
+        step = int(job.slot_step[slot])
+        job.max_done = max(job.max_done, step)
+        job.completed += 1
+        job.kinds[cols] |= f[cols] & _LEARNED
+        fc = f[cols]
+        step_ms = job.f[0, slot, cols]
+        busy = np.where(fc & _UNION, job.f[2, slot, cols], np.nan)
+        ssum = np.where(fc & _STREAMS, job.f[3, slot, cols], np.nan)
+        coll = np.where(fc & _COLL, job.f[4, slot, cols], np.nan)
+        phase = np.where((fc & _SPAN)[:, None] != 0, job.phase[slot, cols], np.nan)
+        idle = np.maximum(step_ms - busy, 0.0)  # NaN where busy is unknown
+        end = job.end_ns[slot, cols]
+        comm = np.nan_to_num(phase[:, _COMM])
+        arrival = end - np.rint(comm * 1e6).astype(np.int64)
+        row = job.hist_i % len(job.hist)
+        job.hist[row] = np.nan
+        job.hist_i += 1
+        if len(cols) >= 2:
+            lateness = (arrival - np.median(arrival)) / 1e6
+            scale = self.straggler_full_share * float(np.median(step_ms))
+            job.hist[row, cols] = np.clip(lateness / scale, 0.0, 1.0) if scale > 0 else 0.0
+            score = _nanmean0(job.hist[:, cols])
+        else:
+            lateness = score = np.full(len(cols), np.nan)
+        expected = job.seen_wall >= wall_ns - int(self.expect_s * NS)
+        missing = tuple(job.ranks[c] for c in np.flatnonzero(expected & ((f & _STEP) == 0)))
+        rec = StepRecord(
+            job_id=job.job_id,
+            step=step,
+            ranks=np.array([job.ranks[c] for c in cols], np.int64),
+            nodes=tuple(job.nodes[c] for c in cols),
+            end_ns=end.copy(),
+            step_ms=step_ms.copy(),
+            busy_ms=busy,
+            busy_streams_sum_ms=ssum,
+            idle_ms=idle,
+            idle_share=idle / step_ms,
+            phase_ms=phase,
+            collective_ms=coll,
+            lateness_ms=lateness,
+            straggler_score=score,
+            missing_ranks=missing,
+        )
+        job.recent.append(rec)
+        self._done.append(rec)
+
+
+def _nanmean0(a: np.ndarray) -> np.ndarray:
+    """Mean over axis 0 ignoring NaN; NaN (without a warning) where a column has no value."""
+    n = np.isfinite(a).sum(axis=0)
+    total = np.nansum(a, axis=0)
+    return np.where(n > 0, total / np.maximum(n, 1), np.nan)
+
+
+def _record_state(r: StepRecord) -> dict[str, Any]:
+    return {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
+
+
+def _metric_columns(records: list[StepRecord]) -> dict[str, np.ndarray]:
+    """One row per (record, rank, metric) with a finite value."""
+    parts: dict[str, list[np.ndarray]] = {c: [] for c in METRIC_COLUMNS}
+    for r in records:
+        n = len(r.ranks)
+        with np.errstate(all="ignore"):
+            shares = r.phase_ms[:, _SHARE_IDX] / r.step_ms[:, None]
+        values = np.stack(
+            [
+                r.busy_ms,
+                r.idle_ms,
+                r.idle_share,
+                r.collective_ms,
+                r.lateness_ms,
+                r.straggler_score,
+                *shares.T,
+            ]
+        )  # (metrics, ranks)
+        ok = np.isfinite(values)
+        m_idx, r_idx = np.nonzero(ok)
+        parts["value"].append(values[ok])
+        parts["metric"].append(np.asarray(DERIVED_METRICS, dtype=object)[m_idx])
+        parts["rank"].append(r.ranks[r_idx])
+        parts["ts_ns"].append(r.end_ns[r_idx])
+        parts["node"].append(np.asarray(r.nodes, dtype=object)[r_idx] if n else np.empty(0, object))
+        parts["job_id"].append(np.full(len(r_idx), r.job_id, dtype=object))
+        parts["step"].append(np.full(len(r_idx), r.step, dtype=np.int64))
+    dtypes = {"job_id": object, "node": object, "metric": object, "rank": np.int64,
+              "ts_ns": np.int64, "step": np.int64, "value": np.float64}  # fmt: skip
+    return {
+        c: (np.concatenate(parts[c]) if parts[c] else np.empty(0, dtypes[c])).astype(dtypes[c])
+        for c in METRIC_COLUMNS
+    }
