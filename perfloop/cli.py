@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from perfloop import __version__
+from perfloop._config_cli import add_config_parser, config_command
 from perfloop.exceptions import ConfigError, PerfloopError
 
 __all__ = ["build_parser", "main"]
@@ -104,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     svc = sub.add_parser("service", help="run one perfloop service in the foreground")
     svc.add_argument("name", choices=SERVICE_NAMES)
+
+    add_config_parser(sub, _Parser)
     return p
 
 
@@ -341,6 +344,7 @@ _COMMANDS = {
     "sample": _sample,
     "dlq": _dlq,
     "service": _service,
+    "config": config_command,
 }
 
 

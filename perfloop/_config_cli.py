@@ -1,0 +1,248 @@
+"""``perfloop config``: change the stream tier or producers live, and read back every change.
+
+``perfloop config set KEY VALUE [--target streams|producers] [--job JOB|*] [--reason TEXT]``
+publishes one `ConfigChange` on ``perfloop.control``, keyed by the job id (or "*"), with
+``author`` = user@host. VALUE is read by `parse_value`. The target defaults to "producers"
+for ``sampling.*`` keys and "streams" otherwise; a producers change is checked here against
+the live sampling settings (`SAMPLING_KEYS`) before it is sent, a streams change by the stream
+workers (which refuse a bad one to ``perfloop.dlq``).
+
+``perfloop config history [--job JOB] [--limit N] [--json]`` reads the warehouse table
+``config_changes`` (filled by the sink from ``perfloop.control``), oldest first; with
+``--job``, the changes addressed to that job or to every job. Parameters are bound server-side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import math
+import re
+import socket
+import sys
+import time
+from typing import Any, TextIO
+
+from perfloop.exceptions import ConfigError, PerfloopError, WarehouseError
+
+__all__ = [
+    "ISSUER_JOB_ID",
+    "add_config_parser",
+    "build_change",
+    "config_command",
+    "default_target",
+    "parse_value",
+]
+
+ISSUER_JOB_ID = "ops"
+"""``job_id`` of a change addressed to every job ("*"): it names who issued it."""
+
+_INT = re.compile(r"[+-]?\d+")
+_FLOAT = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?")
+_HISTORY_COLUMNS = (
+    "ts",
+    "event_id",
+    "job_id",
+    "node",
+    "target",
+    "applies_to",
+    "key",
+    "value",
+    "author",
+    "reason",
+)
+
+
+def parse_value(text: str) -> int | float | bool | str:
+    """A command-line VALUE as the setting's type: int, float, bool, else the string itself.
+
+    Window specs ("1,10,60,60/10") and any other list stay strings, read by the component.
+
+    >>> [parse_value(v) for v in ("250", "-3", "0.7", "1e-3", "true", "False")]
+    [250, -3, 0.7, 0.001, True, False]
+    >>> parse_value("1,10,60,60/10"), parse_value("inf")
+    ('1,10,60,60/10', 'inf')
+    """
+    s = text.strip()
+    if not s:
+        raise ConfigError("VALUE is empty; give a number, true/false, or text")
+    if s.lower() in ("true", "false"):
+        return s.lower() == "true"
+    if _INT.fullmatch(s):
+        return int(s)
+    if _FLOAT.fullmatch(s):
+        v = float(s)
+        if not math.isfinite(v):
+            raise ConfigError(f"VALUE {text!r} is not a finite number")
+        return v
+    return s
+
+
+def default_target(key: str) -> str:
+    """Where a change of ``key`` goes when ``--target`` is not given.
+
+    >>> default_target("sampling.gpu_interval_ms"), default_target("detect.hang.after_s")
+    ('producers', 'streams')
+    """
+    return "producers" if key.startswith("sampling.") else "streams"
+
+
+def _author() -> str:
+    try:
+        user = getpass.getuser()
+    except (OSError, KeyError):  # no user name in this environment
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"[:256]
+
+
+def build_change(
+    key: str,
+    value: Any,
+    *,
+    target: str | None = None,
+    job: str = "*",
+    reason: str = "",
+    author: str | None = None,
+    ts_ns: int | None = None,
+) -> Any:
+    """The `ConfigChange` ``perfloop config set`` publishes; `ConfigError` if it is invalid.
+
+    >>> c = build_change("sampling.host_interval_ms", 250, author="ana@n1", ts_ns=1)
+    >>> c.target, c.applies_to, c.job_id, c.value
+    ('producers', '*', 'ops', 250)
+    """
+    from pydantic import ValidationError
+
+    from perfloop.schemas import ConfigChange
+
+    target = target or default_target(key)
+    if target == "producers":
+        from perfloop.producers.adaptive import sampling_value
+
+        sampling_value(key, value)  # refuse here what every sampler would refuse
+    try:
+        return ConfigChange(
+            ts_ns=time.time_ns() if ts_ns is None else ts_ns,
+            job_id=ISSUER_JOB_ID if job == "*" else job,
+            node=socket.gethostname()[:255] or "cli",
+            rank=-1,
+            target=target,
+            applies_to=job,
+            key=key,
+            value=value,
+            author=_author() if author is None else author,
+            reason=reason,
+        )
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else "change"
+        names = {"key": "KEY", "job_id": "--job", "applies_to": "--job", "reason": "--reason"}
+        label = names.get(field, field)
+        shown = str(err.get("input", ""))[:80]
+        raise ConfigError(f"invalid {label} {shown!r}: {err['msg']}") from None
+
+
+def add_config_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
+    """Register ``config set`` and ``config history`` on the CLI's subparsers."""
+    cfg = sub.add_parser("config", help="change thresholds, windows or sampling live; history")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True, parser_class=parser_class)
+    st = cfg_sub.add_parser("set", help="publish a live change on perfloop.control")
+    st.add_argument("key", metavar="KEY", help="e.g. detect.straggler.score_threshold")
+    st.add_argument("value", metavar="VALUE", help="int, float, true/false, or text")
+    st.add_argument(
+        "--target",
+        choices=("streams", "producers"),
+        help="who applies it (default: producers for sampling.* keys, else streams)",
+    )
+    st.add_argument("--job", default="*", metavar="JOB", help="job id, or * for every job")
+    st.add_argument("--reason", default="", metavar="TEXT", help="why (kept in the history)")
+    hist = cfg_sub.add_parser("history", help="live changes recorded in the warehouse")
+    hist.add_argument("--job", metavar="JOB", help="changes for this job (and for every job)")
+    hist.add_argument("--limit", type=int, default=100, metavar="N", help="newest N (100)")
+    hist.add_argument("--json", action="store_true", help="print JSON")
+
+
+def config_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
+    """``perfloop config set|history``."""
+    from perfloop.cli import _settings
+    from perfloop.settings import StackSettings
+
+    settings = _settings(StackSettings)
+    if args.config_command == "set":
+        return _set(args, settings, out or sys.stdout)
+    return _history(args, settings, out or sys.stdout)
+
+
+def _set(args: argparse.Namespace, settings: Any, out: TextIO) -> int:
+    from perfloop.catalog import Topics
+    from perfloop.exceptions import BrokerError
+    from perfloop.kafka import ping, producer
+    from perfloop.schemas import encode_event
+
+    change = build_change(
+        args.key, parse_value(args.value), target=args.target, job=args.job, reason=args.reason
+    )
+    ping(settings)  # a broker that is not there is one line now
+    errors: list[str] = []
+
+    def delivered(err: Any, _msg: Any) -> None:
+        if err is not None:
+            errors.append(err.str())
+
+    p = producer(settings, **{"linger.ms": 0, "message.timeout.ms": 10_000})
+    p.produce(
+        Topics.CONTROL, key=args.job.encode(), value=encode_event(change), on_delivery=delivered
+    )
+    left = p.flush(15.0)
+    if left or errors:
+        why = errors[0] if errors else "no answer"
+        raise BrokerError(
+            f"config change not delivered to {settings.kafka_bootstrap}: {why} "
+            "(is the broker up? see `perfloop status`)"
+        )
+    scope = "every job" if args.job == "*" else f"job {args.job}"
+    print(
+        f"config change {change.event_id}: {change.key} = {json.dumps(change.value)} "
+        f"→ {change.target} of {scope} (by {change.author}) on {Topics.CONTROL}",
+        file=out,
+    )
+    return 0
+
+
+def _history(args: argparse.Namespace, settings: Any, out: TextIO) -> int:
+    from clickhouse_connect.driver.exceptions import ClickHouseError
+
+    from perfloop.demo import format_table
+    from perfloop.warehouse import client
+
+    if not 1 <= args.limit <= 100_000:
+        raise ConfigError(f"--limit {args.limit} is outside [1, 100000]")
+    where, params = "", {"limit": args.limit}
+    if args.job is not None:
+        # Changes addressed to the job, to every job, or issued under its id.
+        where = "WHERE applies_to IN ({job:String}, '*') OR job_id = {job2:String} "
+        params |= {"job": args.job, "job2": args.job}
+    sql = (
+        f"SELECT {', '.join(_HISTORY_COLUMNS)} FROM config_changes {where}"
+        "ORDER BY ts DESC, event_id LIMIT 1 BY event_id LIMIT {limit:UInt32}"
+    )
+    ch = client(settings)
+    try:
+        r = ch.query(sql, parameters=params)
+    except ClickHouseError as e:
+        text = " ".join(str(e).split())
+        if "UNKNOWN_TABLE" in text or ("config_changes" in text and "exist" in text):
+            raise WarehouseError(
+                "the warehouse has no config_changes table yet; run `perfloop migrate`"
+            ) from e
+        raise PerfloopError(text[:500]) from e
+    finally:
+        ch.close()
+    rows = [tuple(row) for row in reversed(r.result_rows)]  # oldest first
+    if args.json:
+        docs = [dict(zip(_HISTORY_COLUMNS, row, strict=True)) for row in rows]
+        print(json.dumps(docs, indent=2, default=str), file=out)
+        return 0
+    print(format_table(list(_HISTORY_COLUMNS), rows), file=out)
+    return 0
