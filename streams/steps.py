@@ -22,9 +22,9 @@ span, kernel and collective batches and, once a step of a job is complete, compu
   ``straggler_score`` is its mean over the rank's last ``straggler_window`` steps.
 
 A step is complete when every expected rank (ranks that sent a step event within the last
-``expect_s``) has its `StepEvent` and every kind that rank sent for earlier steps (spans, kernel
-summaries), or, for a rank's first steps, once the step received nothing for ``settle_s``; after
-``timeout_s`` it completes with the ranks it has. Memory is bounded: ``max_open_steps`` open
+``expect_s``) has its `StepEvent` and every kind that rank sends (spans, kernel summaries; known
+once the rank sent a second step), or else once the step received nothing for ``settle_s``;
+after ``timeout_s`` it completes with the ranks it has. Memory is bounded: ``max_open_steps`` open
 steps per job (a newer step forces the oldest to complete), ``recent_steps`` completed steps
 kept per job, and a job that ended or went quiet for ``forget_s`` is forgotten. Data for a step
 already completed is late and counted in ``late_rows``.
@@ -90,7 +90,7 @@ _USER = _PH["user"]
 _COMM = _PH["comm"]
 _SHARE_IDX = [_PH[p] for p in SHARE_PHASES]
 _STEP, _SPAN, _UNION, _STREAMS, _COLL = 1, 2, 4, 8, 16
-_LEARNED = _SPAN | _UNION  # kinds a rank is expected to send again once it sent them
+_KIND_FLAG = {"step": _STEP, "span": _SPAN, "kernel": _UNION, "collective": 0}
 _KINDS = frozenset({"step", "span", "kernel", "collective"})
 _ENDED = frozenset({"finished", "failed", "killed"})
 
@@ -151,7 +151,8 @@ class _Job:
         self.col: dict[int, int] = {}
         self.nodes: list[str] = []
         self.seen_wall = np.zeros(0, np.int64)
-        self.kinds = np.zeros(0, np.uint8)
+        self.kinds = np.zeros(0, np.uint8)  # kinds each rank sends (kernel: the union row)
+        self.nsteps = np.zeros(0, np.int64)  # step events each rank sent
         self.resize(cap)
         self.hist = np.full((window, 0), np.nan)
         self.hist_i = 0
@@ -198,6 +199,7 @@ class _Job:
 
         self.seen_wall = pad(self.seen_wall, 0, 0)
         self.kinds = pad(self.kinds, 0, 0)
+        self.nsteps = pad(self.nsteps, 0, 0)
         self.flags = pad(self.flags, 1, 0)
         self.end_ns = pad(self.end_ns, 1, 0)
         self.f = pad(self.f, 2, np.nan)
@@ -251,6 +253,7 @@ class StepAnalysis:
     def observe_event(self, event: Event, wall_ns: int) -> None:
         """A job's end (`JobLifecycle` of rank -1) completes its open steps at the next tick."""
         if isinstance(event, JobLifecycle) and event.rank == -1 and event.state in _ENDED:
+            self._apply()
             job = self._jobs.get(event.job_id)
             if job is not None:
                 job.ended_wall = max(wall_ns, 1)
@@ -390,12 +393,15 @@ class StepAnalysis:
                 cols, slots = cols[ok], slots[ok]
                 c = {k: v[ok] for k, v in c.items()}
             job.slot_last[slots] = wall_ns
+            job.kinds[cols] |= _KIND_FLAG[b.kind]
             if b.kind == "step":
                 job.end_ns[slots, cols] = c["ts_ns"]
                 job.f[0, slots, cols] = c["step_time_ms"]
                 job.f[1, slots, cols] = c["data_wait_ms"]
+                new = (job.flags[slots, cols] & _STEP) == 0
                 job.flags[slots, cols] |= _STEP
                 job.seen_wall[cols] = wall_ns
+                np.add.at(job.nsteps, cols[new], 1)
             elif b.kind == "span":
                 codes = np.fromiter((_PH.get(p, _USER) for p in c["phase"]), np.int64, len(cols))
                 first = (job.flags[slots, cols] & _SPAN) == 0
@@ -456,13 +462,14 @@ class StepAnalysis:
             return
         expected = job.seen_wall >= wall_ns - int(self.expect_s * NS)
         learned = job.kinds[expected]
+        # A rank's kinds are known once it sent a second step (the first step's parts came
+        # before the second's: a producer sends a step's spans and summaries with its event).
+        known = bool((job.nsteps[expected] >= 2).all())
         for slot in open_[np.argsort(job.slot_step[open_])].tolist():
             f = job.flags[slot]
             present = (f & _STEP) != 0
             all_in = bool(present[expected].all()) and bool(expected.any())
-            full = all_in and bool(((f[expected] & learned) == learned).all())
-            if not full or not job.completed:
-                full = False
+            full = known and all_in and bool(((f[expected] & learned) == learned).all())
             settled = wall_ns - job.slot_last[slot] >= self.settle_s * NS
             timed = force or job.ended_wall or wall_ns - job.slot_first[slot] >= self.timeout_s * NS
             if (all_in and (full or settled)) or (timed and present.any()):
@@ -481,7 +488,6 @@ class StepAnalysis:
         step = int(job.slot_step[slot])
         job.max_done = max(job.max_done, step)
         job.completed += 1
-        job.kinds[cols] |= f[cols] & _LEARNED
         fc = f[cols]
         step_ms = job.f[0, slot, cols]
         busy = np.where(fc & _UNION, job.f[2, slot, cols], np.nan)
