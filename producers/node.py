@@ -75,7 +75,7 @@ from perfloop.schemas.job import CapabilityReport, ProducerStats
 from perfloop.schemas.telemetry import GpuSample, HostSample
 from perfloop.settings import ProducerSettings
 
-__all__ = ["CONTROL_WINDOW_S", "GPU_TOLERANCES", "NodeSampler", "sample_command"]
+__all__ = ["CONTROL_WINDOW_S", "GPU_TOLERANCES", "NodeSampler", "config_listener", "sample_command"]
 
 log = logging.getLogger("perfloop.producers.node")
 
@@ -627,7 +627,7 @@ def sample_command(args: argparse.Namespace, settings: ProducerSettings) -> int:
             producer_id=f"sample-{node}",
             stop_when_pids_exit=bool(pids),
         )
-        listener = _config_listener(settings, job_id, sampler)
+        listener = config_listener(settings, job_id, sampler)
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 old_handlers[sig] = signal.signal(sig, lambda *_: sampler.stop())
@@ -662,9 +662,10 @@ def sample_command(args: argparse.Namespace, settings: ProducerSettings) -> int:
         plog.setLevel(old_level)
 
 
-def _config_listener(settings: ProducerSettings, job_id: str, sampler: NodeSampler) -> Any:
-    """Apply live sampling changes for ``job_id`` from ``perfloop.control`` (None if the
-    listener cannot be made: sampling goes on with its settings as they are)."""
+def config_listener(settings: ProducerSettings, job_id: str, sampler: NodeSampler) -> Any:
+    """A started `ConfigListener` applying live sampling changes for ``job_id`` from
+    ``perfloop.control`` to ``sampler``; ``stop()`` it after the sampler. None (and one
+    warning) if it cannot be made: sampling goes on with its settings as they are."""
     try:
         from perfloop.actuators.agent import ConfigListener
 
