@@ -6,16 +6,25 @@ on ``perfloop.control``; the `JobAgent` inside the training process verifies eac
 ``perfloop.actuations``. An invalid command changes nothing and is acked as rejected.
 """
 
-from perfloop.actuators.agent import JobAgent, KnobHandler
+from perfloop.actuators.agent import (
+    ConfigHandler,
+    ConfigListener,
+    JobAgent,
+    KnobHandler,
+    apply_config,
+)
 from perfloop.actuators.service import KNOB_BOUNDS, ActuatorService, Policy
 from perfloop.actuators.signing import sign, signature_of, verify
 
 __all__ = [
     "KNOB_BOUNDS",
     "ActuatorService",
+    "ConfigHandler",
+    "ConfigListener",
     "JobAgent",
     "KnobHandler",
     "Policy",
+    "apply_config",
     "sign",
     "signature_of",
     "verify",

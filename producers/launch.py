@@ -88,12 +88,13 @@ def _terminal_sent_it() -> bool:
         return False
 
 
-def _start_sampler(settings: Any, emitter: Any, pid: int, gpu: bool) -> Any:
+def _start_sampler(settings: Any, emitter: Any, pid: int, gpu: bool) -> tuple[Any, Any]:
+    """The node sampler watching ``pid`` and its live-config listener (None, None if off)."""
     try:
-        from perfloop.producers.node import NodeSampler
+        from perfloop.producers.node import NodeSampler, config_listener
     except ImportError as e:  # pragma: no cover - shipped with the observation tier
         log.info("no node sampler: %s", e)
-        return None
+        return None, None
     try:
         sampler = NodeSampler(
             settings,
@@ -104,10 +105,11 @@ def _start_sampler(settings: Any, emitter: Any, pid: int, gpu: bool) -> Any:
             producer_id=f"run-sampler-{emitter.node}"[:128],
         )
         sampler.start()
-        return sampler
+        # live sampling changes (`perfloop config set sampling.…`) for this job
+        return sampler, config_listener(settings, emitter.job_id, sampler)
     except Exception as e:  # sampling is a bonus: the command runs regardless
         print(f"perfloop: node sampler not started: {e}", file=sys.stderr)
-        return None
+        return None, None
 
 
 def run_command(args: argparse.Namespace, settings: Any) -> int:
@@ -176,7 +178,7 @@ def run_command(args: argparse.Namespace, settings: Any) -> int:
     for sig in _FORWARDED:
         with contextlib.suppress(ValueError, OSError):  # not the main thread: no forwarding
             old[sig] = signal.signal(sig, forward)
-    sampler = _start_sampler(settings, emitter, proc.pid, gpu=not args.no_gpu)
+    sampler, listener = _start_sampler(settings, emitter, proc.pid, gpu=not args.no_gpu)
     try:
         while True:
             try:
@@ -190,6 +192,9 @@ def run_command(args: argparse.Namespace, settings: Any) -> int:
         if sampler is not None:
             with contextlib.suppress(Exception):
                 sampler.stop()
+            if listener is not None:
+                with contextlib.suppress(Exception):
+                    listener.stop(timeout_s=2.0)
     code = _exit_code(returncode)
     if returncode < 0:
         try:
