@@ -495,3 +495,5 @@ MIGRATIONS = (
         ),
     ),
 )
+
+TABLES[Topics.DLQ] = ("dead_letters",)  # the sink lands perfloop.dlq too

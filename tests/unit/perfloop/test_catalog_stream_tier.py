@@ -13,7 +13,9 @@ from perfloop.catalog import (
     ROLLUP_RESOLUTIONS,
     ROLLUP_TTL_DAYS,
     ROLLUPS,
+    TABLES,
     WINDOW_KEY,
+    Topics,
 )
 
 M3 = MIGRATIONS[2]
@@ -32,6 +34,7 @@ def test_migration_3_is_the_stream_tier() -> None:
 
 
 def test_dead_letters_keep_reason_source_and_a_bounded_payload() -> None:
+    assert TABLES[Topics.DLQ] == ("dead_letters",)  # the sink lands the dead-letter topic
     ddl = _stmt(r"CREATE TABLE IF NOT EXISTS dead_letters \(")
     for col in ("topic", "partition", "offset", "reason", "reason_class", "key", "payload"):
         assert re.search(rf"^\s+{col} \S", ddl, re.M), col

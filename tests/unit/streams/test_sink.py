@@ -1,0 +1,411 @@
+"""The sink's batching, commit, outage and poison behaviour, with in-memory stand-ins for the
+broker and the warehouse (the real ones run in tests/integration/test_warehouse_down.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import pytest
+from clickhouse_connect.driver.exceptions import DatabaseError, DataError, OperationalError
+from confluent_kafka import TopicPartition
+
+from perfloop.catalog import Topics
+from perfloop.kafka import dlq_headers
+from perfloop.schemas import encode_batch
+from perfloop.settings import SinkSettings
+from perfloop.streams import sink as sink_mod
+from perfloop.streams.sink import Sink
+
+ROWS = 500  # samples per step batch
+
+
+def windows_message(n: int, **override: Any) -> bytes:
+    t = 1_700_000_000_000_000_000
+    cols: dict[str, Any] = {
+        "ts_ns": [t] * n,
+        "window_end_ns": [t + 10**9] * n,
+        "closed_ns": [t + 2 * 10**9] * n,
+        "job_id": ["job"] * n,
+        "node": ["n0"] * n,
+        "rank": list(range(n)),
+        "device": [-1] * n,
+        "metric": ["step_time_ms"] * n,
+        "count": [1] * n,
+    }
+    cols |= {k: [1.0] * n for k in ("window_s", "hop_s", "mean", "min", "max", "p50", "p95")}
+    cols |= {k: [1.0] * n for k in ("p99", "rate_per_s", "slope_per_s")}
+    return orjson.dumps({"kind": "windows", "v": 2, "columns": cols | override})
+
+
+class Msg:
+    def __init__(
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        value: bytes,
+        key: bytes | None = b"job",
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> None:
+        self._t, self._p, self._o, self._v, self._k, self._h = (
+            topic,
+            partition,
+            offset,
+            value,
+            key,
+            headers,
+        )
+
+    def error(self) -> None:
+        return None
+
+    def topic(self) -> str:
+        return self._t
+
+    def partition(self) -> int:
+        return self._p
+
+    def offset(self) -> int:
+        return self._o
+
+    def value(self) -> bytes:
+        return self._v
+
+    def key(self) -> bytes | None:
+        return self._k
+
+    def headers(self) -> list[tuple[str, bytes]] | None:
+        return self._h
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, 1_700_000_000_000)
+
+
+class Broker:
+    """A consumer over an in-memory log: honours pause/resume and records commits."""
+
+    def __init__(self) -> None:
+        self.log: list[Msg] = []
+        self.position = 0
+        self.paused: set[tuple[str, int]] = set()
+        self.commits: list[dict[tuple[str, int], int]] = []
+        self.on_revoke: Callable[..., None] | None = None
+
+    def add(self, topic: str, value: bytes, partition: int = 0, **kw: Any) -> Msg:
+        offset = sum(1 for m in self.log if (m.topic(), m.partition()) == (topic, partition))
+        msg = Msg(topic, partition, offset, value, **kw)
+        self.log.append(msg)
+        return msg
+
+    def subscribe(self, topics: list[str], on_revoke: Callable[..., None]) -> None:
+        self.on_revoke = on_revoke
+
+    def assignment(self) -> list[TopicPartition]:
+        return [TopicPartition(t, p) for t, p in {(m.topic(), m.partition()) for m in self.log}]
+
+    def pause(self, parts: list[TopicPartition]) -> None:
+        self.paused |= {(tp.topic, tp.partition) for tp in parts}
+
+    def resume(self, parts: list[TopicPartition]) -> None:
+        self.paused -= {(tp.topic, tp.partition) for tp in parts}
+
+    def consume(self, n: int, timeout: float) -> list[Msg]:
+        out: list[Msg] = []
+        while self.position < len(self.log) and len(out) < n:
+            m = self.log[self.position]
+            if (m.topic(), m.partition()) in self.paused:
+                break  # one partition in these tests: paused means nothing is read
+            out.append(m)
+            self.position += 1
+        if not out:
+            time.sleep(min(timeout, 0.001))
+        return out
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
+        self.commits.append({(tp.topic, tp.partition): tp.offset for tp in offsets})
+
+    def committed(self, topic: str, partition: int = 0) -> int:
+        for c in reversed(self.commits):
+            if (topic, partition) in c:
+                return c[(topic, partition)]
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class DeadLetters:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    def produce(self, topic: str, key: bytes | None, value: bytes, headers: Any) -> None:
+        self.sent.append({"topic": topic, "value": value, "headers": dict(headers)})
+
+    def poll(self, timeout: float) -> int:
+        return 0
+
+    def flush(self, timeout: float) -> int:
+        return 0
+
+
+class Warehouse:
+    """Keeps inserted rows per table; deduplicates by token as ClickHouse does."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.lose_reply = False  # the insert lands, the reply does not
+        self.refuse: Callable[[str, dict[str, list[Any]]], Exception | None] = lambda t, c: None
+        self.tables: dict[str, list[dict[str, Any]]] = {}
+        self.tokens: set[str] = set()
+        self.inserts: list[tuple[str, int, str]] = []
+        self.calls = 0
+
+    def insert(
+        self,
+        table: str,
+        data: list[list[Any]],
+        column_names: list[str],
+        column_oriented: bool,
+        settings: dict[str, str],
+    ) -> None:
+        self.calls += 1
+        if self.down:
+            raise OperationalError("Error HTTPConnectionPool: Connection refused")
+        cols = dict(zip(column_names, data, strict=True))
+        refused = self.refuse(table, cols)
+        if refused is not None:
+            raise refused
+        token = settings["insert_deduplication_token"]
+        if token not in self.tokens:
+            self.tokens.add(token)
+            rows = [dict(zip(cols, r, strict=True)) for r in zip(*cols.values(), strict=True)]
+            self.tables.setdefault(table, []).extend(rows)
+            self.inserts.append((table, len(rows), token))
+        if self.lose_reply:
+            self.lose_reply = False
+            raise OperationalError("Connection reset by peer")
+
+    def ping(self) -> bool:
+        return not self.down
+
+    def close(self) -> None:
+        pass
+
+    def ids(self, table: str = "steps") -> list[str]:
+        return [r["event_id"] for r in self.tables.get(table, [])]
+
+
+def step_batch(i: int, n: int = ROWS, **over: Any) -> bytes:
+    cols = {
+        "ts_ns": [1_700_000_000_000_000_000 + i * n + k for k in range(n)],
+        "rank": [k % 4 for k in range(n)],
+        "step": [i * n + k for k in range(n)],
+        "step_time_ms": [100.0] * n,
+    } | over
+    return encode_batch("step", cols, job_id="job", node="n0", batch_id=f"b{i}")
+
+
+@pytest.fixture(autouse=True)
+def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sink_mod, "RETRY_FIRST_S", 0.01)
+    monkeypatch.setattr(sink_mod, "RETRY_MAX_S", 0.02)
+
+
+def make_sink(**settings: Any) -> tuple[Sink, Broker, Warehouse, DeadLetters]:
+    broker, wh, dlq = Broker(), Warehouse(), DeadLetters()
+    conf = SinkSettings(**({"flush_interval_s": 0.05, "max_batch_rows": 5 * ROWS} | settings))
+    sink = Sink(conf, consumer_=broker, dlq_producer=dlq, warehouse=wh)  # type: ignore[arg-type]
+    sink.start()
+    return sink, broker, wh, dlq
+
+
+def run_until(sink: Sink, done: Callable[[], bool], limit: int = 2000) -> None:
+    for _ in range(limit):
+        sink.step()
+        if done():
+            return
+    raise AssertionError("the sink did not get there")
+
+
+def test_rows_are_batched_into_large_inserts_and_committed_after() -> None:
+    sink, broker, wh, _ = make_sink(flush_interval_s=60.0, max_batch_rows=4 * ROWS)
+    for i in range(8):
+        broker.add(Topics.STEP, step_batch(i))
+    run_until(sink, lambda: len(wh.ids()) == 8 * ROWS)
+    # One insert for all eight messages (read by one consume call), made at once because it
+    # passed max_batch_rows, long before the 60 s interval.
+    assert [n for _, n, _ in wh.inserts] == [8 * ROWS]
+    assert len(set(wh.ids())) == 8 * ROWS
+    assert broker.committed(Topics.STEP) == 8
+    assert sink.stats.inserts == 1 and sink.stats.max_insert_rows == 8 * ROWS
+
+
+def test_a_due_flush_inserts_what_is_there() -> None:
+    sink, broker, wh, _ = make_sink(flush_interval_s=0.01)
+    broker.add(Topics.STEP, step_batch(0, n=3))
+    run_until(sink, lambda: len(wh.ids()) == 3)
+    assert broker.committed(Topics.STEP) == 1
+
+
+def test_warehouse_down_pauses_bounds_memory_and_loses_nothing() -> None:
+    sink, broker, wh, _ = make_sink(max_batch_rows=3 * ROWS)
+    wh.down = True
+    for i in range(40):  # steady production through an outage, far past max_batch_rows
+        broker.add(Topics.STEP, step_batch(i))
+        sink.step()
+        sink.step()
+    assert sink.paused and broker.paused == {(Topics.STEP, 0)}
+    # Held: at most max_batch_rows plus what one consume call returned (one message here).
+    assert 0 < sink.pending_rows <= 3 * ROWS + ROWS
+    assert sink.stats.max_pending_rows <= 3 * ROWS + ROWS
+    assert broker.position < len(broker.log)  # the backlog waits in the broker
+    assert broker.commits == [] and wh.calls > 3  # retried; nothing committed
+    wh.down = False
+    run_until(sink, lambda: len(wh.ids()) == 40 * ROWS)
+    assert not sink.paused and broker.paused == set()
+    assert sorted(wh.ids()) == sorted(set(wh.ids()))  # each once
+    assert broker.committed(Topics.STEP) == 40
+    assert sink.stats.pauses == 1 and sink.stats.paused_s > 0
+
+
+def test_the_retry_after_a_lost_reply_lands_once() -> None:
+    sink, broker, wh, _ = make_sink()
+    wh.lose_reply = True
+    broker.add(Topics.STEP, step_batch(0))
+    run_until(sink, lambda: broker.committed(Topics.STEP) == 1)
+    assert len(wh.ids()) == ROWS == len(set(wh.ids()))
+    assert sink.stats.pauses == 1 and sink.stats.failed_inserts == 1
+
+
+def test_a_message_sent_twice_lands_once() -> None:
+    sink, broker, wh, _ = make_sink()
+    broker.add(Topics.STEP, step_batch(0))
+    broker.add(Topics.STEP, step_batch(0))
+    broker.add(Topics.STEP, step_batch(1))
+    run_until(sink, lambda: broker.committed(Topics.STEP) == 3)
+    assert len(wh.ids()) == 2 * ROWS and sink.stats.duplicates == 1
+
+
+def test_a_batch_the_warehouse_refuses_is_split_and_only_the_bad_message_dead_lettered() -> None:
+    sink, broker, wh, dlq = make_sink()
+
+    def refuse(table: str, cols: dict[str, list[Any]]) -> Exception | None:
+        if table == "steps" and 13.0 in cols["step_time_ms"]:
+            err = DatabaseError("Code: 53. DB::Exception: Type mismatch in step_time_ms")
+            err.code = 53
+            return err
+        return None
+
+    wh.refuse = refuse
+    broker.add(Topics.STEP, step_batch(0))
+    bad = broker.add(Topics.STEP, step_batch(1, step_time_ms=[13.0] * ROWS))
+    broker.add(Topics.STEP, step_batch(2))
+    run_until(sink, lambda: broker.committed(Topics.STEP) == 3)
+    assert len(wh.ids()) == 2 * ROWS and not sink.paused
+    assert len(dlq.sent) == 1 and dlq.sent[0]["value"] == bad.value()
+    h = dlq.sent[0]["headers"]
+    assert h["perfloop.source.offset"] == b"1" and b"Type mismatch" in h["perfloop.reason"]
+    assert sink.stats.rejected == 1
+
+
+def test_rows_the_client_cannot_encode_are_dead_lettered() -> None:
+    sink, broker, wh, dlq = make_sink()
+    wh.refuse = lambda t, c: DataError("Unable to create native array for column `x`")
+    broker.add(Topics.STEP, step_batch(0))
+    run_until(sink, lambda: broker.committed(Topics.STEP) == 1)
+    assert (
+        len(dlq.sent) == 1
+        and b"cannot encode steps rows" in dlq.sent[0]["headers"]["perfloop.reason"]
+    )
+
+
+def test_a_transient_server_error_is_retried_not_dead_lettered() -> None:
+    sink, broker, wh, dlq = make_sink()
+    errors = [241, 252]  # memory limit, too many parts
+
+    def refuse(table: str, cols: dict[str, list[Any]]) -> Exception | None:
+        if errors:
+            err = DatabaseError(f"Code: {errors[0]}. DB::Exception: not now")
+            err.code = errors.pop(0)
+            return err
+        return None
+
+    wh.refuse = refuse
+    broker.add(Topics.STEP, step_batch(0))
+    run_until(sink, lambda: broker.committed(Topics.STEP) == 1)
+    assert len(wh.ids()) == ROWS and dlq.sent == []
+
+
+POISON: dict[str, tuple[str, bytes]] = {
+    "windows v1": (Topics.WINDOWS, b'{"kind": "windows", "rows": []}'),
+    "windows garbage": (Topics.WINDOWS, b"\x00\x01"),
+    "windows ragged": (Topics.WINDOWS, windows_message(2, mean=[1.0])),
+    "step garbage": (Topics.STEP, b"{"),
+    "step on gpu": (Topics.GPU, step_batch(9, n=1)),
+    "host bad version": (Topics.HOST, b'{"kind": "host", "schema_version": 99}'),
+    "span empty": (Topics.SPAN, b"{}"),
+    "job unknown kind": (Topics.JOB, b'{"kind": "nope"}'),
+    "phase invalid": (Topics.PHASES, b'{"kind": "phase", "level": "x"}'),
+    "diagnosis invalid": (Topics.DIAGNOSES, b'{"kind": "diagnosis"}'),
+    "control not json": (Topics.CONTROL, b"not json"),
+    "recommendation list": (Topics.RECOMMENDATIONS, b"[]"),
+    "actuation empty": (Topics.ACTUATIONS, b""),
+}
+
+
+@pytest.mark.parametrize("case", sorted(POISON))
+def test_poison_goes_to_the_dlq_with_its_reason_and_the_sink_goes_on(case: str) -> None:
+    sink, broker, wh, dlq = make_sink()
+    topic, value = POISON[case]
+    broker.add(topic, value)
+    broker.add(Topics.STEP, step_batch(0))
+    ends = {(m.topic(), m.partition()): m.offset() + 1 for m in broker.log}
+    run_until(sink, lambda: all(broker.committed(t, p) == o for (t, p), o in ends.items()))
+    assert len(wh.ids()) == ROWS
+    assert len(dlq.sent) == 1 and dlq.sent[0]["value"] == value
+    h = dlq.sent[0]["headers"]
+    assert h["perfloop.source.topic"] == topic.encode() and h["perfloop.reason"]
+    assert sink.stats.dead_letters == 1
+
+
+def test_dead_letters_land_in_their_table_and_are_never_dead_lettered_again() -> None:
+    sink, broker, wh, dlq = make_sink()
+    headers = dlq_headers("windows message: not valid JSON", Topics.WINDOWS, 0, 7)
+    broker.add(Topics.DLQ, b"\x00junk", key=b"job-1", headers=headers)
+    run_until(sink, lambda: broker.committed(Topics.DLQ) == 1)
+    (row,) = wh.tables["dead_letters"]
+    assert (row["topic"], row["offset"], row["job_id"]) == (Topics.WINDOWS, 7, "job-1")
+    assert row["payload"] == b"\x00junk" and row["reason"].startswith("windows message")
+    # A dead letter the warehouse refuses is dropped and logged, not sent to the DLQ again.
+    err = DatabaseError("Code: 27. DB::Exception: cannot parse")
+    err.code = 27
+    wh.refuse = lambda t, c: err if t == "dead_letters" else None
+    broker.add(Topics.DLQ, b"more junk", headers=headers)
+    run_until(sink, lambda: broker.committed(Topics.DLQ) == 2)
+    assert dlq.sent == [] and sink.stats.dead_letters_dropped == 1
+    assert len(wh.tables["dead_letters"]) == 1
+
+
+def test_windows_v2_and_events_land_in_their_tables() -> None:
+    sink, broker, wh, _ = make_sink()
+    broker.add(Topics.WINDOWS, windows_message(4))
+    run_until(sink, lambda: broker.committed(Topics.WINDOWS) == 1)
+    assert [r["rank"] for r in wh.tables["windows"]] == [0, 1, 2, 3]
+
+
+def test_revoked_while_down_forgets_what_it_read_so_it_is_read_again() -> None:
+    sink, broker, wh, _ = make_sink()
+    wh.down = True
+    broker.add(Topics.STEP, step_batch(0))
+    run_until(sink, lambda: sink.paused)
+    assert broker.on_revoke is not None
+    broker.on_revoke(broker, broker.assignment())
+    assert sink.pending_rows == 0 and broker.commits == []
+    # The group hands the partition back from its committed offset: the rows land once.
+    broker.position, broker.paused = 0, set()
+    wh.down = False
+    run_until(sink, lambda: broker.committed(Topics.STEP) == 1)
+    assert len(wh.ids()) == ROWS and sink.stats.duplicates == 0
