@@ -1,0 +1,333 @@
+"""GPU phase signatures: which step phase a GPU sample shows, learned online per job.
+
+Private helper of `perfloop.streams.phases`. A GPU sample becomes a feature vector of four
+numbers in 0..1 (`FEATURES`): SM utilisation, memory utilisation, power as a share of the power
+limit, and NVLink traffic as a share of the job's link scale (its 99th percentile over the recent
+samples, fixed at each clustering so that signatures and samples stay comparable; the most seen
+so far before the first). A `SignatureLibrary` maps
+vectors to the step phases of `STEP_PHASES`:
+
+- with labels (the job also publishes phase spans): each phase's signature is the running mean
+  of the samples its spans cover; a sample is classified to the nearest signature, and the
+  library counts how often that prediction, made before the label arrived, was right;
+- without labels: the library clusters its recent samples (k-means++, k = 6: one cluster more
+  than phases takes the samples that straddle a phase boundary; close clusters merged; a cluster
+  lying between two others is such a mixture and takes the nearer one's name) and names the
+  clusters by physics: the GPU idles while the input pipeline is late
+  (lowest SM → ``data_wait``), NCCL kernels use few SMs and move the links (highest link traffic
+  at lower SM → ``comm``), the optimizer is memory-bound (memory ahead of SM → ``optimizer``), and
+  of the compute clusters the one drawing the most power (plus link traffic: gradient buckets
+  leave during backward) is ``backward``, the others ``forward``. A single compute cluster —
+  a sampling interval longer than the phases averages them all — is ``backward`` when gradients
+  move during it (backward is the longest phase of a step), else ``forward``;
+- before the first clustering, generic priors (`PRIORS`) classify.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "FEATURES",
+    "PRIORS",
+    "STEP_PHASES",
+    "SignatureLibrary",
+    "cluster_labels",
+    "gpu_features",
+    "kmeans",
+]
+
+STEP_PHASES = ("data_wait", "forward", "backward", "comm", "optimizer")
+FEATURES = ("sm", "mem", "power", "link")
+DATA_WAIT, FORWARD, BACKWARD, COMM, OPTIMIZER = range(5)
+PRIORS = np.array(
+    [
+        [0.05, 0.05, 0.20, 0.0],  # data_wait: idle
+        [0.90, 0.40, 0.80, 0.0],  # forward
+        [0.90, 0.50, 0.90, 0.2],  # backward
+        [0.50, 0.20, 0.40, 0.8],  # comm
+        [0.60, 0.80, 0.50, 0.0],  # optimizer
+    ]
+)
+"""Generic signatures (rows: `STEP_PHASES`, columns: `FEATURES`), used until a job has its own."""
+
+CLUSTERS = len(STEP_PHASES) + 1  # one more than phases: it takes the boundary-straddling samples
+MERGE_DISTANCE = 0.2  # clusters closer than this are one (separable phases differ by ≥ 0.25)
+MIXTURE_DISTANCE = 0.08  # a cluster this close to the segment between two others mixes them
+IDLE_SM = 0.35
+COMM_LINK = 0.5
+COMM_SM_BELOW = 0.15
+
+
+def gpu_features(cols: dict[str, np.ndarray]) -> np.ndarray:
+    """Raw feature vectors (n, 4) of GPU sample columns: the link column in bytes/s (a
+    `SignatureLibrary` scales it, `SignatureLibrary.features`)."""
+    limit = cols["power_limit_w"]
+    share = np.where(limit > 0, cols["power_w"] / np.where(limit > 0, limit, 1.0), 0.0)
+    x = np.empty((len(limit), 4))
+    x[:, 0] = cols["sm_util_pct"] / 100.0
+    x[:, 1] = cols["mem_util_pct"] / 100.0
+    x[:, 2] = np.minimum(share, 1.0)
+    x[:, 3] = cols["nvlink_rx_bytes_per_s"] + cols["nvlink_tx_bytes_per_s"]
+    return x
+
+
+def _d2(x: np.ndarray, c: np.ndarray) -> np.ndarray:
+    return ((x[:, None, :] - c[None, :, :]) ** 2).sum(axis=2)
+
+
+def _lloyd(x: np.ndarray, cent: np.ndarray, iters: int) -> tuple[np.ndarray, float]:
+    for _ in range(iters):
+        lab = _d2(x, cent).argmin(axis=1)
+        n = np.bincount(lab, minlength=len(cent))
+        sums = np.stack(
+            [np.bincount(lab, weights=x[:, j], minlength=len(cent)) for j in range(x.shape[1])]
+        )
+        new = np.where(n[:, None] > 0, sums.T / np.maximum(n, 1)[:, None], cent)
+        if np.allclose(new, cent, atol=1e-4):
+            cent = new
+            break
+        cent = new
+    return cent, float(_d2(x, cent).min(axis=1).sum())
+
+
+def kmeans(
+    x: np.ndarray,
+    k: int,
+    *,
+    init: np.ndarray | None = None,
+    restarts: int = 3,
+    iters: int = 25,
+    seed: int = 0,
+) -> np.ndarray:
+    """Centroids of ``x`` by Lloyd's algorithm: the best of ``restarts`` k-means++ starts
+    (seeded) and ``init`` when given, by within-cluster sum of squares (``init`` kept unless
+    beaten by 5%, so that a job's clusters stay stable).
+
+    >>> x = np.array([[0.0, 0.0], [0.1, 0.0], [1.0, 1.0], [0.9, 1.0]])
+    >>> np.round(sorted(kmeans(x, 2).tolist()), 2).tolist()
+    [[0.05, 0.0], [0.95, 1.0]]
+    """
+    rng = np.random.default_rng(seed)
+    starts = [init.copy()] if init is not None else []
+    for _ in range(restarts):
+        c = [x[int(rng.integers(len(x)))]]
+        for _ in range(k - 1):
+            d = _d2(x, np.array(c)).min(axis=1)
+            if d.sum() <= 0:
+                break
+            c.append(x[int(rng.choice(len(x), p=d / d.sum()))])
+        starts.append(np.array(c))
+    runs = [_lloyd(x, c, iters) for c in starts]
+    best = min(runs, key=lambda r: r[1])
+    if init is not None and runs[0][1] <= 1.05 * best[1]:
+        return runs[0][0]  # keep the clusters the job had unless others fit clearly better
+    return best[0]
+
+
+def _merge(cent: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge the closest pair of clusters while it is closer than `MERGE_DISTANCE`."""
+    c, w = list(cent), list(n.astype(float))
+    while len(c) > 1:
+        arr = np.array(c)
+        d = np.sqrt(_d2(arr, arr))
+        np.fill_diagonal(d, np.inf)
+        i, j = np.unravel_index(int(np.argmin(d)), d.shape)
+        if d[i, j] >= MERGE_DISTANCE:
+            break
+        total = w[i] + w[j]
+        c[i] = (c[i] * w[i] + c[j] * w[j]) / max(total, 1.0)
+        w[i] = total
+        del c[j], w[j]
+    return np.array(c), np.array(w)
+
+
+def _mixtures(cent: np.ndarray) -> dict[int, int]:
+    """Clusters that lie between two others (samples straddling a phase boundary average the
+    two phases), each with the cluster it is nearer to."""
+    out: dict[int, int] = {}
+    k = len(cent)
+    for m in range(k):
+        best: tuple[float, int] | None = None
+        for a in range(k):
+            for b in range(a + 1, k):
+                if m in (a, b):
+                    continue
+                ab = cent[b] - cent[a]
+                span = float(ab @ ab)
+                if span <= 0:
+                    continue
+                lam = float((cent[m] - cent[a]) @ ab) / span
+                dist = float(np.sqrt(((cent[a] + lam * ab - cent[m]) ** 2).sum()))
+                between = 0.15 < lam < 0.85 and dist < MIXTURE_DISTANCE
+                if between and (best is None or dist < best[0]):
+                    best = (dist, a if lam < 0.5 else b)
+        if best is not None:
+            out[m] = best[1]
+    return {m: e for m, e in out.items() if e not in out}
+
+
+def name_clusters(cent: np.ndarray) -> np.ndarray:
+    """Phase code of each cluster: mixtures take their nearer end's, the rest `cluster_labels`."""
+    mix = _mixtures(cent)
+    pure = [i for i in range(len(cent)) if i not in mix]
+    lab = np.full(len(cent), -1)
+    lab[pure] = cluster_labels(cent[pure])
+    for m, end in mix.items():
+        lab[m] = lab[end]
+    return lab
+
+
+def cluster_labels(cent: np.ndarray) -> np.ndarray:
+    """Name clusters (rows of ``cent``) by the physics of each phase; see the module docstring.
+
+    >>> cluster_labels(np.array([[0.9, 0.4, 0.8, 0.0], [0.05, 0.0, 0.2, 0.0]])).tolist()
+    [1, 0]
+    """
+    lab = np.full(len(cent), -1)
+    rest = list(range(len(cent)))
+    top_sm = float(cent[:, 0].max())
+    idle = min(rest, key=lambda k: cent[k, 0])
+    if cent[idle, 0] < IDLE_SM:
+        lab[idle] = DATA_WAIT
+        rest.remove(idle)
+    if rest:
+        comm = max(rest, key=lambda k: cent[k, 3])
+        if cent[comm, 3] >= COMM_LINK and cent[comm, 0] <= top_sm - COMM_SM_BELOW:
+            lab[comm] = COMM
+            rest.remove(comm)
+    if len(rest) > 1:
+        opt = max(rest, key=lambda k: cent[k, 1] - cent[k, 0])
+        if cent[opt, 1] - cent[opt, 0] > -0.05:
+            lab[opt] = OPTIMIZER
+            rest.remove(opt)
+    rest.sort(key=lambda k: cent[k, 2] + cent[k, 3])
+    if len(rest) == 1:
+        lab[rest[0]] = BACKWARD if cent[rest[0], 3] > 0.1 else FORWARD
+    elif rest:
+        lab[rest[-1]] = BACKWARD
+        lab[rest[:-1]] = FORWARD
+    return lab
+
+
+class SignatureLibrary:
+    """One job's phase signatures; see the module docstring.
+
+    >>> lib = SignatureLibrary()
+    >>> x = np.array([[0.02, 0.01, 0.15, 0.0], [0.95, 0.45, 0.8, 0.0]])
+    >>> [STEP_PHASES[i] for i in lib.classify(x)[0]]
+    ['data_wait', 'forward']
+    """
+
+    def __init__(
+        self, *, buffer: int = 2048, min_samples: int = 1024, recluster_every: int = 4096
+    ) -> None:
+        self.buffer = buffer
+        self.min_samples = min_samples
+        self.recluster_every = recluster_every
+        self.centroids = PRIORS.copy()
+        self.labels = np.arange(len(STEP_PHASES))
+        self.source = "prior"  # prior, clusters, labels
+        self._ring = np.zeros((buffer, 4))
+        self._seen = 0
+        self._since = 0
+        self._novel = 0
+        self.lab_sum = np.zeros((len(STEP_PHASES), 4))
+        self.lab_n = np.zeros(len(STEP_PHASES))
+        self.correct = 0
+        self.scored = 0
+        self.link_scale = 0.0
+
+    @property
+    def accuracy(self) -> float:
+        """Share of samples classified right before their span label arrived (NaN: none yet)."""
+        return self.correct / self.scored if self.scored else float("nan")
+
+    def features(self, raw: np.ndarray) -> np.ndarray:
+        """Scale raw vectors (`gpu_features`) by the job's link scale, widening it before the
+        first clustering."""
+        x = raw.copy()
+        if self.source == "prior" and len(raw):
+            self.link_scale = max(self.link_scale, float(raw[:, 3].max()))
+        x[:, 3] = raw[:, 3] / self.link_scale if self.link_scale > 0 else 0.0
+        return x
+
+    def classify(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Phase code of each vector, and a 0..1 confidence (1 − nearest / second distance)."""
+        codes, conf, _ = self.classify_full(x)
+        return codes, conf
+
+    def classify_full(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`classify`, plus each vector's squared distance to its nearest signature."""
+        if not len(x):
+            return np.empty(0, np.int64), np.empty(0), np.empty(0)
+        d = _d2(x, self.centroids)
+        near = d.argmin(axis=1)
+        if d.shape[1] > 1:
+            part = np.partition(d, 1, axis=1)
+            conf = 1.0 - np.sqrt(part[:, 0] / np.maximum(part[:, 1], 1e-12))
+            nearest = part[:, 0]
+        else:
+            conf, nearest = np.ones(len(x)), d[:, 0]
+        return self.labels[near], np.clip(conf, 0.0, 1.0), nearest
+
+    def add_unlabelled(self, raw: np.ndarray, nearest_d2: np.ndarray) -> None:
+        """Remember raw samples for clustering; re-cluster when enough new ones came, or sooner
+        when many fit no signature (``nearest_d2``: squared distance to the nearest)."""
+        n = len(raw)
+        if not n or self.source == "labels":
+            return
+        idx = (self._seen + np.arange(n)) % self.buffer
+        self._ring[idx[-self.buffer :]] = raw[-self.buffer :]
+        self._seen += n
+        self._since += n
+        self._novel += int((nearest_d2 > MERGE_DISTANCE**2).sum())
+        if self._seen >= self.min_samples and (
+            self.source == "prior"
+            or self._since >= self.recluster_every
+            or self._novel >= max(20, self._since // 10)
+        ):
+            self.recluster()
+
+    def recluster(self) -> None:
+        """Cluster the buffered samples and name the clusters."""
+        x = self._ring[: min(self._seen, self.buffer)].copy()
+        link = x[:, 3]
+        self.link_scale = float(np.percentile(link, 99)) or float(link.max())
+        x[:, 3] = link / self.link_scale if self.link_scale > 0 else 0.0
+        k = min(CLUSTERS, len(x))
+        init = self.centroids if self.source == "clusters" else None
+        cent = kmeans(x, k, init=init if init is not None and len(init) == k else None)
+        n = np.bincount(_d2(x, cent).argmin(axis=1), minlength=len(cent))
+        cent, n = _merge(cent[n > 0], n[n > 0])
+        self.centroids, self.labels = cent, name_clusters(cent)
+        self.source = "clusters"
+        self._since = self._novel = 0
+
+    def add_labelled(self, x: np.ndarray, y: np.ndarray, predicted: np.ndarray) -> None:
+        """Learn from samples labelled by spans (``y`` phase codes); score the predictions."""
+        if not len(y):
+            return
+        self.correct += int((predicted == y).sum())
+        self.scored += len(y)
+        n = np.bincount(y, minlength=len(STEP_PHASES)).astype(float)
+        sums = np.stack([np.bincount(y, weights=x[:, j], minlength=len(n)) for j in range(4)]).T
+        keep = np.minimum(1.0, 500.0 / np.maximum(self.lab_n + n, 1.0))  # forget slowly
+        self.lab_sum = (self.lab_sum + sums) * keep[:, None]
+        self.lab_n = (self.lab_n + n) * keep
+        known = self.lab_n >= 5
+        if known.any():
+            self.centroids = self.lab_sum[known] / self.lab_n[known][:, None]
+            self.labels = np.flatnonzero(known)
+            self.source = "labels"
+
+    def state(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> SignatureLibrary:
+        lib = cls.__new__(cls)
+        lib.__dict__.update(state)
+        return lib
