@@ -6,6 +6,10 @@ Each rollup table ``{source}_{res}`` holds, per ``ts`` bucket and group key, ``n
 with ``avgMerge`` / ``quantilesTDigestMerge(0.5, 0.95, 0.99)``, ``min``/``max``/``sum``/``or``
 as simple aggregate columns read with ``min``/``max``/``sum``/``groupBitOr``. The 1 s view
 reads the raw table, the 1 min view the 1 s table, the 1 h view the 1 min table.
+
+A retried insert (same ``insert_deduplication_token``) counts once in every rollup when it is
+sent with ``deduplicate_blocks_in_dependent_materialized_views = 1`` (the sink does): each
+rollup table keeps a deduplication window, and the views' blocks inherit the insert's token.
 """
 
 from __future__ import annotations
@@ -109,7 +113,8 @@ def rollup_statements(
     create = (
         f"CREATE TABLE IF NOT EXISTS {table} (\n{decl}\n)\nENGINE = AggregatingMergeTree\n"
         f"PARTITION BY {partition}\nORDER BY ({', '.join([*key_cols, 'ts'])})\n{ttl}"
-    ).rstrip()
+        "SETTINGS non_replicated_deduplication_window = 10000"
+    )
     finer = _SOURCE[res]
     exprs = ",\n    ".join(
         f"{raw if not finer else merged} AS {d.split()[0]}" for d, raw, merged in cols

@@ -337,7 +337,12 @@ class Sink:
                 list(pending.columns.values()),
                 column_names=list(pending.columns),
                 column_oriented=True,
-                settings={"insert_deduplication_token": pending.token(table)},
+                settings={
+                    "insert_deduplication_token": pending.token(table),
+                    # ... and in the rollups its materialized views feed (ClickHouse 24.8
+                    # does not deduplicate them by default).
+                    "deduplicate_blocks_in_dependent_materialized_views": 1,
+                },
             )
         except (ClickHouseError, PerfloopError, OSError, *_ENCODING_ERRORS) as e:
             self.stats.failed_inserts += 1
