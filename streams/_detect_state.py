@@ -1,0 +1,468 @@
+"""Per-job detector state: recent steps per rank, the latest readings per GPU and per node.
+
+`JobState` takes decoded telemetry batches (vectorised: a handful of numpy operations per
+batch) into compact, bounded arrays:
+
+* a ring of the last `STEPS` steps x ranks (step time, data wait, compute and comm from
+  depth-0 phase spans, collective time, GPU busy from kernel summaries, memory);
+* per GPU (node, device): the latest clock, temperature, utilisation, memory, error counters,
+  its clock baseline and throttle episodes (`episodes_update`);
+* per node: CPU and IO wait, with a CPU-saturation episode.
+
+Everything is a dict of numpy arrays or plain numbers, so a snapshot is a copy of it.
+A step is *complete* once every rank that reports steps has sent it (and its spans and
+collectives when the job publishes them); detectors read complete steps only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "STEPS",
+    "Finding",
+    "JobState",
+    "episodes_update",
+]
+
+STEPS = 64  # steps kept per rank (the ring)
+NS = 1_000_000_000
+
+THERMAL_BITS = 0x20 | 0x40  # NVML SwThermalSlowdown | HwThermalSlowdown
+POWER_BITS = 0x4 | 0x80  # NVML SwPowerCap | HwPowerBrakeSlowdown
+SLOWDOWN_BITS = THERMAL_BITS | POWER_BITS | 0x8  # | HwSlowdown
+COMPUTE_PHASES = ("forward", "backward", "optimizer")
+
+_RING: dict[str, tuple[Any, Any]] = {  # name: (dtype, fill)
+    "st": (np.float64, np.nan),  # step time, ms
+    "wait": (np.float64, np.nan),  # data wait, ms
+    "end": (np.int64, 0),  # step end, event time
+    "mem": (np.float64, np.nan),  # allocated (else reserved) bytes at step end
+    "peak": (np.float64, np.nan),
+    "compute": (np.float64, 0.0),  # forward + backward + optimizer spans, ms
+    "n_compute": (np.int32, 0),
+    "comm": (np.float64, 0.0),  # comm spans, ms
+    "n_comm": (np.int32, 0),
+    "coll": (np.float64, 0.0),  # collectives, ms
+    "n_coll": (np.int32, 0),
+    "busy": (np.float64, np.nan),  # GPU busy (kernel summary stream -1), ms
+}
+_RANK: dict[str, tuple[Any, Any]] = {
+    "node": (np.int64, -1),
+    "last_step": (np.int64, -1),
+    "proc_cpu": (np.float64, np.nan),
+}
+_EPISODE = {"start": (np.int64, 0), "on": (np.int64, 0), "off": (np.int64, 0)}
+_DEV: dict[str, tuple[Any, Any]] = {
+    "node": (np.int64, -1),
+    "device": (np.int64, -1),
+    "rank": (np.int64, -1),
+    "ts": (np.int64, 0),
+    "clock": (np.float64, np.nan),
+    "base": (np.float64, 0.0),  # highest unthrottled SM clock seen
+    "temp": (np.float64, np.nan),
+    "util": (np.float64, np.nan),  # mean SM util of the latest batch
+    "reasons": (np.int64, 0),
+    "mem_used": (np.float64, 0.0),
+    "mem_total": (np.float64, 0.0),
+    "dbe": (np.int64, -1),
+    "xid": (np.int64, 0),
+    "last_xid": (np.int64, 0),
+    "err_ns": (np.int64, 0),
+    **{f"th_{k}": v for k, v in _EPISODE.items()},
+    **{f"pw_{k}": v for k, v in _EPISODE.items()},
+}
+_NODE: dict[str, tuple[Any, Any]] = {
+    "cpu": (np.float64, np.nan),
+    "iowait": (np.float64, np.nan),
+    "ts": (np.int64, 0),
+    **{f"cpu_{k}": v for k, v in _EPISODE.items()},
+}
+MEMORY_CLASSES = ("elementwise", "reduction", "norm", "memcpy", "memset")
+COMPUTE_CLASSES = ("gemm", "conv", "attention")
+
+
+@dataclass
+class Finding:
+    """One condition a detector holds active now (the funnel turns it into a diagnosis)."""
+
+    key: str
+    bottleneck: str
+    onset_ns: int
+    step_share: float
+    confidence: float
+    ranks: list[int] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+    rank: int = -1
+    step: int = 0
+    evidence: dict[str, float] = field(default_factory=dict)
+    summary: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _alloc(spec: dict[str, tuple[Any, Any]], shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+    return {k: np.full(shape, fill, dtype=dt) for k, (dt, fill) in spec.items()}
+
+
+def _grow(arrs: dict[str, np.ndarray], spec: dict[str, tuple[Any, Any]], n: int, axis: int) -> None:
+    for k, (dt, fill) in spec.items():
+        a = arrs[k]
+        if a.shape[axis] >= n:
+            continue
+        pad = list(a.shape)
+        pad[axis] = n - a.shape[axis]
+        arrs[k] = np.concatenate([a, np.full(pad, fill, dtype=dt)], axis=axis)
+
+
+def episodes_update(
+    arrs: dict[str, np.ndarray], prefix: str, idx: np.ndarray, ts: np.ndarray, on: np.ndarray
+) -> None:
+    """Fold samples into per-slot episodes: ``<prefix>start`` is the first "on" sample after
+    the latest "off" one (0: none), ``<prefix>on`` / ``<prefix>off`` the latest of each.
+
+    An episode is unbroken "on" samples; callers open on its length and resolve on how long
+    "off" has lasted, so a flickering signal keeps an open episode but cannot open a new one.
+
+    >>> a = {"x_start": np.zeros(1, np.int64), "x_on": np.zeros(1, np.int64),
+    ...      "x_off": np.zeros(1, np.int64)}
+    >>> episodes_update(a, "x_", np.zeros(4, np.int64), np.array([1, 2, 3, 4]),
+    ...                 np.array([False, True, True, True]))
+    >>> int(a["x_start"][0]), int(a["x_on"][0]), int(a["x_off"][0])
+    (2, 4, 1)
+    """
+    start, last_on, last_off = arrs[prefix + "start"], arrs[prefix + "on"], arrs[prefix + "off"]
+    off = ~on
+    if off.any():
+        np.maximum.at(last_off, idx[off], ts[off])
+    if on.any():
+        np.maximum.at(last_on, idx[on], ts[on])
+        after = on & (ts > last_off[idx])
+        cand = np.full(len(start), np.iinfo(np.int64).max)
+        np.minimum.at(cand, idx[after], ts[after])
+        keep = start > last_off
+        start[:] = np.where(keep, start, np.where(cand < np.iinfo(np.int64).max, cand, 0))
+    else:
+        start[start <= last_off] = 0
+
+
+class JobState:
+    """Bounded state of one job, fed batch by batch (see the module docstring)."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.declared_world = 0
+        self.gpu_mem_bytes = 0.0
+        self.nodes: list[str] = []
+        self.ring = _alloc(_RING, (STEPS, 0))
+        self.step_no = np.full(STEPS, -1, dtype=np.int64)
+        self.done = np.zeros(STEPS, dtype=bool)  # evaluated, or dropped as incomplete
+        self.usable = np.zeros(STEPS, dtype=bool)  # complete and evaluated
+        self.rank = _alloc(_RANK, (0,))
+        self.dev = _alloc(_DEV, (0,))
+        self.dev_lookup: dict[int, np.ndarray] = {}  # node index → device → slot
+        self.node = _alloc(_NODE, (0,))
+        self.flags = {"spans": False, "comm_spans": False, "coll": False, "kernels": False}
+        self.kernel_busy: dict[str, float] = {}
+        self.gpu_stats = np.zeros(3)  # busy samples, their SM util sum, their memory util sum
+        self.newest_step = -1
+        self.last_eval_step = -1
+        self.watermark_ns = 0
+        self.last_step_ns = 0
+        self.lag_ns = -1.0
+        self.last_wall_ns = 0
+        self.ended = False
+        self.findings: dict[str, Finding] = {}
+        self.det: dict[str, Any] = {}  # detectors' own state (baselines, hysteresis)
+
+    # -- shape -------------------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return int(self.ring["st"].shape[1])
+
+    def _ensure_ranks(self, n: int) -> None:
+        if n > self.world:
+            _grow(self.ring, _RING, n, 1)
+            _grow(self.rank, _RANK, n, 0)
+
+    def node_index(self, node: str) -> int:
+        try:
+            return self.nodes.index(node)
+        except ValueError:
+            self.nodes.append(node)
+            _grow(self.node, _NODE, len(self.nodes), 0)
+            return len(self.nodes) - 1
+
+    def _dev_slots(self, node: int, device: np.ndarray, rank: np.ndarray) -> np.ndarray:
+        lut = self.dev_lookup.get(node, np.full(0, -1, dtype=np.int64))
+        top = int(device.max()) + 1
+        if top > len(lut):
+            lut = np.concatenate([lut, np.full(top - len(lut), -1, dtype=np.int64)])
+        self.dev_lookup[node] = lut
+        slot = lut[device]
+        if (slot < 0).any():
+            new = np.unique(device[slot < 0])
+            first = len(self.dev["node"])
+            _grow(self.dev, _DEV, first + len(new), 0)
+            lut[new] = np.arange(first, first + len(new))
+            self.dev["node"][first:] = node
+            self.dev["device"][first:] = new
+            slot = lut[device]
+        self.dev["rank"][slot] = rank
+        return slot
+
+    # -- steps -------------------------------------------------------------------------------
+    def _slots(self, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Ring slot of each sample's step, and which samples are recent enough to keep."""
+        newest = max(self.newest_step, int(step.max()))
+        ok = step > newest - STEPS
+        slot = step % STEPS
+        stale = ok & (self.step_no[slot] != step)
+        if stale.any():
+            rows = slot[stale]
+            for k, (_, fill) in _RING.items():
+                self.ring[k][rows] = fill
+            self.step_no[rows] = step[stale]
+            self.done[rows] = False
+            self.usable[rows] = False
+        self.newest_step = newest
+        return slot, ok
+
+    def ingest(self, kind: str, node: str, cols: dict[str, np.ndarray], wall_ns: int) -> None:
+        """Fold one decoded batch (``Batch.columns``) of ``kind`` from ``node`` in."""
+        ts = cols["ts_ns"]
+        if not len(ts):
+            return
+        newest = int(ts.max())
+        if kind in ("span", "collective"):
+            newest = int((ts + cols["duration_ms"] * 1e6).max())
+        self.watermark_ns = max(self.watermark_ns, newest)
+        lag = float(wall_ns - newest)
+        self.lag_ns = max(0.0, lag if self.lag_ns < 0 else self.lag_ns + 0.1 * (lag - self.lag_ns))
+        self.last_wall_ns = max(self.last_wall_ns, wall_ns)
+        n = self.node_index(node)
+        handler = {
+            "step": self._step,
+            "span": self._span,
+            "collective": self._collective,
+            "kernel": self._kernel,
+            "gpu": self._gpu,
+            "host": self._host,
+        }.get(kind)
+        if handler is not None:
+            handler(n, cols)
+
+    def _per_step(self, cols: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rank, step = cols["rank"], cols["step"]
+        self._ensure_ranks(int(rank.max()) + 1)
+        slot, ok = self._slots(step)
+        if ok.all():
+            return slot, rank, ok
+        return slot[ok], rank[ok], ok
+
+    def _step(self, node: int, cols: dict[str, np.ndarray]) -> None:
+        slot, rank, ok = self._per_step(cols)
+        r = self.ring
+        pick = (lambda a: a) if ok.all() else (lambda a: a[ok])
+        r["st"][slot, rank] = pick(cols["step_time_ms"])
+        r["wait"][slot, rank] = pick(cols["data_wait_ms"])
+        r["end"][slot, rank] = pick(cols["ts_ns"])
+        mem = pick(cols["mem_allocated_bytes"]).astype(np.float64)
+        reserved = pick(cols["mem_reserved_bytes"]).astype(np.float64)
+        r["mem"][slot, rank] = np.where(mem > 0, mem, np.where(reserved > 0, reserved, np.nan))
+        peak = pick(cols["mem_peak_bytes"]).astype(np.float64)
+        r["peak"][slot, rank] = np.where(peak > 0, peak, np.nan)
+        self.rank["node"][rank] = node
+        np.maximum.at(self.rank["last_step"], rank, pick(cols["step"]))
+        self.last_step_ns = max(self.last_step_ns, int(cols["ts_ns"].max()))
+
+    def _span(self, node: int, cols: dict[str, np.ndarray]) -> None:
+        depth0 = cols["depth"] == 0
+        phase = cols["phase"]
+        comp = depth0 & ((phase == "forward") | (phase == "backward") | (phase == "optimizer"))
+        comm = depth0 & (phase == "comm")
+        if not (comp.any() or comm.any()):
+            return
+        use = comp | comm
+        sub = {k: cols[k][use] for k in ("rank", "step", "duration_ms")}
+        slot, rank, ok = self._per_step(sub)
+        dur = sub["duration_ms"][ok]
+        c, m = comp[use][ok], comm[use][ok]
+        r = self.ring
+        if c.any():
+            self.flags["spans"] = True
+            np.add.at(r["compute"], (slot[c], rank[c]), dur[c])
+            np.add.at(r["n_compute"], (slot[c], rank[c]), 1)
+        if m.any():
+            self.flags["comm_spans"] = True
+            np.add.at(r["comm"], (slot[m], rank[m]), dur[m])
+            np.add.at(r["n_comm"], (slot[m], rank[m]), 1)
+
+    def _collective(self, node: int, cols: dict[str, np.ndarray]) -> None:
+        slot, rank, ok = self._per_step(cols)
+        self.flags["coll"] = True
+        np.add.at(self.ring["coll"], (slot, rank), cols["duration_ms"][ok])
+        np.add.at(self.ring["n_coll"], (slot, rank), 1)
+
+    def _kernel(self, node: int, cols: dict[str, np.ndarray]) -> None:
+        slot, rank, ok = self._per_step(cols)
+        cls, stream, busy = cols["kernel_class"][ok], cols["stream"][ok], cols["busy_ms"][ok]
+        total = (stream == -1) & (cls == "all")
+        if total.any():
+            self.flags["kernels"] = True
+            self.ring["busy"][slot[total], rank[total]] = busy[total]
+        for name in (*COMPUTE_CLASSES, *MEMORY_CLASSES):
+            m = ~total & (cls == name)
+            if m.any():
+                self.kernel_busy[name] = self.kernel_busy.get(name, 0.0) + float(busy[m].sum())
+
+    # -- GPUs and hosts ----------------------------------------------------------------------
+    def _gpu(self, node: int, cols: dict[str, np.ndarray]) -> None:
+        d = self.dev
+        slot = self._dev_slots(node, cols["device"], cols["rank"])
+        ts, clock, reasons = cols["ts_ns"], cols["sm_clock_mhz"], cols["throttle_reasons"]
+        util = cols["sm_util_pct"]
+        cnt = np.bincount(slot, minlength=len(d["ts"]))
+        seen = cnt > 0
+        d["util"][seen] = (np.bincount(slot, weights=util, minlength=len(cnt)) / cnt.clip(1))[seen]
+        for src, dst in (
+            ("ts_ns", "ts"),
+            ("sm_clock_mhz", "clock"),
+            ("temp_c", "temp"),
+            ("throttle_reasons", "reasons"),
+            ("mem_used_bytes", "mem_used"),
+            ("mem_total_bytes", "mem_total"),
+        ):
+            d[dst][slot] = cols[src]
+        busy = util >= 50.0
+        if busy.any():
+            self.gpu_stats += (busy.sum(), util[busy].sum(), cols["mem_util_pct"][busy].sum())
+        slow = (reasons & SLOWDOWN_BITS) != 0
+        if not slow.all():
+            np.maximum.at(d["base"], slot[~slow], clock[~slow])
+        if slow.any() or (d["th_on"] > 0).any() or (d["pw_on"] > 0).any():
+            # a throttle sample: its reason bit is set and the clock fell below the baseline
+            base = d["base"][slot]
+            low = (base <= 0) | (clock <= (1.0 - self.det.get("clock_drop", 0.05)) * base)
+            episodes_update(d, "th_", slot, ts, low & ((reasons & THERMAL_BITS) != 0))
+            episodes_update(d, "pw_", slot, ts, low & ((reasons & POWER_BITS) != 0))
+        xid = cols["xid_events"]
+        dbe = cols["ecc_dbe_total"]
+        prev = d["dbe"][slot]
+        bad = (xid > 0) | ((prev >= 0) & (dbe > prev))
+        if bad.any():
+            np.add.at(d["xid"], slot[bad], xid[bad])
+            d["last_xid"][slot[bad & (xid > 0)]] = cols["last_xid"][bad & (xid > 0)]
+            np.maximum.at(d["err_ns"], slot[bad], ts[bad])
+        np.maximum.at(d["dbe"], slot, dbe)
+
+    def _host(self, node: int, cols: dict[str, np.ndarray]) -> None:
+        nd = self.node
+        nd["cpu"][node] = cols["sys_cpu_pct"][-1]
+        nd["iowait"][node] = cols["sys_iowait_pct"][-1]
+        nd["ts"][node] = cols["ts_ns"][-1]
+        rank = cols["rank"]
+        mine = rank >= 0
+        if mine.any():
+            self._ensure_ranks(int(rank.max()) + 1)
+            self.rank["proc_cpu"][rank[mine]] = cols["proc_cpu_pct"][mine]
+        idx = np.full(len(rank), node, dtype=np.int64)
+        self.cpu_samples(idx, cols["ts_ns"], cols["sys_cpu_pct"])
+
+    def cpu_samples(self, idx: np.ndarray, ts: np.ndarray, cpu: np.ndarray) -> None:
+        """CPU-saturation episodes use the threshold in force (`cpu_threshold`)."""
+        episodes_update(self.node, "cpu_", idx, ts, cpu >= self.det.get("cpu_threshold", 90.0))
+
+    # -- complete steps ----------------------------------------------------------------------
+    def complete_steps(self) -> int:
+        """Mark newly complete steps usable; return how many there are since the last call."""
+        pending = (self.step_no >= 0) & ~self.done
+        if not pending.any() or not self.world:
+            return 0
+        rows = np.flatnonzero(pending)
+        need = self.rank["last_step"] > self.newest_step - STEPS // 2  # ranks that report
+        r = self.ring
+        ok = ~np.isnan(r["st"][rows][:, need])
+        if self.flags["spans"]:
+            ok &= r["n_compute"][rows][:, need] > 0
+        if self.flags["coll"]:
+            ok &= r["n_coll"][rows][:, need] > 0
+        complete = ok.all(axis=1)
+        old = self.step_no[rows] <= self.newest_step - STEPS // 2
+        self.done[rows[complete | old]] = True
+        self.usable[rows[complete]] = True
+        return int(complete.sum())
+
+    def window(self, n: int) -> dict[str, np.ndarray]:
+        """The last ``n`` complete steps in step order: each ring array as (steps, ranks)."""
+        rows = np.flatnonzero(self.usable)
+        rows = rows[np.argsort(self.step_no[rows], kind="stable")][-n:]
+        need = self.rank["last_step"] > self.newest_step - STEPS // 2
+        out = {k: v[rows] for k, v in self.ring.items()}
+        out["step"] = self.step_no[rows]
+        out["need"] = need
+        return out
+
+    # -- snapshots ---------------------------------------------------------------------------
+    _ARRAYS = ("ring", "rank", "dev", "node")
+    _SCALARS = (
+        "job_id",
+        "declared_world",
+        "gpu_mem_bytes",
+        "newest_step",
+        "last_eval_step",
+        "watermark_ns",
+        "last_step_ns",
+        "lag_ns",
+        "last_wall_ns",
+        "ended",
+    )
+
+    def to_state(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {k: getattr(self, k) for k in self._SCALARS}
+        for k in self._ARRAYS:
+            doc[k] = {n: a.copy() for n, a in getattr(self, k).items()}
+        doc.update(
+            nodes=list(self.nodes),
+            step_no=self.step_no.copy(),
+            done=self.done.copy(),
+            usable=self.usable.copy(),
+            dev_lookup={n: a.copy() for n, a in self.dev_lookup.items()},
+            flags=dict(self.flags),
+            kernel_busy=dict(self.kernel_busy),
+            gpu_stats=self.gpu_stats.copy(),
+            findings={k: f.to_dict() for k, f in self.findings.items()},
+            det=_copy(self.det),
+        )
+        return doc
+
+    @classmethod
+    def from_state(cls, doc: dict[str, Any]) -> JobState:
+        job = cls(doc["job_id"])
+        for k in cls._SCALARS:
+            setattr(job, k, doc[k])
+        for k in cls._ARRAYS:
+            setattr(job, k, {n: a.copy() for n, a in doc[k].items()})
+        job.nodes = list(doc["nodes"])
+        job.step_no, job.done, job.usable = (doc[k].copy() for k in ("step_no", "done", "usable"))
+        job.dev_lookup = {int(n): a.copy() for n, a in doc["dev_lookup"].items()}
+        job.flags = dict(doc["flags"])
+        job.kernel_busy = dict(doc["kernel_busy"])
+        job.gpu_stats = doc["gpu_stats"].copy()
+        job.findings = {k: Finding(**f) for k, f in doc["findings"].items()}
+        job.det = _copy(doc["det"])
+        return job
+
+
+def _copy(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _copy(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_copy(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    return x

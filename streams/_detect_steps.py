@@ -1,0 +1,495 @@
+"""Step-based detectors: straggler, load imbalance, data-loader starvation, comm degradation,
+exposed comm and memory leak (time to OOM).
+
+They read the job's last complete steps (`JobState.window`) as (steps x ranks) matrices and
+keep hysteresis per rank or per job: a condition opens after ``persist_steps`` consecutive
+bad steps and resolves after ``clear_steps`` good ones, so a diagnosis can open within a few
+steps of the onset without flapping. Each detector writes its active conditions into
+``job.findings`` under its own key prefix.
+
+What each one reads (data-parallel semantics: every rank shares the step time):
+
+* straggler — compute per rank (forward + backward + optimizer spans; without spans, step time
+  − data wait − collective time) against the job median of the same step; score
+  ``1 − median / compute`` (0–1).
+* load_imbalance — ``1 − median / max`` compute per step stays high while the slowest rank
+  rotates (no rank is persistently slow: that is a straggler).
+* dataloader_starvation — data wait / step time per rank, grouped by node.
+* comm_degradation — pure comm time per step: the shortest collective time over ranks (the
+  last rank to arrive does not wait for anyone), against a baseline learned from the job's own
+  first steps and tracked while healthy; waiting for a straggler or a starved node does not
+  move it.
+* exposed_comm — the shortest comm span over ranks (comm not hidden and not waiting), as a
+  share of the step.
+* memory_leak — allocated memory at step end grows at every step of a window.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from perfloop.streams._detect_state import Finding, JobState
+
+if TYPE_CHECKING:
+    from perfloop.streams._detect_config import DetectConfig
+
+__all__ = ["nanmean", "nanmedian", "nz", "step_detectors", "trailing"]
+
+WINDOW = 16  # complete steps the detectors look at
+
+
+def trailing(flag: np.ndarray) -> np.ndarray:
+    """Length of the run of True at the end of each column (axis 0).
+
+    >>> trailing(np.array([[1, 0], [1, 1], [0, 1], [1, 1]], dtype=bool)).tolist()
+    [1, 3]
+    """
+    if not len(flag):
+        return np.zeros(flag.shape[1:], dtype=np.int64)
+    return np.cumprod(flag[::-1], axis=0).sum(axis=0)
+
+
+def nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
+    """Median along ``axis`` (0 or 1) of a 2-D array, ignoring NaN; NaN where all are NaN.
+
+    Much cheaper than `numpy.nanmedian` on the small matrices the detectors use.
+
+    >>> nanmedian(np.array([[1.0, np.nan, 3.0], [np.nan, np.nan, np.nan]]), 1).tolist()
+    [2.0, nan]
+    """
+    if axis == 0:
+        a = a.T
+    s = np.sort(a, axis=1)  # NaN sorts last, so with no value both picks are NaN
+    n = a.shape[1] - np.isnan(a).sum(axis=1)
+    rows = np.arange(len(s))
+    return 0.5 * (s[rows, (n - 1) // 2] + s[rows, n // 2])
+
+
+def nz(x: Any) -> Any:
+    """NaN → 0 (cheaper than `numpy.nan_to_num` on small arrays)."""
+    return np.where(x == x, x, 0.0)
+
+
+def nanmean(a: np.ndarray, axis: int | None = None) -> Any:
+    """Mean ignoring NaN, without the warning numpy gives for an all-NaN slice."""
+    ok = ~np.isnan(a)
+    n = ok.sum(axis=axis)
+    total = np.where(ok, a, 0.0).sum(axis=axis)
+    return np.where(n > 0, total / np.maximum(n, 1), np.nan)
+
+
+def _active(state: dict[str, Any], key: str, n: int) -> np.ndarray:
+    a = state.get(key)
+    if a is None or len(a) < n:
+        old = a if a is not None else np.zeros(0, dtype=bool)
+        a = np.concatenate([old, np.zeros(n - len(old), dtype=bool)])
+        state[key] = a
+    return a
+
+
+def _hysteresis(active: np.ndarray, run_on: Any, run_off: Any, need: int, clear: int) -> Any:
+    return (active | (run_on >= need)) & ~(active & (run_off >= clear))
+
+
+def _replace(job: JobState, prefix: str, found: dict[str, Finding]) -> None:
+    """Set ``prefix`` findings to ``found``, keeping each open one's first onset."""
+    for key in [k for k in job.findings if k.startswith(prefix) and k not in found]:
+        del job.findings[key]
+    for key, f in found.items():
+        old = job.findings.get(key)
+        if old is not None:
+            f.onset_ns = old.onset_ns
+        job.findings[key] = f
+
+
+def _derive(job: JobState, win: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Per step and rank: compute, data-wait share, straggler score; per step: medians, pure
+    and exposed comm. Ranks that do not report steps (``need`` False) are NaN."""
+    r = win
+    need = None if r["need"].all() else r["need"][None, :]
+
+    def masked(a: np.ndarray, present: np.ndarray | None = None) -> np.ndarray:
+        m = present if need is None else (need if present is None else need & present)
+        return a if m is None else np.where(m, a, np.nan)
+
+    shape = r["st"].shape
+    st, wait = masked(r["st"]), masked(r["wait"])
+    comm = masked(r["comm"], r["n_comm"] > 0) if job.flags["comm_spans"] else None
+    coll = masked(r["coll"], r["n_coll"] > 0) if job.flags["coll"] else None
+    if job.flags["spans"]:
+        comp = masked(r["compute"], r["n_compute"] > 0)
+    elif coll is not None:
+        comp = st - wait - coll
+    else:
+        comp = np.full(shape, np.nan)
+    med = nanmedian(comp, 1)
+    step_ms = nanmedian(st, 1)
+    nan_steps = np.full(shape[0], np.nan)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d: dict[str, Any] = {
+            "st": st,
+            "wait": wait,
+            "comp": comp,
+            "comm": comm if comm is not None else np.full(shape, np.nan),
+            "med": med,
+            "step_ms": step_ms,
+            "score": np.maximum(1.0 - med[:, None] / comp, 0.0),  # 0–1; NaN: no data
+            "share": wait / st,
+            "pure": np.fmin.reduce(coll if coll is not None else comm, axis=1)
+            if (coll is not None or comm is not None)
+            else nan_steps,
+            "exposed": np.fmin.reduce(comm, axis=1) if comm is not None else nan_steps,
+        }
+        last = slice(-3, None)
+        excess = nanmean((comp[last] - med[last, None]) / step_ms[last, None], axis=0)
+        job.det["excess_share"] = np.minimum(np.maximum(nz(excess), 0.0), 1.0)
+        job.det["wait_share"] = nz(nanmean(d["share"][last], axis=0))
+        job.det["compute_share"] = float(nz(nanmean(med[last] / step_ms[last])))
+        if job.flags["kernels"]:
+            ratio = (masked(r["busy"]) / comp).ravel()
+            job.det["busy_ratio"] = float(np.nan_to_num(nanmedian(ratio[None, :], 1)[0], nan=-1.0))
+    return d
+
+
+def _start(win: dict[str, np.ndarray], i: int, r: Any) -> Any:
+    """Event time at which step row ``i`` of rank(s) ``r`` started."""
+    return win["end"][i, r] - np.nan_to_num(win["st"][i, r] * 1e6).astype(np.int64)
+
+
+def step_detectors(job: JobState, cfg: DetectConfig) -> None:
+    """Run the step-based detectors if new steps completed since the last call."""
+    if not job.complete_steps():
+        return
+    win = job.window(WINDOW)
+    if not len(win["step"]):
+        return
+    new = win["step"] > job.last_eval_step
+    job.last_eval_step = int(win["step"][-1])
+    d = _derive(job, win)
+    seen = job.det["steps_seen"] = job.det.get("steps_seen", 0) + int(new.sum())
+    if seen >= job.det.get("p99_at", 0):  # the hang timeout's statistics, every few steps
+        job.det["p99_at"] = seen + 8
+        st_all = job.ring["st"][job.usable].ravel()
+        st_all = st_all[~np.isnan(st_all)]
+        if len(st_all):
+            job.det["p99_ms"] = float(np.percentile(st_all, 99))
+            job.det["median_step_ms"] = float(np.median(st_all))
+    for name, fn in (
+        ("straggler", _straggler),
+        ("load_imbalance", _load_imbalance),
+        ("dataloader", _dataloader),
+        ("comm", _comm),
+        ("exposed_comm", _exposed),
+        ("memory", _memory),
+    ):
+        if getattr(cfg, name).enabled:
+            fn(job, getattr(cfg, name), win, d, new)
+        else:
+            _replace(job, _PREFIX[name], {})
+
+
+_PREFIX = {
+    "straggler": "straggler:",
+    "load_imbalance": "load_imbalance",
+    "dataloader": "dataloader_starvation:",
+    "comm": "comm_degradation",
+    "exposed_comm": "exposed_comm",
+    "memory": "memory_leak:",
+}
+
+
+def _straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
+    st = job.det.setdefault("straggler", {})
+    score, comp, med = d["score"], d["comp"], d["med"]
+    n, w = score.shape
+    flag = score >= p.score_threshold
+    active = _active(st, "active", w)[:w]
+    if not flag.any() and not active.any():
+        _replace(job, "straggler:", {})
+        return
+    ranks_present = int(np.sum(~np.isnan(comp[-1])))
+    run_on, run_off = trailing(flag), trailing(~flag)
+    st["active"][:w] = act = _hysteresis(active, run_on, run_off, p.persist_steps, p.clear_steps)
+    if ranks_present < 2:
+        st["active"][:] = act = np.zeros(w, dtype=bool)
+    found = {}
+    for r in np.flatnonzero(act):
+        k = int(min(max(run_on[r], 1), n, 4))
+        sc = float(score[-k:, r].mean())
+        others = np.delete(d["comm"][-k:], r, axis=1).ravel()
+        wait_others = nanmedian(others[None, :], 1)[0] - nanmean(d["comm"][-k:, r])
+        found[f"straggler:r{r}"] = Finding(
+            key=f"straggler:r{r}",
+            bottleneck="straggler",
+            onset_ns=int(_start(win, n - int(min(max(run_on[r], 1), n)), r)),
+            step_share=float(np.clip(job.det["excess_share"][r], 0, 1)),
+            confidence=float(np.clip(0.5 * sc / (2 * p.score_threshold), 0, 0.5))
+            + 0.5 * min(1.0, run_on[r] / (2 * p.persist_steps)),
+            ranks=[int(r)],
+            rank=int(r),
+            step=int(win["step"][-1]),
+            evidence={
+                "score": round(sc, 4),
+                "compute_ms": round(float(comp[-k:, r].mean()), 3),
+                "median_compute_ms": round(float(med[-k:].mean()), 3),
+                "step_time_ms": round(float(d["step_ms"][-k:].mean()), 3),
+                "slow_steps": float(run_on[r]),
+                **(
+                    {"others_comm_wait_ms": round(wait_others, 3)}
+                    if wait_others == wait_others
+                    else {}
+                ),
+            },
+            summary=f"rank {r} computes {1 / max(1e-9, 1 - sc):.2f}x the job median per step",
+        )
+    _replace(job, "straggler:", found)
+
+
+def _load_imbalance(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
+    st = job.det.setdefault("load_imbalance", {"active": False})
+    comp = d["comp"][-p.window_steps :]
+    med, top = d["med"][-p.window_steps :], np.fmax.reduce(comp, axis=1)
+    imb = nz(1.0 - med / top)
+    flagged = imb >= p.threshold
+    count = int(flagged.sum())
+    if not st["active"] and count < p.min_flagged:
+        _replace(job, "load_imbalance", {})
+        return
+    slow = d["score"][-p.window_steps :] >= job.det.get("straggler_threshold", 0.12)
+    # rotating: no single rank is slow in most of the flagged steps (that is a straggler)
+    tops = np.argmax(np.where(comp == comp, comp, -1.0), axis=1)[flagged]
+    rotating = (
+        count > 0
+        and slow[flagged].sum(axis=0).max() <= count / 2
+        and len(np.unique(tops)) >= min(3, comp.shape[1])
+    )
+    if not st["active"]:
+        st["active"] = bool(len(comp) >= p.window_steps and count >= p.min_flagged and rotating)
+    elif count <= len(comp) - p.min_flagged or not rotating:
+        st["active"] = False
+    found = {}
+    if st["active"]:
+        argmax = tops
+        step_ms = d["step_ms"][-p.window_steps :]
+        first = int(np.argmax(flagged))
+        found["load_imbalance"] = Finding(
+            key="load_imbalance",
+            bottleneck="load_imbalance",
+            onset_ns=int(np.min(_start(win, len(win["step"]) - len(comp) + first, slice(None)))),
+            step_share=float(np.clip(np.mean(((top - med) / step_ms)[flagged]), 0, 1)),
+            confidence=min(1.0, 0.4 + 0.6 * count / len(comp)),
+            ranks=sorted({int(x) for x in argmax}),
+            step=int(win["step"][-1]),
+            evidence={
+                "imbalance": round(float(imb[flagged].mean()), 4),
+                "imbalanced_steps": float(count),
+                "slowest_ranks": float(len(set(argmax.tolist()))),
+            },
+            summary=f"compute differs across ranks by {100 * imb[flagged].mean():.0f}% per step, "
+            "the slowest rank changing from step to step",
+        )
+    _replace(job, "load_imbalance", found)
+
+
+def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
+    st = job.det.setdefault("dataloader", {})
+    share = d["share"]
+    n, w = share.shape
+    flag = share >= p.share_threshold
+    active = _active(st, "active", w)[:w]
+    if not flag.any() and not active.any():
+        _replace(job, "dataloader_starvation:", {})
+        return
+    run_on, run_off = trailing(flag), trailing(~flag)
+    st["active"][:w] = act = _hysteresis(active, run_on, run_off, p.persist_steps, p.clear_steps)
+    found = {}
+    node_of = job.rank["node"][:w]
+    for node in np.unique(node_of[act]):
+        ranks = np.flatnonzero(act & (node_of == node))
+        k = int(min(n, 3))
+        sh = np.nan_to_num(share[-k:, ranks].mean(axis=0))
+        runs = np.clip(run_on[ranks], 1, n)
+        onset = int(min(_start(win, n - int(x), r) for x, r in zip(runs, ranks, strict=True)))
+        name = job.nodes[int(node)] if node >= 0 else "unknown"
+        key = f"dataloader_starvation:{name}"
+        found[key] = Finding(
+            key=key,
+            bottleneck="dataloader_starvation",
+            onset_ns=onset,
+            step_share=float(np.clip(sh.max(), 0, 1)),
+            confidence=float(min(1.0, 0.5 + sh.max())),
+            ranks=[int(r) for r in ranks],
+            nodes=[name],
+            rank=int(ranks[0]) if len(ranks) == 1 else -1,
+            step=int(win["step"][-1]),
+            evidence={
+                "data_wait_share": round(float(sh.max()), 4),
+                "data_wait_ms": round(float(nanmean(d["wait"][-k:, ranks])), 3),
+                "step_time_ms": round(float(d["step_ms"][-k:].mean()), 3),
+                "ranks": float(len(ranks)),
+                **_node_evidence(job, int(node)),
+            },
+            summary=f"{len(ranks)} rank(s) on {name} wait for input {100 * sh.max():.0f}% "
+            "of each step",
+        )
+    _replace(job, "dataloader_starvation:", found)
+
+
+def _node_evidence(job: JobState, node: int) -> dict[str, float]:
+    out = {}
+    for key, name in (("iowait", "sys_iowait_pct"), ("cpu", "sys_cpu_pct")):
+        v = job.node[key][node] if 0 <= node < len(job.node[key]) else np.nan
+        if v == v:
+            out[name] = float(v)
+    return out
+
+
+def _comm(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
+    st = job.det.setdefault(
+        "comm", {"base": 0.0, "exp_base": 0.0, "learn": [], "learn_exp": [], "active": False}
+    )
+    pure, exposed = d["pure"], d["exposed"]
+    for v, e in zip(pure[new], exposed[new], strict=True):
+        if v != v:  # no collective or comm data for this step
+            continue
+        if st["base"] <= 0:
+            st["learn"].append(float(v))
+            st["learn_exp"].append(float(e))
+            if len(st["learn"]) >= p.baseline_steps:
+                st["base"] = float(np.median(st["learn"]))
+                exp = np.asarray(st["learn_exp"], dtype=np.float64)[None, :]
+                st["exp_base"] = float(np.nan_to_num(nanmedian(exp, 1)[0]))
+                st["learn"], st["learn_exp"] = [], []
+        elif v / st["base"] < 1 + (p.ratio_threshold - 1) / 2:  # healthy: track slow drift
+            st["base"] += 0.05 * (v - st["base"])
+            if e == e:
+                st["exp_base"] += 0.05 * (e - st["exp_base"])
+    found = {}
+    if st["base"] > 0:
+        ratio = nz(pure / st["base"])
+        flag = ratio >= p.ratio_threshold
+        run_on, run_off = int(trailing(flag)), int(trailing(~flag))
+        strong = int(trailing(ratio >= p.strong_ratio))
+        opened = run_on >= p.persist_steps or strong >= p.strong_persist_steps
+        if not st["active"]:
+            st["active"] = bool(opened)
+        elif run_off >= p.clear_steps:
+            st["active"] = False
+        if st["active"]:
+            n = len(pure)
+            k = int(min(max(run_on, 1), n))
+            recent = slice(n - min(k, 4), None)
+            step_ms = float(d["step_ms"][recent].mean())
+            exp_now = float(nanmean(exposed[recent]))
+            if exp_now == exp_now:
+                extra = exp_now - st["exp_base"]
+            else:
+                extra = float(pure[recent].mean()) - st["base"]
+            found["comm_degradation"] = Finding(
+                key="comm_degradation",
+                bottleneck="comm_degradation",
+                onset_ns=int(np.min(_start(win, n - k, slice(None)))),
+                step_share=float(np.clip(extra / step_ms, 0, 1)),
+                confidence=float(min(1.0, 0.5 + 0.25 * (ratio[recent].mean() - 1))),
+                step=int(win["step"][-1]),
+                evidence={
+                    "comm_ms": round(float(pure[recent].mean()), 3),
+                    "baseline_ms": round(st["base"], 3),
+                    "ratio": round(float(ratio[recent].mean()), 3),
+                    "slow_steps": float(run_on),
+                    "step_time_ms": round(step_ms, 3),
+                    **({"exposed_comm_ms": round(exp_now, 3)} if exp_now == exp_now else {}),
+                },
+                summary=f"collectives take {ratio[recent].mean():.1f}x their baseline "
+                f"({pure[recent].mean():.1f} ms vs {st['base']:.1f} ms), not waiting on a rank",
+            )
+    _replace(job, "comm_degradation", found)
+
+
+def _exposed(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
+    st = job.det.setdefault("exposed_comm", {"active": False})
+    share = nz(d["exposed"] / d["step_ms"])
+    flag = share >= p.share_threshold
+    run_on, run_off = int(trailing(flag)), int(trailing(~flag))
+    st["active"] = bool(
+        (run_on >= p.persist_steps) if not st["active"] else run_off < p.clear_steps
+    )
+    found = {}
+    if st["active"]:
+        n = len(share)
+        k = int(min(max(run_on, 1), n))
+        sh = float(share[-min(k, 4) :].mean())
+        found["exposed_comm"] = Finding(
+            key="exposed_comm",
+            bottleneck="exposed_comm",
+            onset_ns=int(np.min(_start(win, n - k, slice(None)))),
+            step_share=float(np.clip(sh, 0, 1)),
+            confidence=float(min(1.0, 0.5 + sh)),
+            step=int(win["step"][-1]),
+            evidence={
+                "exposed_comm_ms": round(float(d["exposed"][-min(k, 4) :].mean()), 3),
+                "exposed_comm_share": round(sh, 4),
+                "step_time_ms": round(float(d["step_ms"][-min(k, 4) :].mean()), 3),
+            },
+            summary=f"{100 * sh:.0f}% of each step is communication no rank hides",
+        )
+    _replace(job, "exposed_comm", found)
+
+
+def _memory(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
+    st = job.det.setdefault("memory", {})
+    mem = np.where(win["need"][None, :], win["mem"], np.nan)
+    n, w = mem.shape
+    active = _active(st, "active", w)[:w]
+    if n < 2:
+        return
+    delta = np.diff(mem, axis=0)
+    up = delta > 0
+    if not up[-1].any() and not active.any():
+        _replace(job, "memory_leak:", {})
+        return
+    run = trailing(up)
+    slope = nanmedian(np.where(up, delta, np.nan)[-p.window_steps + 1 :], 0)
+    grows = (run >= p.window_steps - 1) & (nz(slope) >= p.min_growth_bytes)
+    still = trailing(~up) < p.clear_steps
+    st["active"][:w] = act = (active | grows) & still
+    found = {}
+    for r in np.flatnonzero(act):
+        rate = float(np.nan_to_num(slope[r]))
+        step_s = float(d["step_ms"][-1]) / 1000
+        total = _device_total(job, int(r))
+        peak = win["peak"][-1, r]
+        used = float(peak if peak == peak else mem[-1, r])
+        headroom = max(0.0, total - used) if total > 0 else np.nan
+        tto = headroom / rate * step_s if rate > 0 and headroom == headroom else np.nan
+        k = int(min(max(run[r], 1), n - 1))
+        ev = {
+            "growth_bytes_per_step": round(rate, 1),
+            "growth_bytes_per_s": round(rate / max(step_s, 1e-9), 1),
+            "allocated_bytes": float(mem[-1, r]),
+            "steps_growing": float(run[r]),
+        }
+        if tto == tto:
+            ev.update(headroom_bytes=float(headroom), time_to_oom_s=round(float(tto), 2))
+        found[f"memory_leak:r{r}"] = Finding(
+            key=f"memory_leak:r{r}",
+            bottleneck="memory_leak",
+            onset_ns=int(_start(win, n - k, r)),
+            step_share=0.0,
+            confidence=float(min(1.0, 0.5 + 0.5 * run[r] / (2 * p.window_steps))),
+            ranks=[int(r)],
+            rank=int(r),
+            step=int(win["step"][-1]),
+            evidence=ev,
+            summary=f"rank {r} keeps {rate / 2**20:.1f} MiB more each step"
+            + (f"; out of memory in about {tto:.0f} s" if tto == tto else ""),
+        )
+    _replace(job, "memory_leak:", found)
+
+
+def _device_total(job: JobState, rank: int) -> float:
+    mine = job.dev["rank"] == rank
+    total = float(job.dev["mem_total"][mine].max()) if mine.any() else 0.0
+    return total if total > 0 else float(job.gpu_mem_bytes)

@@ -1,0 +1,362 @@
+"""The top-down bottleneck funnel: detectors over a job's telemetry → `Diagnosis` events.
+
+`Funnel` is a stream-engine component (no I/O, picklable state): ``observe`` folds decoded
+telemetry batches into compact per-job state (`perfloop.streams._detect_state`),
+``observe_event`` reads `JobInfo` (world size, GPU memory) and `JobLifecycle` (a job's end; a
+failure whose message says out of memory is an ``oom``). `GroundTruth` and every other event
+are ignored: ground truth is the answer key of evaluations, never an input.
+
+``tick(wall_ns)`` runs the detectors on the freshest data (step detectors when new steps
+completed, device and host detectors, the hang watchdog) and orders what they hold active
+top-down (`FUNNEL_LEVELS`: cluster health → network → host → memory → kernel). A condition
+whose cause is also active is a symptom: it gets ``explained_by`` (the cause's bottleneck,
+`EXPLAINS`) and is off the critical path. A root condition is on the critical path when it
+costs at least ``funnel.min_step_share`` of the step, or threatens the job itself (loop
+"product": hang, OOM, memory leak, GPU errors); kernel-level roofline classes are context and
+never are. A new symptom whose cause is still pending (a throttle episode not yet long enough)
+is held up to ``funnel.hold_s``, so it opens already explained.
+
+Each condition becomes one diagnosis with a stable ``diagnosis_id``: "open" when first held
+(``ts_ns`` = the tick's wall time, ``onset_ns`` = estimated event-time start), "update" at most
+every ``funnel.update_s`` (and at once when ``explained_by`` or ``critical_path`` changes),
+"resolved" when it clears or the job ends. `actionable` picks what may lead to a
+recommendation: open or updated, root, on the critical path.
+
+Settings are `DetectConfig` fields, changed live with ``configure("detect.<detector>.<param>",
+value)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from perfloop.exceptions import ConfigError
+from perfloop.schemas.analysis import BOTTLENECKS, FUNNEL_LEVELS, Diagnosis
+from perfloop.schemas.base import Event
+from perfloop.schemas.codec import Batch
+from perfloop.schemas.job import JobInfo, JobLifecycle
+from perfloop.streams._detect_config import DetectConfig
+from perfloop.streams._detect_gpu import device_detectors
+from perfloop.streams._detect_hang import hang_detector
+from perfloop.streams._detect_state import NS, Finding, JobState
+from perfloop.streams._detect_steps import step_detectors
+
+__all__ = ["EXPLAINS", "LOOPS", "DetectConfig", "Funnel", "actionable"]
+
+LOOPS: dict[str, str] = {
+    "hang": "product",
+    "gpu_error": "product",
+    "oom": "product",
+    "memory_leak": "product",
+    "low_memory_headroom": "product",
+    "straggler": "training",
+    "comm_degradation": "training",
+    "exposed_comm": "training",
+    "load_imbalance": "training",
+}
+"""Each bottleneck's loop; the rest are "inner" (within a step on one rank or GPU)."""
+
+_ALL_BUT_HARDWARE = (
+    "straggler",
+    "comm_degradation",
+    "exposed_comm",
+    "load_imbalance",
+    "dataloader_starvation",
+    "cpu_saturation",
+    "launch_overhead",
+    "memory_bound",
+    "compute_bound",
+    "overhead_bound",
+)
+EXPLAINS: dict[str, dict[str, str]] = {
+    "hang": dict.fromkeys(_ALL_BUT_HARDWARE, "job"),
+    "gpu_error": {"hang": "ranks", "straggler": "ranks", "load_imbalance": "ranks"},
+    "thermal_throttle": {"straggler": "ranks", "load_imbalance": "ranks"},
+    "power_throttle": {"straggler": "ranks", "load_imbalance": "ranks"},
+    "comm_degradation": {"exposed_comm": "job"},
+    "cpu_saturation": {"dataloader_starvation": "nodes", "straggler": "nodes"},
+    "memory_leak": {"low_memory_headroom": "ranks"},
+}
+"""cause → {symptom: scope}: the cause explains the symptom when both are active in the same
+job and their ranks ("ranks") or nodes ("nodes") overlap, or anywhere in the job ("job").
+An empty rank or node list means the whole job."""
+
+_OOM = re.compile(r"out of memory|outofmemory|\boom\b", re.IGNORECASE)
+_BATCH_KINDS = frozenset({"step", "span", "collective", "kernel", "gpu", "host"})
+_ENDED = frozenset({"finished", "failed", "killed"})
+
+
+def actionable(diagnoses: Iterable[Diagnosis]) -> list[Diagnosis]:
+    """The diagnoses that may lead to a recommendation: not resolved, root, critical path.
+
+    >>> d = Diagnosis(ts_ns=2, job_id="j", node="n", rank=3, diagnosis_id="d1",
+    ...               bottleneck="straggler", level="network", loop="training",
+    ...               state="open", onset_ns=1, step_share=0.3, confidence=0.9,
+    ...               critical_path=True, ranks=[3])
+    >>> [x.diagnosis_id for x in actionable([d, d.model_copy(update={"explained_by": "hang"})])]
+    ['d1']
+    """
+    return [
+        d for d in diagnoses if d.state != "resolved" and d.critical_path and not d.explained_by
+    ]
+
+
+class _Open:
+    """What the funnel remembers of one open diagnosis (and its latest finding)."""
+
+    __slots__ = ("critical", "explained_by", "finding", "id", "last_emit_ns")
+
+    def __init__(
+        self, id: str, explained_by: str, critical: bool, last_emit_ns: int, finding: Finding
+    ) -> None:
+        self.id, self.explained_by = id, explained_by
+        self.critical, self.last_emit_ns, self.finding = critical, last_emit_ns, finding
+
+
+class Funnel:
+    """Cross-rank and per-device detectors ordered top-down (see the module docstring).
+
+    >>> from perfloop.schemas import BatchBuilder, decode_batch, JobLifecycle
+    >>> f = Funnel()
+    >>> ev = JobLifecycle(ts_ns=5, job_id="j", node="n0", rank=2, state="failed",
+    ...                   message="torch.OutOfMemoryError: CUDA out of memory")
+    >>> f.observe_event(ev, wall_ns=10)
+    >>> [(d.bottleneck, d.state, d.ranks, d.loop, d.critical_path) for d in f.tick(20)]
+    [('oom', 'open', [2], 'product', True)]
+    >>> f.configure("detect.straggler.score_threshold", 0.2)
+    (0.12, 0.2)
+    """
+
+    def __init__(self, config: DetectConfig | None = None) -> None:
+        self.config = config or DetectConfig()
+        self._jobs: dict[str, JobState] = {}
+        self._open: dict[str, dict[str, _Open]] = {}
+        self._held: dict[str, dict[str, int]] = {}
+        self._ended: dict[str, int] = {}  # job → wall time it ended (late data is ignored)
+
+    # -- input -------------------------------------------------------------------------------
+    def _job(self, job_id: str) -> JobState | None:
+        if job_id in self._ended:
+            return None
+        job = self._jobs.get(job_id)
+        if job is None:
+            job = self._jobs[job_id] = JobState(job_id)
+            self._apply_thresholds(job)
+        return job
+
+    def _apply_thresholds(self, job: JobState) -> None:
+        job.det["clock_drop"] = self.config.throttle.min_clock_drop
+        job.det["cpu_threshold"] = self.config.cpu.threshold_pct
+        job.det["straggler_threshold"] = self.config.straggler.score_threshold
+
+    def observe(self, batch: Batch, wall_ns: int) -> None:
+        """Fold one decoded telemetry batch in (kinds this component does not read are skipped)."""
+        if batch.kind not in _BATCH_KINDS or not len(batch):
+            return
+        job = self._job(batch.job_id)
+        if job is not None:
+            job.ingest(batch.kind, batch.node, batch.columns, wall_ns)
+
+    def observe_event(self, event: Event, wall_ns: int) -> None:
+        """Read job info and lifecycle events; ignore everything else (ground truth included)."""
+        if isinstance(event, JobInfo):
+            job = self._job(event.job_id)
+            if job is not None:
+                job.declared_world = max(job.declared_world, event.world_size)
+                job.gpu_mem_bytes = float(event.gpu_mem_bytes or job.gpu_mem_bytes)
+                job.node_index(event.node)
+        elif isinstance(event, JobLifecycle):
+            job = self._job(event.job_id)
+            if job is None:
+                return
+            if event.state == "failed" and _OOM.search(event.message or ""):
+                self._oom(job, event)
+            if event.rank == -1 and event.state in _ENDED:
+                job.ended = True
+
+    def _oom(self, job: JobState, event: JobLifecycle) -> None:
+        old = job.findings.get("oom")
+        ranks = sorted({*(old.ranks if old else []), *([event.rank] if event.rank >= 0 else [])})
+        job.findings["oom"] = Finding(
+            key="oom",
+            bottleneck="oom",
+            onset_ns=old.onset_ns if old else event.ts_ns,
+            step_share=1.0,
+            confidence=1.0,
+            ranks=ranks,
+            nodes=sorted({*(old.nodes if old else []), event.node}),
+            rank=ranks[0] if len(ranks) == 1 else -1,
+            step=job.newest_step if job.newest_step > 0 else 0,
+            evidence={"exit_code": float(event.exit_code or 0)},
+            summary=(event.message or "out of memory")[:500],
+        )
+
+    # -- detection ---------------------------------------------------------------------------
+    def tick(self, wall_ns: int) -> list[Diagnosis]:
+        """Run the detectors and return the diagnoses that opened, updated or resolved."""
+        out: list[Diagnosis] = []
+        idle_ns = int(self.config.funnel.idle_job_s * NS)
+        for job_id in list(self._jobs):
+            job = self._jobs[job_id]
+            ended = job.ended or (job.last_wall_ns and wall_ns - job.last_wall_ns > idle_ns)
+            if not ended:
+                step_detectors(job, self.config)
+                device_detectors(job, self.config)
+            hang_detector(job, self.config, wall_ns)
+            out.extend(self._reconcile(job, wall_ns, final=bool(ended)))
+            if ended:
+                del self._jobs[job_id]
+                self._open.pop(job_id, None)
+                self._held.pop(job_id, None)
+                self._ended[job_id] = wall_ns
+        for job_id, t in list(self._ended.items()):
+            if wall_ns - t > idle_ns:
+                del self._ended[job_id]
+        return out
+
+    def _cause(self, f: Finding, active: list[Finding], pending: list[tuple[str, int]]) -> str:
+        best, best_level = "", len(FUNNEL_LEVELS)
+        for c in active:
+            scope = EXPLAINS.get(c.bottleneck, {}).get(f.bottleneck)
+            if scope is None or c is f or not _overlap(scope, c, f):
+                continue
+            level = FUNNEL_LEVELS.index(BOTTLENECKS[c.bottleneck])
+            if level < best_level:
+                best, best_level = c.bottleneck, level
+        return best
+
+    def _reconcile(self, job: JobState, wall_ns: int, *, final: bool) -> list[Diagnosis]:
+        cfg = self.config.funnel
+        opened = self._open.setdefault(job.job_id, {})
+        held = self._held.setdefault(job.job_id, {})
+        active = list(job.findings.values())
+        active.sort(key=lambda f: (FUNNEL_LEVELS.index(BOTTLENECKS[f.bottleneck]), f.key))
+        pending = job.det.get("pending", [])
+        out = []
+        for f in active:
+            cause = self._cause(f, active, pending)
+            rec = opened.get(f.key)
+            if rec is None and not cause and self._waits_for_cause(f, pending):
+                first = held.setdefault(f.key, wall_ns)
+                if wall_ns - first < cfg.hold_s * NS:
+                    continue
+            held.pop(f.key, None)
+            level = BOTTLENECKS[f.bottleneck]
+            loop = LOOPS.get(f.bottleneck, "inner")
+            critical = (
+                not cause
+                and level != "kernel"
+                and (loop == "product" or f.step_share >= cfg.min_step_share)
+            )
+            if rec is None:
+                rec = opened[f.key] = _Open(_diag_id(job.job_id, f), cause, critical, wall_ns, f)
+                out.append(self._diagnosis(job, f, rec, "open", wall_ns))
+                continue
+            rec.finding = f
+            if final:  # the job ended: everything resolves below, no last updates
+                continue
+            if (
+                cause != rec.explained_by
+                or critical != rec.critical
+                or wall_ns - rec.last_emit_ns >= cfg.update_s * NS
+            ):
+                rec.explained_by, rec.critical, rec.last_emit_ns = cause, critical, wall_ns
+                out.append(self._diagnosis(job, f, rec, "update", wall_ns))
+        live = set() if final else {f.key for f in active}
+        for key in [k for k in opened if k not in live]:
+            rec = opened.pop(key)
+            out.append(self._diagnosis(job, rec.finding, rec, "resolved", wall_ns))
+        for key in [k for k in held if k not in live]:
+            del held[key]
+        return out
+
+    @staticmethod
+    def _waits_for_cause(f: Finding, pending: list[tuple[str, int]]) -> bool:
+        for bottleneck, rank in pending:
+            scope = EXPLAINS.get(bottleneck, {}).get(f.bottleneck)
+            if scope == "ranks" and (rank < 0 or not f.ranks or rank in f.ranks):
+                return True
+        return False
+
+    def _diagnosis(
+        self, job: JobState, f: Finding, rec: _Open, state: str, wall_ns: int
+    ) -> Diagnosis:
+        node = f.nodes[0] if f.nodes else (job.nodes[0] if job.nodes else "unknown")
+        return Diagnosis(
+            ts_ns=wall_ns,
+            job_id=job.job_id,
+            node=node,
+            rank=f.rank,
+            diagnosis_id=rec.id,
+            bottleneck=f.bottleneck,
+            level=BOTTLENECKS[f.bottleneck],  # type: ignore[arg-type]
+            loop=LOOPS.get(f.bottleneck, "inner"),  # type: ignore[arg-type]
+            state=state,  # type: ignore[arg-type]
+            onset_ns=max(0, int(f.onset_ns)),
+            step_share=round(min(1.0, max(0.0, f.step_share)), 4),
+            confidence=round(min(1.0, max(0.0, f.confidence)), 4),
+            critical_path=rec.critical and state != "resolved",
+            explained_by=rec.explained_by,
+            ranks=list(f.ranks),
+            nodes=list(f.nodes),
+            step=max(0, int(f.step)),
+            evidence={k: float(v) for k, v in f.evidence.items() if v == v},
+            summary=f.summary[:2000],
+        )
+
+    # -- live settings and snapshots ---------------------------------------------------------
+    def configure(self, key: str, value: Any) -> tuple[Any, Any]:
+        """Change ``detect.<detector>.<param>`` live; return (old, new)."""
+        if not key.startswith("detect."):
+            raise ConfigError(f"unknown setting {key}; the funnel's settings start with detect.")
+        sub = key[len("detect.") :]
+        old = self.config.get_key(sub)
+        self.config = self.config.replace_key(sub, value)
+        for job in self._jobs.values():
+            self._apply_thresholds(job)
+        return old, self.config.get_key(sub)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Durable state: settings, every job's state, open diagnoses (builtins + numpy)."""
+        return {
+            "version": 1,
+            "config": self.config.to_dict(),
+            "jobs": {k: j.to_state() for k, j in self._jobs.items()},
+            "open": {
+                j: {
+                    k: [o.id, o.explained_by, o.critical, o.last_emit_ns, o.finding.to_dict()]
+                    for k, o in recs.items()
+                }
+                for j, recs in self._open.items()
+            },
+            "held": {j: dict(h) for j, h in self._held.items()},
+            "ended": dict(self._ended),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Replace this funnel's state with a `snapshot`."""
+        if state.get("version") != 1:
+            raise ConfigError(f"funnel snapshot version {state.get('version')!r}; supported: 1")
+        self.config = DetectConfig.from_dict(state["config"])
+        self._jobs = {k: JobState.from_state(v) for k, v in state["jobs"].items()}
+        self._open = {
+            j: {k: _Open(*v[:4], Finding(**v[4])) for k, v in recs.items()}
+            for j, recs in state["open"].items()
+        }
+        self._held = {j: dict(h) for j, h in state["held"].items()}
+        self._ended = dict(state["ended"])
+
+
+def _overlap(scope: str, cause: Finding, symptom: Finding) -> bool:
+    if scope == "job":
+        return True
+    a, b = (cause.ranks, symptom.ranks) if scope == "ranks" else (cause.nodes, symptom.nodes)
+    return not a or not b or bool(set(a) & set(b))
+
+
+def _diag_id(job_id: str, f: Finding) -> str:
+    h = hashlib.blake2b(f"{job_id}|{f.key}|{f.onset_ns}".encode(), digest_size=12).hexdigest()
+    return f"{f.bottleneck[:32]}-{h}"
