@@ -29,7 +29,7 @@ def _flag(default: bool = True) -> Any:
 class FunnelParams:
     update_s: float = _p(10.0, 1.0, 3600.0, "least seconds between two updates of a diagnosis")
     min_step_share: float = _p(0.05, 0.0, 1.0, "share of step time that puts a cause on the path")
-    hold_s: float = _p(1.0, 0.0, 30.0, "hold a symptom this long while its cause is unconfirmed")
+    hold_s: float = _p(1.5, 0.0, 30.0, "hold a symptom this long while its cause is unconfirmed")
     idle_job_s: float = _p(600.0, 10.0, 86400.0, "forget a job silent this long (wall time)")
 
 
@@ -106,7 +106,7 @@ class ExposedCommParams:
 class CpuParams:
     enabled: bool = _flag()
     threshold_pct: float = _p(90.0, 1.0, 100.0, "node CPU at or above: saturated")
-    persist_s: float = _p(2.0, 0.0, 3600.0, "saturated without a break this long to open")
+    persist_s: float = _p(1.0, 0.0, 3600.0, "saturated without a break this long to open")
     clear_s: float = _p(5.0, 0.1, 3600.0, "below the threshold this long to resolve")
 
 

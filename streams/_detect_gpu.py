@@ -86,17 +86,21 @@ def _throttle(job: JobState, cfg: DetectConfig, bottleneck: str, p: str) -> None
     active = st["active"]
     active[:] = (active | lasting) & ~(active & cleared)
     for i in np.flatnonzero(ongoing & ~active & (on >= off)):
-        job.det["pending"].append((bottleneck, int(d["rank"][i])))
+        rank = int(d["rank"][i])
+        job.det["pending"].append((bottleneck, [rank] if rank >= 0 else [], [_dev_name(job, i)[0]]))
     found = {}
     for i in np.flatnonzero(active):
         node, dev = _dev_name(job, int(i))
+        key = f"{bottleneck}:{node}:{dev}"
+        if off[i] > on[i] and key in job.findings:  # clearing: keep the throttled evidence
+            found[key] = job.findings[key]
+            continue
         rank = int(d["rank"][i])
         base, clock = float(d["base"][i]), float(d["clock"][i])
         ratio = clock / base if base > 0 else np.nan
         drop = (1 - ratio) * max(job.det.get("compute_share", 1.0), 0.0) if ratio == ratio else 0
         share = max(_rank_share(job, rank), drop if drop == drop else 0.0)
         severe = bool(d["reasons"][i] & 0x40) or (ratio == ratio and ratio <= 0.9)
-        key = f"{bottleneck}:{node}:{dev}"
         ev = {
             "sm_clock_mhz": clock,
             "temp_c": float(d["temp"][i]),
@@ -168,6 +172,9 @@ def _cpu(job: JobState, cfg: DetectConfig) -> None:
     cleared = (off > on) & (off - on >= c.clear_s * NS)
     active = st["active"]
     active[:] = (active | lasting) & ~(active & cleared)
+    for i in np.flatnonzero((start > 0) & ~active & (on >= off)):
+        ranks = [int(r) for r in np.flatnonzero(job.rank["node"] == i)]
+        job.det["pending"].append(("cpu_saturation", ranks, [job.nodes[i]]))
     found = {}
     for i in np.flatnonzero(active):
         name = job.nodes[i]

@@ -217,7 +217,7 @@ class Funnel:
                 del self._ended[job_id]
         return out
 
-    def _cause(self, f: Finding, active: list[Finding], pending: list[tuple[str, int]]) -> str:
+    def _cause(self, f: Finding, active: list[Finding]) -> str:
         best, best_level = "", len(FUNNEL_LEVELS)
         for c in active:
             scope = EXPLAINS.get(c.bottleneck, {}).get(f.bottleneck)
@@ -237,7 +237,7 @@ class Funnel:
         pending = job.det.get("pending", [])
         out = []
         for f in active:
-            cause = self._cause(f, active, pending)
+            cause = self._cause(f, active)
             rec = opened.get(f.key)
             if rec is None and not cause and self._waits_for_cause(f, pending):
                 first = held.setdefault(f.key, wall_ns)
@@ -274,10 +274,11 @@ class Funnel:
         return out
 
     @staticmethod
-    def _waits_for_cause(f: Finding, pending: list[tuple[str, int]]) -> bool:
-        for bottleneck, rank in pending:
+    def _waits_for_cause(f: Finding, pending: list[tuple[str, list[int], list[str]]]) -> bool:
+        for bottleneck, ranks, nodes in pending:
             scope = EXPLAINS.get(bottleneck, {}).get(f.bottleneck)
-            if scope == "ranks" and (rank < 0 or not f.ranks or rank in f.ranks):
+            cause = Finding("", bottleneck, 0, 0.0, 0.0, ranks=ranks, nodes=nodes)
+            if scope is not None and _overlap(scope, cause, f):
                 return True
         return False
 
