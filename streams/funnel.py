@@ -165,6 +165,7 @@ class Funnel:
         if isinstance(event, JobInfo):
             job = self._job(event.job_id)
             if job is not None:
+                job.last_wall_ns = max(job.last_wall_ns, wall_ns)
                 job.declared_world = max(job.declared_world, event.world_size)
                 job.gpu_mem_bytes = float(event.gpu_mem_bytes or job.gpu_mem_bytes)
                 job.node_index(event.node)
@@ -172,6 +173,7 @@ class Funnel:
             job = self._job(event.job_id)
             if job is None:
                 return
+            job.last_wall_ns = max(job.last_wall_ns, wall_ns)
             if event.state == "failed" and _OOM.search(event.message or ""):
                 self._oom(job, event)
             if event.rank == -1 and event.state in _ENDED:
