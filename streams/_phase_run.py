@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from perfloop.streams._phase_batches import unique_ints
+
 __all__ = ["RunState"]
 
 NS = 1_000_000_000
@@ -46,6 +48,7 @@ class RunState:
         self.source = ""
         self.reached_steady = False
         self.step_sum: dict[int, list[float]] = {}  # step → [sum ms, count, newest end ns]
+        self._median: float | None = None
         self.last_step = -1
         self.last_end = 0
         self.last_wall = 0
@@ -61,7 +64,7 @@ class RunState:
     # -- inputs ----------------------------------------------------------------------------------
     def add_steps(self, step: np.ndarray, end: np.ndarray, ms: np.ndarray, wall: int) -> None:
         """Fold a batch of step events in; leave a pause when steps resume."""
-        uniq, inv = np.unique(step, return_inverse=True)
+        uniq, inv = unique_ints(step)
         sums = np.bincount(inv, weights=ms)
         counts = np.bincount(inv)
         ends = np.zeros(len(uniq), np.int64)
@@ -79,6 +82,7 @@ class RunState:
         if len(self.step_sum) > _KEEP_STEPS:
             for s in sorted(self.step_sum)[: len(self.step_sum) - _KEEP_STEPS]:
                 del self.step_sum[s]
+        self._median = None
         newest = int(end.max())
         starts = end - np.rint(ms * 1e6).astype(np.int64)
         if not self.phase:
@@ -138,10 +142,12 @@ class RunState:
         return max(t, self.last_end + max(0, wall - self.last_wall) if self.last_end else 0)
 
     def median_step_ms(self) -> float:
-        if not self.step_sum:
-            return 0.0
-        keys = sorted(self.step_sum)[-16:]
-        return float(np.median([self.step_sum[k][0] / self.step_sum[k][1] for k in keys]))
+        """Median of the last 16 steps' mean times (0 before the first step)."""
+        if self._median is None:
+            keys = sorted(self.step_sum)[-16:]
+            ms = [self.step_sum[k][0] / self.step_sum[k][1] for k in keys]
+            self._median = float(np.median(ms)) if ms else 0.0
+        return self._median
 
     def evaluate(self, wall: int, p: Callable[[str], float]) -> None:
         """Move on what time alone decides: warmup → steady, pauses, stalls."""

@@ -10,14 +10,16 @@ vectors to the step phases of `STEP_PHASES`:
 - with labels (the job also publishes phase spans): each phase's signature is the running mean
   of the samples its spans cover; a sample is classified to the nearest signature, and the
   library counts how often that prediction, made before the label arrived, was right;
-- without labels: the library clusters its recent samples (k-means++, k = 6: one cluster more
-  than phases takes the samples that straddle a phase boundary; close clusters merged; a cluster
-  lying between two others is such a mixture and takes the nearer one's name) and names the
-  clusters by physics: the GPU idles while the input pipeline is late
-  (lowest SM → ``data_wait``), NCCL kernels use few SMs and move the links (highest link traffic
-  at lower SM → ``comm``), the optimizer is memory-bound (memory ahead of SM → ``optimizer``), and
-  of the compute clusters the one drawing the most power (plus link traffic: gradient buckets
-  leave during backward) is ``backward``, the others ``forward``. A single compute cluster —
+- without labels: the library clusters its recent samples (k-means++ with k = 5 to 8: clusters
+  beyond one per phase take the samples that straddle a phase boundary; close clusters merged; a
+  cluster lying between two others is such a mixture and takes the nearer one's name; of the
+  candidates, the one with one pure cluster per phase, or nearest that, that best explains every
+  sample as one phase or a blend of two wins) and names the pure clusters by physics: the GPU
+  idles while the input pipeline is late (lowest SM → ``data_wait``), NCCL kernels use few SMs
+  and move the links (highest link traffic at lower SM → ``comm``), the optimizer is memory-bound
+  (memory ahead of SM → ``optimizer``), and of the compute clusters the one drawing the most
+  power (plus half its link traffic: gradient buckets leave during backward) is ``backward``, the
+  others ``forward``. A single compute cluster —
   a sampling interval longer than the phases averages them all — is ``backward`` when gradients
   move during it (backward is the longest phase of a step), else ``forward``;
 - before the first clustering, generic priors (`PRIORS`) classify.
@@ -53,9 +55,11 @@ PRIORS = np.array(
 )
 """Generic signatures (rows: `STEP_PHASES`, columns: `FEATURES`), used until a job has its own."""
 
-CLUSTERS = len(STEP_PHASES) + 1  # one more than phases: it takes the boundary-straddling samples
+CLUSTERS = len(STEP_PHASES) + 3  # at most: the extra ones take samples straddling boundaries
+CLUSTER_SAMPLES = 768  # the buffer is thinned to about this many for clustering
 MERGE_DISTANCE = 0.2  # clusters closer than this are one (separable phases differ by ≥ 0.25)
-MIXTURE_DISTANCE = 0.08  # a cluster this close to the segment between two others mixes them
+MIXTURE_DISTANCE = 0.08  # a cluster this close to the segment between two others mixes them,
+MIXTURE_SHARE = 0.12  # or this share of the segment's length when that is more
 IDLE_SM = 0.35
 COMM_LINK = 0.5
 COMM_SM_BELOW = 0.15
@@ -75,7 +79,9 @@ def gpu_features(cols: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def _d2(x: np.ndarray, c: np.ndarray) -> np.ndarray:
-    return ((x[:, None, :] - c[None, :, :]) ** 2).sum(axis=2)
+    """Squared distances (n, k), as |x|² − 2 x·c + |c|² (one matrix product)."""
+    d = (x * x).sum(axis=1)[:, None] - 2.0 * (x @ c.T) + (c * c).sum(axis=1)[None, :]
+    return np.maximum(d, 0.0)
 
 
 def _lloyd(x: np.ndarray, cent: np.ndarray, iters: int) -> tuple[np.ndarray, float]:
@@ -161,7 +167,8 @@ def _mixtures(cent: np.ndarray) -> dict[int, int]:
                     continue
                 lam = float((cent[m] - cent[a]) @ ab) / span
                 dist = float(np.sqrt(((cent[a] + lam * ab - cent[m]) ** 2).sum()))
-                between = 0.15 < lam < 0.85 and dist < MIXTURE_DISTANCE
+                near = max(MIXTURE_DISTANCE, MIXTURE_SHARE * np.sqrt(span))
+                between = 0.15 < lam < 0.85 and dist < near
                 if between and (best is None or dist < best[0]):
                     best = (dist, a if lam < 0.5 else b)
         if best is not None:
@@ -169,9 +176,42 @@ def _mixtures(cent: np.ndarray) -> dict[int, int]:
     return {m: e for m, e in out.items() if e not in out}
 
 
-def name_clusters(cent: np.ndarray) -> np.ndarray:
+def segment_residual(x: np.ndarray, pure: np.ndarray) -> float:
+    """Mean distance of the samples to the nearest segment between two pure signatures (or
+    to the nearest one): how well "each sample is one phase or a blend of two" explains them."""
+    best = np.sqrt(_d2(x, pure).min(axis=1))
+    for a in range(len(pure)):
+        for b in range(a + 1, len(pure)):
+            ab = pure[b] - pure[a]
+            lam = np.clip(((x - pure[a]) @ ab) / max(float(ab @ ab), 1e-12), 0.0, 1.0)
+            d = np.sqrt(((pure[a] + lam[:, None] * ab - x) ** 2).sum(axis=1))
+            best = np.minimum(best, d)
+    return float(best.mean())
+
+
+def best_clustering(x: np.ndarray, init: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Centroids and phase codes: of k-means runs with k = 5..8, the one whose pure
+    (non-mixture) clusters are closest to one per phase, then the smallest `segment_residual`."""
+    best: tuple[tuple[int, float], np.ndarray, np.ndarray] | None = None
+    for k in range(len(STEP_PHASES), CLUSTERS + 1):
+        if k > len(x):
+            break
+        start = init if init is not None and len(init) == k else None
+        cent = kmeans(x, k, init=start, restarts=2)
+        n = np.bincount(_d2(x, cent).argmin(axis=1), minlength=len(cent))
+        cent, n = _merge(cent[n > 0], n[n > 0])
+        mix = _mixtures(cent)
+        pure = [i for i in range(len(cent)) if i not in mix]
+        score = (-abs(len(pure) - len(STEP_PHASES)), -segment_residual(x, cent[pure]))
+        if best is None or score > best[0]:
+            best = (score, cent, name_clusters(cent, mix))
+    assert best is not None
+    return best[1], best[2]
+
+
+def name_clusters(cent: np.ndarray, mix: dict[int, int] | None = None) -> np.ndarray:
     """Phase code of each cluster: mixtures take their nearer end's, the rest `cluster_labels`."""
-    mix = _mixtures(cent)
+    mix = _mixtures(cent) if mix is None else mix
     pure = [i for i in range(len(cent)) if i not in mix]
     lab = np.full(len(cent), -1)
     lab[pure] = cluster_labels(cent[pure])
@@ -203,7 +243,7 @@ def cluster_labels(cent: np.ndarray) -> np.ndarray:
         if cent[opt, 1] - cent[opt, 0] > -0.05:
             lab[opt] = OPTIMIZER
             rest.remove(opt)
-    rest.sort(key=lambda k: cent[k, 2] + cent[k, 3])
+    rest.sort(key=lambda k: cent[k, 2] + 0.5 * cent[k, 3])
     if len(rest) == 1:
         lab[rest[0]] = BACKWARD if cent[rest[0], 3] > 0.1 else FORWARD
     elif rest:
@@ -222,7 +262,7 @@ class SignatureLibrary:
     """
 
     def __init__(
-        self, *, buffer: int = 2048, min_samples: int = 1024, recluster_every: int = 4096
+        self, *, buffer: int = 2048, min_samples: int = 1024, recluster_every: int = 16384
     ) -> None:
         self.buffer = buffer
         self.min_samples = min_samples
@@ -275,7 +315,8 @@ class SignatureLibrary:
 
     def add_unlabelled(self, raw: np.ndarray, nearest_d2: np.ndarray) -> None:
         """Remember raw samples for clustering; re-cluster when enough new ones came, or sooner
-        when many fit no signature (``nearest_d2``: squared distance to the nearest)."""
+        when many fit no signature (``nearest_d2``: squared distance to the nearest; samples
+        straddling a phase boundary fit none either, so it takes 40% of those since)."""
         n = len(raw)
         if not n or self.source == "labels":
             return
@@ -287,22 +328,19 @@ class SignatureLibrary:
         if self._seen >= self.min_samples and (
             self.source == "prior"
             or self._since >= self.recluster_every
-            or self._novel >= max(20, self._since // 10)
+            or (self._since >= 1024 and self._novel >= 0.4 * self._since)
         ):
             self.recluster()
 
     def recluster(self) -> None:
-        """Cluster the buffered samples and name the clusters."""
-        x = self._ring[: min(self._seen, self.buffer)].copy()
+        """Cluster the buffered samples (a spread subsample) and name the clusters."""
+        x = self._ring[: min(self._seen, self.buffer)]
+        x = x[:: max(1, len(x) // CLUSTER_SAMPLES)].copy()
         link = x[:, 3]
         self.link_scale = float(np.percentile(link, 99)) or float(link.max())
         x[:, 3] = link / self.link_scale if self.link_scale > 0 else 0.0
-        k = min(CLUSTERS, len(x))
         init = self.centroids if self.source == "clusters" else None
-        cent = kmeans(x, k, init=init if init is not None and len(init) == k else None)
-        n = np.bincount(_d2(x, cent).argmin(axis=1), minlength=len(cent))
-        cent, n = _merge(cent[n > 0], n[n > 0])
-        self.centroids, self.labels = cent, name_clusters(cent)
+        self.centroids, self.labels = best_clustering(x, init)
         self.source = "clusters"
         self._since = self._novel = 0
 

@@ -49,6 +49,7 @@ from perfloop.schemas.analysis import PhaseChange
 from perfloop.schemas.base import Event
 from perfloop.schemas.codec import Batch
 from perfloop.schemas.job import JobLifecycle
+from perfloop.streams._phase_batches import group_batches, unique_ints
 from perfloop.streams._phase_run import RunState
 from perfloop.streams._phase_signatures import STEP_PHASES, SignatureLibrary, gpu_features
 
@@ -57,10 +58,20 @@ __all__ = ["STEP_PHASES", "PhaseMachine"]
 NS = 1_000_000_000
 _CODE = {p: i for i, p in enumerate(STEP_PHASES)}
 _P = len(STEP_PHASES)
-_KINDS = frozenset({"gpu", "step", "span"})
+_COLUMNS = {
+    "step": ("rank", "step", "ts_ns", "step_time_ms"),
+    "span": ("rank", "step", "ts_ns", "phase", "duration_ms", "depth"),
+    "gpu": (
+        "rank", "ts_ns", "sm_util_pct", "mem_util_pct", "power_w", "power_limit_w",
+        "nvlink_rx_bytes_per_s", "nvlink_tx_bytes_per_s",
+    ),
+}  # fmt: skip
+_KINDS = frozenset(_COLUMNS)
 _ENDED = frozenset({"finished", "failed", "killed"})
 _SPANS_FRESH_NS = 30 * NS  # a job whose last spans are older is read from its GPU samples
-_KEEP_NS = 30 * NS  # span timeline and unlabelled samples kept for labelling
+_KEEP_NS = 30 * NS  # GPU samples wait this long at most for the spans that label them
+_SKEW_NS = 2 * NS  # spans kept this long for GPU samples of their time that come later
+_IDLE_EVAL_NS = NS  # a job that sent nothing is re-evaluated (pauses, stalls) this often
 
 _PARAMS: dict[str, tuple[type, float, float]] = {
     "warmup_min_steps": (int, 1, 100000),
@@ -88,6 +99,7 @@ class _Job:
         self.run = RunState()
         self.lib = SignatureLibrary()
         self.col: dict[int, int] = {}
+        self.lut = np.zeros(0, np.int64)  # rank → column, -1 for ranks not seen
         self.tl = np.zeros((0, 4), np.int64)  # span timeline: col, start, end, phase code
         self.tl_max = np.zeros(0, np.int64)  # newest span end per col
         self.pend_t = np.zeros((0, 2), np.int64)  # GPU samples to label: col, mid time
@@ -107,17 +119,21 @@ class _Job:
         self.rank_end: dict[int, int] = {}
         self.last_wall = 0
         self.ended_wall = 0
+        self.dirty = False  # data came since the last evaluation
+        self.eval_wall = 0
 
     def cols(self, ranks: np.ndarray) -> np.ndarray:
-        uniq, inv = np.unique(ranks, return_inverse=True)
-        out = np.empty(len(uniq), np.int64)
-        for i, r in enumerate(uniq.tolist()):
-            c = self.col.get(r)
-            if c is None:
-                c = self.col[r] = len(self.col)
+        """Column of each rank (their order of first appearance), adding new ranks."""
+        top = int(ranks.max())
+        if top >= len(self.lut):
+            self.lut = np.concatenate([self.lut, np.full(top + 1 - len(self.lut), -1)])
+        cols = self.lut[ranks]
+        if (cols < 0).any():
+            for r in np.unique(ranks[cols < 0]).tolist():
+                self.lut[r] = self.col[r] = len(self.col)
                 self.tl_max = np.append(self.tl_max, 0)
-            out[i] = c
-        return out[inv]
+            cols = self.lut[ranks]
+        return cols
 
 
 class PhaseMachine:
@@ -180,11 +196,13 @@ class PhaseMachine:
         p = self._param
         for job_id in list(self._jobs):
             job = self._jobs[job_id]
-            self._label(job)
-            job.run.evaluate(wall_ns, p)
-            now = job.run.now(wall_ns)
-            self._flush(job, now)
-            self._step_level(job, now, wall_ns)
+            if job.dirty or wall_ns - job.eval_wall >= _IDLE_EVAL_NS:
+                self._label(job)
+                job.run.evaluate(wall_ns, p)
+                now = job.run.now(wall_ns)
+                self._flush(job, now)
+                self._step_level(job, now, wall_ns)
+                job.dirty, job.eval_wall = False, wall_ns
             if wall_ns - max(job.last_wall, job.ended_wall) > self.forget_s * NS:
                 del self._jobs[job_id]
         out, self._out = self._out, []
@@ -302,26 +320,27 @@ class PhaseMachine:
         if job is None:
             job = self._jobs[job_id] = _Job(job_id, node)
         job.last_wall = max(job.last_wall, wall_ns)
+        job.dirty = True
         return job
 
     def _apply(self) -> None:
         pending, self._pending = self._pending, []
-        for b, wall in pending:
-            job = self._jobs.get(b.job_id)
+        for job_id, node, kind, cols, wall in group_batches(pending, _COLUMNS):
+            job = self._jobs.get(job_id)
             if job is not None and job.ended_wall:
                 continue  # late data of a job that ended
-            job = self._job(b.job_id, b.node, wall)
-            if b.kind == "step":
-                self._on_steps(job, b.columns, wall)
-            elif b.kind == "span":
-                self._on_spans(job, b.columns, wall)
+            job = self._job(job_id, node, wall)
+            if kind == "step":
+                self._on_steps(job, cols, wall)
+            elif kind == "span":
+                self._on_spans(job, cols, wall)
             else:
-                self._on_gpu(job, b.columns, wall)
+                self._on_gpu(job, cols, wall)
 
     def _on_steps(self, job: _Job, c: dict[str, np.ndarray], wall: int) -> None:
         job.run.add_steps(c["step"], c["ts_ns"], c["step_time_ms"], wall)
         ranks, ends = c["rank"], c["ts_ns"]
-        uniq, inv = np.unique(ranks, return_inverse=True)
+        uniq, inv = unique_ints(ranks)
         newest = np.zeros(len(uniq), np.int64)
         np.maximum.at(newest, inv, ends)
         for r, e in zip(uniq.tolist(), newest.tolist(), strict=True):
@@ -350,15 +369,16 @@ class PhaseMachine:
             rows = np.stack([cols[known], s[known], s[known] + d[known], codes[known]], axis=1)
             job.tl = np.concatenate([job.tl, rows])
             np.maximum.at(job.tl_max, cols[known], rows[:, 2])
+        key = (steps - steps.min()) * len(job.col) + cols  # one per (step, rank)
+        uniq, inv = unique_ints(key)
+        if known.any():
             ms = np.bincount(codes[known], weights=d[known], minlength=_P)
-            pairs = len(np.unique(steps * (1 << 21) + cols))
+            pairs = len(uniq)
             alpha = min(1.0, pairs / (self.mix_steps * max(1, len(job.col))))
             mix = job.mix["spans"]
             mix += alpha * (ms / max(ms.sum(), 1.0) - mix)
             job.mix_w["spans"] += alpha
         # where each phase sits in its step: offsets from the step's first span
-        key = steps * (1 << 21) + cols
-        uniq, inv = np.unique(key, return_inverse=True)
         first = np.full(len(uniq), np.iinfo(np.int64).max)
         np.minimum.at(first, inv, s)
         off = (s - first[inv])[known]
@@ -421,8 +441,10 @@ class PhaseMachine:
         newest = int(job.tl_max.max()) if len(job.tl_max) else 0
         keep = ~decided & (t > newest - _KEEP_NS)
         job.pend_t, job.pend_x, job.pend_y = job.pend_t[keep], job.pend_x[keep], job.pend_y[keep]
+        # spans older than every sample still waiting (less a margin for GPU batches that
+        # arrive after the spans of their time) can label nothing more
         oldest = int(job.pend_t[:, 1].min()) if keep.any() else newest
-        job.tl = job.tl[job.tl[:, 2] >= min(oldest, newest - _KEEP_NS)]
+        job.tl = job.tl[job.tl[:, 2] >= min(oldest, newest - _SKEW_NS)]
 
     def _flush(self, job: _Job, now: int) -> None:
         """Turn the run level's pending transitions into events."""

@@ -59,6 +59,7 @@ from perfloop.schemas.base import Event
 from perfloop.schemas.codec import Batch
 from perfloop.schemas.job import JobLifecycle
 from perfloop.schemas.telemetry import STANDARD_PHASES
+from perfloop.streams._phase_batches import group_batches, unique_ints
 
 __all__ = [
     "DERIVED_METRICS",
@@ -90,8 +91,15 @@ _USER = _PH["user"]
 _COMM = _PH["comm"]
 _SHARE_IDX = [_PH[p] for p in SHARE_PHASES]
 _STEP, _SPAN, _UNION, _STREAMS, _COLL = 1, 2, 4, 8, 16
+_OPTIONAL = np.array([[_UNION], [_STREAMS], [_COLL]], np.uint8)  # rows 2-4 of _Job.f
 _KIND_FLAG = {"step": _STEP, "span": _SPAN, "kernel": _UNION, "collective": 0}
-_KINDS = frozenset({"step", "span", "kernel", "collective"})
+_COLUMNS = {
+    "step": ("rank", "step", "ts_ns", "step_time_ms", "data_wait_ms"),
+    "span": ("rank", "step", "phase", "duration_ms", "depth"),
+    "kernel": ("rank", "step", "stream", "kernel_class", "busy_ms"),
+    "collective": ("rank", "step", "duration_ms"),
+}
+_KINDS = frozenset(_COLUMNS)
 _ENDED = frozenset({"finished", "failed", "killed"})
 
 _PARAMS: dict[str, tuple[type, float, float]] = {
@@ -149,6 +157,7 @@ class _Job:
         self.cap = cap
         self.ranks: list[int] = []
         self.col: dict[int, int] = {}
+        self.lut = np.zeros(0, np.int64)  # rank → column, -1 for ranks not seen
         self.nodes: list[str] = []
         self.seen_wall = np.zeros(0, np.int64)
         self.kinds = np.zeros(0, np.uint8)  # kinds each rank sends (kernel: the union row)
@@ -177,19 +186,21 @@ class _Job:
 
     def columns(self, ranks: np.ndarray, node: str, wall_ns: int) -> np.ndarray:
         """Column of each rank, adding new ranks; their node is ``node``."""
-        uniq, inv = np.unique(ranks, return_inverse=True)
-        cols = np.empty(len(uniq), np.int64)
-        for i, r in enumerate(uniq.tolist()):
-            c = self.col.get(r)
-            if c is None:
-                c = self.col[r] = len(self.ranks)
+        top = int(ranks.max())
+        if top >= len(self.lut):
+            self.lut = np.concatenate([self.lut, np.full(top + 1 - len(self.lut), -1)])
+        cols = self.lut[ranks]
+        if (cols < 0).any():
+            for r in np.unique(ranks[cols < 0]).tolist():
+                self.lut[r] = self.col[r] = len(self.ranks)
                 self.ranks.append(r)
                 self.nodes.append(node)
                 self._grow()
-            elif self.nodes[c] != node:
+            cols = self.lut[ranks]
+        if self.nodes[int(cols[0])] != node or self.nodes[int(cols[-1])] != node:
+            for c in np.unique(cols).tolist():  # ranks that moved to another node
                 self.nodes[c] = node
-            cols[i] = c
-        return cols[inv]
+        return cols
 
     def _grow(self) -> None:
         def pad(a: np.ndarray, axis: int, fill: Any) -> np.ndarray:
@@ -370,21 +381,17 @@ class StepAnalysis:
     def _apply(self) -> None:
         """Fold the observed batches into the jobs' step tables, at the wall time each came."""
         pending, self._pending = self._pending, []
-        for b, wall_ns in pending:
-            n = len(b)
-            if not n:
-                continue
-            job = self._job(b.job_id)
+        for job_id, node, kind, c, wall_ns in group_batches(pending, _COLUMNS):
+            job = self._job(job_id)
             job.last_wall = wall_ns
-            c = b.columns
-            if b.kind == "span":
+            if kind == "span":
                 keep = c["depth"] == 0
                 if not keep.all():
                     if not keep.any():
                         continue
                     c = {k: v[keep] for k, v in c.items()}
-            cols = job.columns(c["rank"], b.node, wall_ns)
-            slots = self._slots(job, c["step"], wall_ns, is_step=b.kind == "step")
+            cols = job.columns(c["rank"], node, wall_ns)
+            slots = self._slots(job, c["step"], wall_ns, is_step=kind == "step")
             ok = slots >= 0
             if not ok.all():
                 self.late_rows += int((~ok).sum())
@@ -393,8 +400,8 @@ class StepAnalysis:
                 cols, slots = cols[ok], slots[ok]
                 c = {k: v[ok] for k, v in c.items()}
             job.slot_last[slots] = wall_ns
-            job.kinds[cols] |= _KIND_FLAG[b.kind]
-            if b.kind == "step":
+            job.kinds[cols] |= _KIND_FLAG[kind]
+            if kind == "step":
                 job.end_ns[slots, cols] = c["ts_ns"]
                 job.f[0, slots, cols] = c["step_time_ms"]
                 job.f[1, slots, cols] = c["data_wait_ms"]
@@ -402,13 +409,13 @@ class StepAnalysis:
                 job.flags[slots, cols] |= _STEP
                 job.seen_wall[cols] = wall_ns
                 np.add.at(job.nsteps, cols[new], 1)
-            elif b.kind == "span":
+            elif kind == "span":
                 codes = np.fromiter((_PH.get(p, _USER) for p in c["phase"]), np.int64, len(cols))
                 first = (job.flags[slots, cols] & _SPAN) == 0
                 job.phase[slots[first], cols[first]] = 0.0
                 np.add.at(job.phase, (slots, cols, codes), c["duration_ms"])
                 job.flags[slots, cols] |= _SPAN
-            elif b.kind == "kernel":
+            elif kind == "kernel":
                 every = c["kernel_class"] == "all"
                 union = every & (c["stream"] == -1)
                 job.f[2, slots[union], cols[union]] = c["busy_ms"][union]
@@ -427,7 +434,7 @@ class StepAnalysis:
 
     def _slots(self, job: _Job, steps: np.ndarray, wall_ns: int, *, is_step: bool) -> np.ndarray:
         """The ring slot of each row's step, claiming slots for new steps; -1 for late rows."""
-        uniq, inv = np.unique(steps, return_inverse=True)
+        uniq, inv = unique_ints(steps)
         out = np.empty(len(uniq), np.int64)
         if is_step and len(uniq) and uniq[0] < job.max_done - 4 * job.cap:
             self._restart(job)  # step numbers went far back: the job restarted
@@ -489,31 +496,31 @@ class StepAnalysis:
         job.max_done = max(job.max_done, step)
         job.completed += 1
         fc = f[cols]
-        step_ms = job.f[0, slot, cols]
-        busy = np.where(fc & _UNION, job.f[2, slot, cols], np.nan)
-        ssum = np.where(fc & _STREAMS, job.f[3, slot, cols], np.nan)
-        coll = np.where(fc & _COLL, job.f[4, slot, cols], np.nan)
-        phase = np.where((fc & _SPAN)[:, None] != 0, job.phase[slot, cols], np.nan)
+        vals = job.f[:, slot, cols]  # step, data wait, busy, streams sum, collective
+        step_ms = vals[0]
+        busy, ssum, coll = np.where((fc[None, :] & _OPTIONAL) != 0, vals[2:], np.nan)
+        spans = (fc & _SPAN) != 0
+        phase = np.where(spans[:, None], job.phase[slot, cols], np.nan)
         idle = np.maximum(step_ms - busy, 0.0)  # NaN where busy is unknown
         end = job.end_ns[slot, cols]
-        comm = np.nan_to_num(phase[:, _COMM])
+        comm = np.where(spans, job.phase[slot, cols, _COMM], 0.0)
         arrival = end - np.rint(comm * 1e6).astype(np.int64)
         row = job.hist_i % len(job.hist)
         job.hist[row] = np.nan
         job.hist_i += 1
         if len(cols) >= 2:
-            lateness = (arrival - np.median(arrival)) / 1e6
-            scale = self.straggler_full_share * float(np.median(step_ms))
+            lateness = (arrival - _median(arrival)) / 1e6
+            scale = self.straggler_full_share * _median(step_ms)
             job.hist[row, cols] = np.clip(lateness / scale, 0.0, 1.0) if scale > 0 else 0.0
             score = _nanmean0(job.hist[:, cols])
         else:
             lateness = score = np.full(len(cols), np.nan)
-        expected = job.seen_wall >= wall_ns - int(self.expect_s * NS)
-        missing = tuple(job.ranks[c] for c in np.flatnonzero(expected & ((f & _STEP) == 0)))
+        lack = (job.seen_wall >= wall_ns - int(self.expect_s * NS)) & ((f & _STEP) == 0)
+        missing = tuple(job.ranks[c] for c in np.flatnonzero(lack)) if lack.any() else ()
         rec = StepRecord(
             job_id=job.job_id,
             step=step,
-            ranks=np.array([job.ranks[c] for c in cols], np.int64),
+            ranks=np.asarray(job.ranks, np.int64)[cols],
             nodes=tuple(job.nodes[c] for c in cols),
             end_ns=end.copy(),
             step_ms=step_ms.copy(),
@@ -529,6 +536,13 @@ class StepAnalysis:
         )
         job.recent.append(rec)
         self._done.append(rec)
+
+
+def _median(a: np.ndarray) -> float:
+    """Median of a small array (sorting beats `np.median`'s overhead at this size)."""
+    s = np.sort(a)
+    m = len(s) // 2
+    return float(s[m]) if len(s) % 2 else (float(s[m - 1]) + float(s[m])) / 2
 
 
 def _nanmean0(a: np.ndarray) -> np.ndarray:
