@@ -150,10 +150,10 @@ def _gpu_error(job: JobState, cfg: DetectConfig) -> None:
             evidence={
                 "xid_events": float(d["xid"][i]),
                 "last_xid": float(d["last_xid"][i]),
-                "ecc_dbe_total": float(max(d["dbe"][i], 0)),
+                "ecc_dbe_total": float(d["dbe"][i]),
             },
             summary=f"GPU {dev} on {node} reported hardware errors (XID {d['last_xid'][i]}, "
-            f"{max(d['dbe'][i], 0)} ECC double-bit errors)",
+            f"{d['dbe'][i]} ECC double-bit errors)",
         )
     _replace(job, "gpu_error:", found)
 

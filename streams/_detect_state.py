@@ -17,7 +17,7 @@ collectives when the job publishes them); detectors read complete steps only.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -43,11 +43,11 @@ _RING: dict[str, tuple[Any, Any]] = {  # name: (dtype, fill)
     "mem": (np.float64, np.nan),  # allocated (else reserved) bytes at step end
     "peak": (np.float64, np.nan),
     "compute": (np.float64, 0.0),  # forward + backward + optimizer spans, ms
-    "n_compute": (np.int32, 0),
+    "n_compute": (np.int8, 0),  # 1: spans of this kind arrived
     "comm": (np.float64, 0.0),  # comm spans, ms
-    "n_comm": (np.int32, 0),
+    "n_comm": (np.int8, 0),
     "coll": (np.float64, 0.0),  # collectives, ms
-    "n_coll": (np.int32, 0),
+    "n_coll": (np.int8, 0),
     "busy": (np.float64, np.nan),  # GPU busy (kernel summary stream -1), ms
 }
 _RANK: dict[str, tuple[Any, Any]] = {
@@ -66,9 +66,8 @@ _DEV: dict[str, tuple[Any, Any]] = {
     "temp": (np.float64, np.nan),
     "util": (np.float64, np.nan),  # mean SM util of the latest batch
     "reasons": (np.int64, 0),
-    "mem_used": (np.float64, 0.0),
     "mem_total": (np.float64, 0.0),
-    "dbe": (np.int64, -1),
+    "dbe": (np.int64, np.iinfo(np.int64).max),  # latest ECC DBE count; max: none seen yet
     "xid": (np.int64, 0),
     "last_xid": (np.int64, 0),
     "err_ns": (np.int64, 0),
@@ -169,6 +168,7 @@ class JobState:
         self.flags = {"spans": False, "comm_spans": False, "coll": False, "kernels": False}
         self.kernel_busy: dict[str, float] = {}
         self.gpu_stats = np.zeros(3)  # busy samples, their SM util sum, their memory util sum
+        self.gpu_batches = 0
         self.newest_step = -1
         self.last_eval_step = -1
         self.watermark_ns = 0
@@ -232,29 +232,29 @@ class JobState:
         self.newest_step = newest
         return slot, ok
 
+    _HANDLERS: ClassVar[dict[str, str]] = {
+        "step": "_step",
+        "span": "_span",
+        "collective": "_collective",
+        "kernel": "_kernel",
+        "gpu": "_gpu",
+        "host": "_host",
+    }
+
     def ingest(self, kind: str, node: str, cols: dict[str, np.ndarray], wall_ns: int) -> None:
         """Fold one decoded batch (``Batch.columns``) of ``kind`` from ``node`` in."""
+        handler = self._HANDLERS.get(kind)
         ts = cols["ts_ns"]
-        if not len(ts):
+        if handler is None or not len(ts):
             return
-        newest = int(ts.max())
-        if kind in ("span", "collective"):
-            newest = int((ts + cols["duration_ms"] * 1e6).max())
-        self.watermark_ns = max(self.watermark_ns, newest)
+        newest = int(ts.max())  # (a span's start: its end is a few ms later)
+        if newest > self.watermark_ns:
+            self.watermark_ns = newest
         lag = float(wall_ns - newest)
         self.lag_ns = max(0.0, lag if self.lag_ns < 0 else self.lag_ns + 0.1 * (lag - self.lag_ns))
-        self.last_wall_ns = max(self.last_wall_ns, wall_ns)
-        n = self.node_index(node)
-        handler = {
-            "step": self._step,
-            "span": self._span,
-            "collective": self._collective,
-            "kernel": self._kernel,
-            "gpu": self._gpu,
-            "host": self._host,
-        }.get(kind)
-        if handler is not None:
-            handler(n, cols)
+        if wall_ns > self.last_wall_ns:
+            self.last_wall_ns = wall_ns
+        getattr(self, handler)(self.node_index(node), cols)
 
     def _per_step(self, cols: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         rank, step = cols["rank"], cols["step"]
@@ -296,17 +296,17 @@ class JobState:
         if c.any():
             self.flags["spans"] = True
             np.add.at(r["compute"], (slot[c], rank[c]), dur[c])
-            np.add.at(r["n_compute"], (slot[c], rank[c]), 1)
+            r["n_compute"][slot[c], rank[c]] = 1
         if m.any():
             self.flags["comm_spans"] = True
             np.add.at(r["comm"], (slot[m], rank[m]), dur[m])
-            np.add.at(r["n_comm"], (slot[m], rank[m]), 1)
+            r["n_comm"][slot[m], rank[m]] = 1
 
     def _collective(self, node: int, cols: dict[str, np.ndarray]) -> None:
         slot, rank, ok = self._per_step(cols)
         self.flags["coll"] = True
         np.add.at(self.ring["coll"], (slot, rank), cols["duration_ms"][ok])
-        np.add.at(self.ring["n_coll"], (slot, rank), 1)
+        self.ring["n_coll"][slot, rank] = 1
 
     def _kernel(self, node: int, cols: dict[str, np.ndarray]) -> None:
         slot, rank, ok = self._per_step(cols)
@@ -322,43 +322,41 @@ class JobState:
 
     # -- GPUs and hosts ----------------------------------------------------------------------
     def _gpu(self, node: int, cols: dict[str, np.ndarray]) -> None:
+        """Latest reading per device (samples of a batch are in time order, the last wins),
+        clock baseline, throttle episodes and error counters."""
         d = self.dev
         slot = self._dev_slots(node, cols["device"], cols["rank"])
         ts, clock, reasons = cols["ts_ns"], cols["sm_clock_mhz"], cols["throttle_reasons"]
-        util = cols["sm_util_pct"]
-        cnt = np.bincount(slot, minlength=len(d["ts"]))
-        seen = cnt > 0
-        d["util"][seen] = (np.bincount(slot, weights=util, minlength=len(cnt)) / cnt.clip(1))[seen]
         for src, dst in (
             ("ts_ns", "ts"),
             ("sm_clock_mhz", "clock"),
             ("temp_c", "temp"),
             ("throttle_reasons", "reasons"),
-            ("mem_used_bytes", "mem_used"),
+            ("sm_util_pct", "util"),
             ("mem_total_bytes", "mem_total"),
         ):
             d[dst][slot] = cols[src]
-        busy = util >= 50.0
-        if busy.any():
+        self.gpu_batches += 1
+        if self.gpu_stats[0] < 1000 or self.gpu_batches % 8 == 1:  # roofline: a sample will do
+            util = cols["sm_util_pct"]
+            busy = util >= 50.0
             self.gpu_stats += (busy.sum(), util[busy].sum(), cols["mem_util_pct"][busy].sum())
         slow = (reasons & SLOWDOWN_BITS) != 0
-        if not slow.all():
-            np.maximum.at(d["base"], slot[~slow], clock[~slow])
+        calm = ~slow
+        d["base"][slot[calm]] = np.maximum(d["base"][slot[calm]], clock[calm])
         if slow.any() or (d["th_on"] > 0).any() or (d["pw_on"] > 0).any():
             # a throttle sample: its reason bit is set and the clock fell below the baseline
             base = d["base"][slot]
             low = (base <= 0) | (clock <= (1.0 - self.det.get("clock_drop", 0.05)) * base)
             episodes_update(d, "th_", slot, ts, low & ((reasons & THERMAL_BITS) != 0))
             episodes_update(d, "pw_", slot, ts, low & ((reasons & POWER_BITS) != 0))
-        xid = cols["xid_events"]
-        dbe = cols["ecc_dbe_total"]
-        prev = d["dbe"][slot]
-        bad = (xid > 0) | ((prev >= 0) & (dbe > prev))
+        xid, dbe = cols["xid_events"], cols["ecc_dbe_total"]
+        bad = (xid > 0) | (dbe > d["dbe"][slot])
+        d["dbe"][slot] = dbe
         if bad.any():
             np.add.at(d["xid"], slot[bad], xid[bad])
             d["last_xid"][slot[bad & (xid > 0)]] = cols["last_xid"][bad & (xid > 0)]
             np.maximum.at(d["err_ns"], slot[bad], ts[bad])
-        np.maximum.at(d["dbe"], slot, dbe)
 
     def _host(self, node: int, cols: dict[str, np.ndarray]) -> None:
         nd = self.node
@@ -419,6 +417,7 @@ class JobState:
         "last_step_ns",
         "lag_ns",
         "last_wall_ns",
+        "gpu_batches",
         "ended",
     )
 
