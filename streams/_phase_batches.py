@@ -25,27 +25,31 @@ Group = tuple[str, str, str, dict[str, np.ndarray], int]
 def group_batches(
     pending: list[tuple[Batch, int]], columns: Mapping[str, tuple[str, ...]]
 ) -> list[Group]:
-    """Concatenate queued batches by (job, node, kind), first-seen order, ``columns[kind]`` only.
+    """Concatenate queued batches by (job, kind), first-seen order, ``columns[kind]`` only.
+
+    ``node`` in ``columns[kind]`` asks for each row's node (an object column); the group's
+    node is its first batch's.
 
     >>> from perfloop.schemas.codec import decode_batch, encode_batch
-    >>> b = [decode_batch(encode_batch("step", {"ts_ns": [i], "rank": [0], "step": [i],
-    ...      "step_time_ms": [1.0]}, job_id="j", node="n")) for i in (1, 2)]
-    >>> [(k, c["step"].tolist(), w) for _, _, k, c, w in
-    ...  group_batches([(b[0], 10), (b[1], 20)], {"step": ("step",)})]
-    [('step', [1, 2], 20)]
+    >>> b = [decode_batch(encode_batch("step", {"ts_ns": [i], "rank": [i], "step": [i],
+    ...      "step_time_ms": [1.0]}, job_id="j", node=f"n{i}")) for i in (1, 2)]
+    >>> [(k, c["step"].tolist(), c["node"].tolist(), w) for _, _, k, c, w in
+    ...  group_batches([(b[0], 10), (b[1], 20)], {"step": ("step", "node")})]
+    [('step', [1, 2], ['n1', 'n2'], 20)]
     """
-    order: dict[tuple[str, str, str], list[tuple[Batch, int]]] = {}
+    order: dict[tuple[str, str], list[tuple[Batch, int]]] = {}
     for b, wall in pending:
         if b.kind in columns and len(b):
-            order.setdefault((b.job_id, b.node, b.kind), []).append((b, wall))
+            order.setdefault((b.job_id, b.kind), []).append((b, wall))
     out: list[Group] = []
-    for (job_id, node, kind), items in order.items():
+    for (job_id, kind), items in order.items():
         names = columns[kind]
-        if len(items) == 1:
-            cols = {c: items[0][0].columns[c] for c in names}
-        else:
-            cols = {c: np.concatenate([b.columns[c] for b, _ in items]) for c in names}
-        out.append((job_id, node, kind, cols, max(w for _, w in items)))
+        parts: dict[str, list[np.ndarray]] = {c: [] for c in names}
+        for b, _ in items:
+            for c in names:
+                parts[c].append(np.full(len(b), b.node, object) if c == "node" else b.columns[c])
+        cols = {c: v[0] if len(v) == 1 else np.concatenate(v) for c, v in parts.items()}
+        out.append((job_id, items[0][0].node, kind, cols, max(w for _, w in items)))
     return out
 
 

@@ -262,18 +262,31 @@ class SignatureLibrary:
     """
 
     def __init__(
-        self, *, buffer: int = 2048, min_samples: int = 1024, recluster_every: int = 16384
+        self,
+        *,
+        buffer: int = 2048,
+        window_s: float = 20.0,
+        min_cover_s: float = 10.0,
+        recluster_s: float = 120.0,
+        min_samples: int = 256,
     ) -> None:
         self.buffer = buffer
+        self.window_s = window_s
+        self.min_cover_s = min_cover_s
+        self.recluster_s = recluster_s
         self.min_samples = min_samples
-        self.recluster_every = recluster_every
         self.centroids = PRIORS.copy()
         self.labels = np.arange(len(STEP_PHASES))
         self.source = "prior"  # prior, clusters, labels
         self._ring = np.zeros((buffer, 4))
-        self._seen = 0
+        self._ring_t = np.zeros(buffer, np.int64)
+        self._seen = 0  # samples kept in the ring, ever
+        self._count = 0  # samples offered, ever
+        self._rate = 0.0  # samples per second offered (exponential mean)
+        self._last_t = 0
         self._since = 0
         self._novel = 0
+        self._clustered_t = 0
         self.lab_sum = np.zeros((len(STEP_PHASES), 4))
         self.lab_n = np.zeros(len(STEP_PHASES))
         self.correct = 0
@@ -313,24 +326,47 @@ class SignatureLibrary:
             conf, nearest = np.ones(len(x)), d[:, 0]
         return self.labels[near], np.clip(conf, 0.0, 1.0), nearest
 
-    def add_unlabelled(self, raw: np.ndarray, nearest_d2: np.ndarray) -> None:
-        """Remember raw samples for clustering; re-cluster when enough new ones came, or sooner
-        when many fit no signature (``nearest_d2``: squared distance to the nearest; samples
-        straddling a phase boundary fit none either, so it takes 40% of those since)."""
+    def add_unlabelled(self, raw: np.ndarray, nearest_d2: np.ndarray, ts: np.ndarray) -> None:
+        """Remember raw samples for clustering and re-cluster when due; see `due`.
+
+        The ring keeps an evenly thinned sample of the last ``window_s`` seconds, whatever the
+        job's size: every k-th sample offered, k from the rate they come at.
+        """
         n = len(raw)
         if not n or self.source == "labels":
             return
-        idx = (self._seen + np.arange(n)) % self.buffer
-        self._ring[idx[-self.buffer :]] = raw[-self.buffer :]
-        self._seen += n
+        t_hi = int(ts.max())
+        if self._last_t and t_hi > self._last_t:
+            rate = n / ((t_hi - self._last_t) / 1e9)
+            self._rate = rate if not self._rate else 0.8 * self._rate + 0.2 * rate
+        self._last_t = max(self._last_t, t_hi)
+        stride = max(1, int(self._rate * self.window_s / self.buffer))
+        keep = (self._count + np.arange(n)) % stride == 0
+        self._count += n
+        kept = raw[keep][-self.buffer :]
+        idx = (self._seen + np.arange(len(kept))) % self.buffer
+        self._ring[idx] = kept
+        self._ring_t[idx] = ts[keep][-self.buffer :]
+        self._seen += len(kept)
         self._since += n
         self._novel += int((nearest_d2 > MERGE_DISTANCE**2).sum())
-        if self._seen >= self.min_samples and (
-            self.source == "prior"
-            or self._since >= self.recluster_every
-            or (self._since >= 1024 and self._novel >= 0.4 * self._since)
-        ):
+        if self.due():
             self.recluster()
+            self._clustered_t = self._last_t
+
+    def due(self) -> bool:
+        """Whether to cluster now: first once the ring covers ``min_cover_s`` (a few steps),
+        then every ``recluster_s``, or sooner when many samples fit no signature (samples that
+        straddle a phase boundary fit none either, so it takes 40% of those since)."""
+        filled = min(self._seen, self.buffer)
+        if filled < self.min_samples:
+            return False
+        if self.source == "prior":
+            t = self._ring_t[:filled]
+            return int(t.max()) - int(t.min()) >= self.min_cover_s * 1e9
+        if self._last_t - self._clustered_t >= self.recluster_s * 1e9:
+            return True
+        return self._since >= 1024 and self._novel >= 0.4 * self._since
 
     def recluster(self) -> None:
         """Cluster the buffered samples (a spread subsample) and name the clusters."""

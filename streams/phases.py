@@ -406,13 +406,16 @@ class PhaseMachine:
             mine = np.sort(ts[cols == cols[0]])
             if len(mine) > 1:
                 job.dt_ns = int(np.median(np.diff(mine))) or job.dt_ns
+        step_ns = job.run.median_step_ms() * 1e6
+        if step_ns and job.dt_ns > step_ns / 4:
+            return  # samples that average a whole step teach no phase signature
         if job.spans_wall:
             mid = ts - job.dt_ns // 2  # NVML averages over the interval before the sample
             job.pend_t = np.concatenate([job.pend_t, np.stack([cols, mid], axis=1)])
             job.pend_x = np.concatenate([job.pend_x, x])
             job.pend_y = np.concatenate([job.pend_y, pred])
         else:
-            lib.add_unlabelled(raw, near)
+            lib.add_unlabelled(raw, near, ts)
             if lib.source == "prior":
                 return  # generic signatures only: not enough to say what the job does
             hist = np.bincount(pred, minlength=_P).astype(float)

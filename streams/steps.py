@@ -94,10 +94,10 @@ _STEP, _SPAN, _UNION, _STREAMS, _COLL = 1, 2, 4, 8, 16
 _OPTIONAL = np.array([[_UNION], [_STREAMS], [_COLL]], np.uint8)  # rows 2-4 of _Job.f
 _KIND_FLAG = {"step": _STEP, "span": _SPAN, "kernel": _UNION, "collective": 0}
 _COLUMNS = {
-    "step": ("rank", "step", "ts_ns", "step_time_ms", "data_wait_ms"),
-    "span": ("rank", "step", "phase", "duration_ms", "depth"),
-    "kernel": ("rank", "step", "stream", "kernel_class", "busy_ms"),
-    "collective": ("rank", "step", "duration_ms"),
+    "step": ("rank", "step", "ts_ns", "step_time_ms", "data_wait_ms", "node"),
+    "span": ("rank", "step", "phase", "duration_ms", "depth", "node"),
+    "kernel": ("rank", "step", "stream", "kernel_class", "busy_ms", "node"),
+    "collective": ("rank", "step", "duration_ms", "node"),
 }
 _KINDS = frozenset(_COLUMNS)
 _ENDED = frozenset({"finished", "failed", "killed"})
@@ -184,22 +184,23 @@ class _Job:
         self.f = np.zeros((5, cap, r))  # step_ms, data_wait_ms, busy, streams sum, collective
         self.phase = np.zeros((cap, r, len(PHASE_NAMES)))
 
-    def columns(self, ranks: np.ndarray, node: str, wall_ns: int) -> np.ndarray:
-        """Column of each rank, adding new ranks; their node is ``node``."""
+    def columns(self, ranks: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+        """Column of each rank, adding new ranks; ``nodes``: each row's node."""
         top = int(ranks.max())
         if top >= len(self.lut):
             self.lut = np.concatenate([self.lut, np.full(top + 1 - len(self.lut), -1)])
         cols = self.lut[ranks]
         if (cols < 0).any():
-            for r in np.unique(ranks[cols < 0]).tolist():
+            new = cols < 0
+            for r, node in dict(zip(ranks[new].tolist(), nodes[new], strict=True)).items():
                 self.lut[r] = self.col[r] = len(self.ranks)
                 self.ranks.append(r)
                 self.nodes.append(node)
                 self._grow()
             cols = self.lut[ranks]
-        if self.nodes[int(cols[0])] != node or self.nodes[int(cols[-1])] != node:
-            for c in np.unique(cols).tolist():  # ranks that moved to another node
-                self.nodes[c] = node
+        moved = np.asarray(self.nodes, dtype=object)[cols] != nodes
+        for c, node in zip(cols[moved].tolist(), nodes[moved], strict=True):
+            self.nodes[c] = node  # a rank that moved to another node
         return cols
 
     def _grow(self) -> None:
@@ -381,7 +382,7 @@ class StepAnalysis:
     def _apply(self) -> None:
         """Fold the observed batches into the jobs' step tables, at the wall time each came."""
         pending, self._pending = self._pending, []
-        for job_id, node, kind, c, wall_ns in group_batches(pending, _COLUMNS):
+        for job_id, _, kind, c, wall_ns in group_batches(pending, _COLUMNS):
             job = self._job(job_id)
             job.last_wall = wall_ns
             if kind == "span":
@@ -390,7 +391,7 @@ class StepAnalysis:
                     if not keep.any():
                         continue
                     c = {k: v[keep] for k, v in c.items()}
-            cols = job.columns(c["rank"], node, wall_ns)
+            cols = job.columns(c["rank"], c["node"])
             slots = self._slots(job, c["step"], wall_ns, is_step=kind == "step")
             ok = slots >= 0
             if not ok.all():
