@@ -48,7 +48,6 @@ already completed is late and counted in ``late_rows``.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 from typing import Any
 
@@ -58,8 +57,17 @@ from perfloop.exceptions import ConfigError
 from perfloop.schemas.base import Event
 from perfloop.schemas.codec import Batch
 from perfloop.schemas.job import JobLifecycle
-from perfloop.schemas.telemetry import STANDARD_PHASES
 from perfloop.streams._phase_batches import group_batches, unique_ints
+from perfloop.streams._phase_steps import (
+    DERIVED_METRICS,
+    METRIC_COLUMNS,
+    PHASE_NAMES,
+    StepRecord,
+    median,
+    metric_columns,
+    nanmean0,
+    record_state,
+)
 
 __all__ = [
     "DERIVED_METRICS",
@@ -70,27 +78,11 @@ __all__ = [
 ]
 
 NS = 1_000_000_000
-PHASE_NAMES: tuple[str, ...] = (*STANDARD_PHASES, "user")
-"""Depth-0 phases in the order of `StepRecord.phase_ms` columns; other names count as user."""
-SHARE_PHASES = ("data_wait", "forward", "backward", "comm", "optimizer")
-DERIVED_METRICS: tuple[str, ...] = (
-    "gpu_busy_ms",
-    "gpu_idle_ms",
-    "idle_share",
-    "collective_ms",
-    "lateness_ms",
-    "straggler_score",
-    *(f"{p}_share" for p in SHARE_PHASES),
-)
-"""Per-rank metrics `StepAnalysis.tick` returns (one row per rank and completed step)."""
-METRIC_COLUMNS = ("job_id", "node", "rank", "ts_ns", "step", "metric", "value")
-"""Columns of `StepAnalysis.tick`'s output; ``ts_ns`` is the step's end on that rank."""
-
 _PH = {p: i for i, p in enumerate(PHASE_NAMES)}
 _USER = _PH["user"]
 _COMM = _PH["comm"]
-_SHARE_IDX = [_PH[p] for p in SHARE_PHASES]
 _STEP, _SPAN, _UNION, _STREAMS, _COLL = 1, 2, 4, 8, 16
+_RING = ("slot_step", "slot_done", "slot_first", "slot_last", "flags", "end_ns", "f", "phase")
 _OPTIONAL = np.array([[_UNION], [_STREAMS], [_COLL]], np.uint8)  # rows 2-4 of _Job.f
 _KIND_FLAG = {"step": _STEP, "span": _SPAN, "kernel": _UNION, "collective": 0}
 _COLUMNS = {
@@ -112,41 +104,6 @@ _PARAMS: dict[str, tuple[type, float, float]] = {
     "max_open_steps": (int, 2, 4096),
     "recent_steps": (int, 1, 100000),
 }
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepRecord:
-    """One completed step of one job: per-rank arrays aligned with ``ranks``.
-
-    Float figures are NaN where unknown (no kernel summary, no spans, a single rank).
-    """
-
-    job_id: str
-    step: int
-    ranks: np.ndarray  # int64
-    nodes: tuple[str, ...]
-    end_ns: np.ndarray  # int64
-    step_ms: np.ndarray
-    busy_ms: np.ndarray
-    busy_streams_sum_ms: np.ndarray
-    idle_ms: np.ndarray
-    idle_share: np.ndarray
-    phase_ms: np.ndarray  # (ranks, len(PHASE_NAMES))
-    collective_ms: np.ndarray
-    lateness_ms: np.ndarray
-    straggler_score: np.ndarray  # the rank's score over its recent steps, this one included
-    missing_ranks: tuple[int, ...] = ()
-
-    @property
-    def slowest_rank(self) -> int:
-        """The rank that arrived last at this step (-1 with fewer than two ranks)."""
-        if len(self.ranks) < 2 or not np.isfinite(self.lateness_ms).any():
-            return -1
-        return int(self.ranks[int(np.nanargmax(self.lateness_ms))])
-
-    def phase_share(self, phase: str) -> np.ndarray:
-        """Each rank's share of the step spent in ``phase`` (NaN without spans)."""
-        return self.phase_ms[:, _PH[phase]] / self.step_ms
 
 
 class _Job:
@@ -171,9 +128,11 @@ class _Job:
         self.last_wall = 0
         self.ended_wall = 0
 
-    def resize(self, cap: int) -> None:
-        """(Re)allocate the ring of open steps, empty, with ``cap`` slots."""
+    def resize(self, cap: int, keep: dict[int, int] | None = None) -> None:
+        """(Re)allocate the ring of open steps with ``cap`` slots; ``keep`` maps new slots to
+        the old slots whose open steps move there."""
         r = len(self.ranks)
+        old = {n: getattr(self, n) for n in _RING} if keep else {}
         self.cap = cap
         self.slot_step = np.full(cap, -1, np.int64)
         self.slot_done = np.zeros(cap, bool)
@@ -183,6 +142,12 @@ class _Job:
         self.end_ns = np.zeros((cap, r), np.int64)
         self.f = np.zeros((5, cap, r))  # step_ms, data_wait_ms, busy, streams sum, collective
         self.phase = np.zeros((cap, r, len(PHASE_NAMES)))
+        for to, frm in (keep or {}).items():
+            for n in _RING:
+                if n == "f":
+                    self.f[:, to] = old["f"][:, frm]
+                else:
+                    getattr(self, n)[to] = old[n][frm]
 
     def columns(self, ranks: np.ndarray, nodes: np.ndarray) -> np.ndarray:
         """Column of each rank, adding new ranks; ``nodes``: each row's node."""
@@ -281,7 +246,7 @@ class StepAnalysis:
             if (idle or ended) and not (job.slot_step[~job.slot_done] >= 0).any():
                 del self._jobs[job_id]
         done, self._done = self._done, []
-        return _metric_columns(done)
+        return metric_columns(done)
 
     def configure(self, key: str, value: Any) -> tuple[Any, Any]:
         """Change one parameter live (``steps.<name>``); return ``(old, new)``."""
@@ -303,9 +268,15 @@ class StepAnalysis:
                 job.recent = collections.deque(job.recent, maxlen=new)
         elif name == "max_open_steps":
             self._apply()
-            for job in self._jobs.values():  # open steps complete with what they have
-                self._complete_due(job, self._wall, force=True)
-                job.resize(new)
+            for job in self._jobs.values():
+                open_ = np.flatnonzero((job.slot_step >= 0) & ~job.slot_done)
+                open_ = open_[np.argsort(job.slot_step[open_])]
+                keep: dict[int, int] = {}  # new slot → old slot, the newest step wins
+                for slot in open_.tolist():
+                    keep[int(job.slot_step[slot]) % new] = slot
+                for slot in sorted(set(open_.tolist()) - set(keep.values())):
+                    self._complete(job, slot, self._wall)  # no room left: done with what it has
+                job.resize(new, keep)
         return old, new
 
     def snapshot(self) -> dict[str, Any]:
@@ -314,13 +285,13 @@ class StepAnalysis:
         jobs = {}
         for job_id, job in self._jobs.items():
             d = {k: v for k, v in vars(job).items() if k != "recent"}
-            d["recent"] = [_record_state(r) for r in job.recent]
+            d["recent"] = [record_state(r) for r in job.recent]
             jobs[job_id] = d
         return {
             "version": 1,
             "params": {n: getattr(self, n) for n in _PARAMS},
             "jobs": jobs,
-            "done": [_record_state(r) for r in self._done],
+            "done": [record_state(r) for r in self._done],
             "late_rows": self.late_rows,
             "dropped_steps": self.dropped_steps,
         }
@@ -357,7 +328,7 @@ class StepAnalysis:
         if job is None or not len(job.ranks):
             return {}
         with np.errstate(all="ignore"):
-            s = _nanmean0(job.hist)
+            s = nanmean0(job.hist)
         return {r: float(s[c]) for r, c in job.col.items() if np.isfinite(s[c])}
 
     # -- internals ---------------------------------------------------------------------------
@@ -510,10 +481,10 @@ class StepAnalysis:
         job.hist[row] = np.nan
         job.hist_i += 1
         if len(cols) >= 2:
-            lateness = (arrival - _median(arrival)) / 1e6
-            scale = self.straggler_full_share * _median(step_ms)
+            lateness = (arrival - median(arrival)) / 1e6
+            scale = self.straggler_full_share * median(step_ms)
             job.hist[row, cols] = np.clip(lateness / scale, 0.0, 1.0) if scale > 0 else 0.0
-            score = _nanmean0(job.hist[:, cols])
+            score = nanmean0(job.hist[:, cols])
         else:
             lateness = score = np.full(len(cols), np.nan)
         lack = (job.seen_wall >= wall_ns - int(self.expect_s * NS)) & ((f & _STEP) == 0)
@@ -537,56 +508,3 @@ class StepAnalysis:
         )
         job.recent.append(rec)
         self._done.append(rec)
-
-
-def _median(a: np.ndarray) -> float:
-    """Median of a small array (sorting beats `np.median`'s overhead at this size)."""
-    s = np.sort(a)
-    m = len(s) // 2
-    return float(s[m]) if len(s) % 2 else (float(s[m - 1]) + float(s[m])) / 2
-
-
-def _nanmean0(a: np.ndarray) -> np.ndarray:
-    """Mean over axis 0 ignoring NaN; NaN (without a warning) where a column has no value."""
-    n = np.isfinite(a).sum(axis=0)
-    total = np.nansum(a, axis=0)
-    return np.where(n > 0, total / np.maximum(n, 1), np.nan)
-
-
-def _record_state(r: StepRecord) -> dict[str, Any]:
-    return {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
-
-
-def _metric_columns(records: list[StepRecord]) -> dict[str, np.ndarray]:
-    """One row per (record, rank, metric) with a finite value."""
-    parts: dict[str, list[np.ndarray]] = {c: [] for c in METRIC_COLUMNS}
-    for r in records:
-        n = len(r.ranks)
-        with np.errstate(all="ignore"):
-            shares = r.phase_ms[:, _SHARE_IDX] / r.step_ms[:, None]
-        values = np.stack(
-            [
-                r.busy_ms,
-                r.idle_ms,
-                r.idle_share,
-                r.collective_ms,
-                r.lateness_ms,
-                r.straggler_score,
-                *shares.T,
-            ]
-        )  # (metrics, ranks)
-        ok = np.isfinite(values)
-        m_idx, r_idx = np.nonzero(ok)
-        parts["value"].append(values[ok])
-        parts["metric"].append(np.asarray(DERIVED_METRICS, dtype=object)[m_idx])
-        parts["rank"].append(r.ranks[r_idx])
-        parts["ts_ns"].append(r.end_ns[r_idx])
-        parts["node"].append(np.asarray(r.nodes, dtype=object)[r_idx] if n else np.empty(0, object))
-        parts["job_id"].append(np.full(len(r_idx), r.job_id, dtype=object))
-        parts["step"].append(np.full(len(r_idx), r.step, dtype=np.int64))
-    dtypes = {"job_id": object, "node": object, "metric": object, "rank": np.int64,
-              "ts_ns": np.int64, "step": np.int64, "value": np.float64}  # fmt: skip
-    return {
-        c: (np.concatenate(parts[c]) if parts[c] else np.empty(0, dtypes[c])).astype(dtypes[c])
-        for c in METRIC_COLUMNS
-    }

@@ -248,6 +248,21 @@ def test_a_finished_job_completes_its_steps_and_is_forgotten() -> None:
     assert sa.recent("j") == [] and sa.scores("j") == {}
 
 
+def test_a_smaller_ring_keeps_the_open_steps_it_can_hold() -> None:
+    cfg, msgs = simulate("healthy", 20.0)
+    whole = StepAnalysis(recent_steps=1000)
+    feed(whole, msgs)
+    sa = StepAnalysis(recent_steps=1000)
+    half = len(msgs) // 2
+    feed(sa, msgs[:half], end_pad_ns=0)
+    assert sa.configure("steps.max_open_steps", 4) == (64, 4)
+    feed(sa, msgs[half:])
+    assert sa._jobs[cfg.job_id].slot_step.shape == (4,)
+    assert sa.late_rows == sa.dropped_steps == 0
+    got = {r.step: r.step_ms.tolist() for r in sa.recent(cfg.job_id)}
+    assert got == {r.step: r.step_ms.tolist() for r in whole.recent(cfg.job_id)}
+
+
 def test_configure_changes_settings_and_rejects_bad_ones() -> None:
     sa = StepAnalysis()
     assert sa.configure("steps.straggler_full_share", 0.3) == (0.2, 0.3)
