@@ -165,10 +165,17 @@ class JobState:
         self.dev = _alloc(_DEV, (0,))
         self.dev_lookup: dict[int, np.ndarray] = {}  # node index → device → slot
         self.node = _alloc(_NODE, (0,))
-        self.flags = {"spans": False, "comm_spans": False, "coll": False, "kernels": False}
+        self.flags = {
+            "spans": False,
+            "comm_spans": False,
+            "coll": False,
+            "kernels": False,
+            "throttled": False,  # a GPU reported a slowdown reason once: track episodes
+        }
         self.kernel_busy: dict[str, float] = {}
         self.gpu_stats = np.zeros(3)  # busy samples, their SM util sum, their memory util sum
         self.gpu_batches = 0
+        self._newest = 0  # newest event time of the batch being folded in
         self.newest_step = -1
         self.last_eval_step = -1
         self.watermark_ns = 0
@@ -198,30 +205,36 @@ class JobState:
             return len(self.nodes) - 1
 
     def _dev_slots(self, node: int, device: np.ndarray, rank: np.ndarray) -> np.ndarray:
-        lut = self.dev_lookup.get(node, np.full(0, -1, dtype=np.int64))
-        top = int(device.max()) + 1
-        if top > len(lut):
-            lut = np.concatenate([lut, np.full(top - len(lut), -1, dtype=np.int64)])
-        self.dev_lookup[node] = lut
-        slot = lut[device]
+        lut = self.dev_lookup.get(node)
+        try:
+            slot = lut[device]  # type: ignore[index]
+        except (IndexError, TypeError):  # a device beyond the table (or the node's first)
+            old = lut if lut is not None else np.full(0, -1, dtype=np.int64)
+            top = int(device.max()) + 1
+            lut = np.concatenate([old, np.full(max(0, top - len(old)), -1, dtype=np.int64)])
+            self.dev_lookup[node] = lut
+            slot = lut[device]
         if (slot < 0).any():
             new = np.unique(device[slot < 0])
             first = len(self.dev["node"])
             _grow(self.dev, _DEV, first + len(new), 0)
-            lut[new] = np.arange(first, first + len(new))
+            lut[new] = np.arange(first, first + len(new))  # type: ignore[index]
             self.dev["node"][first:] = node
             self.dev["device"][first:] = new
-            slot = lut[device]
+            slot = lut[device]  # type: ignore[index]
         self.dev["rank"][slot] = rank
         return slot
 
     # -- steps -------------------------------------------------------------------------------
-    def _slots(self, step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Ring slot of each sample's step, and which samples are recent enough to keep."""
+    def _slots(self, step: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Ring slot of each sample's step, and which samples are recent enough to keep
+        (None: all of them)."""
         newest = max(self.newest_step, int(step.max()))
-        ok = step > newest - STEPS
+        ok = None if int(step.min()) > newest - STEPS else step > newest - STEPS
         slot = step % STEPS
-        stale = ok & (self.step_no[slot] != step)
+        stale = self.step_no[slot] != step
+        if ok is not None:
+            stale &= ok
         if stale.any():
             rows = slot[stale]
             for k, (_, fill) in _RING.items():
@@ -247,7 +260,7 @@ class JobState:
         ts = cols["ts_ns"]
         if handler is None or not len(ts):
             return
-        newest = int(ts.max())  # (a span's start: its end is a few ms later)
+        newest = self._newest = int(ts.max())  # (a span's start: it ends a few ms later)
         if newest > self.watermark_ns:
             self.watermark_ns = newest
         lag = float(wall_ns - newest)
@@ -256,29 +269,35 @@ class JobState:
             self.last_wall_ns = wall_ns
         getattr(self, handler)(self.node_index(node), cols)
 
-    def _per_step(self, cols: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _per_step(
+        self, cols: dict[str, np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         rank, step = cols["rank"], cols["step"]
-        self._ensure_ranks(int(rank.max()) + 1)
+        try:
+            self.rank["last_step"][rank] = np.maximum(self.rank["last_step"][rank], step)
+        except IndexError:
+            self._ensure_ranks(int(rank.max()) + 1)
+            self.rank["last_step"][rank] = np.maximum(self.rank["last_step"][rank], step)
         slot, ok = self._slots(step)
-        if ok.all():
-            return slot, rank, ok
+        if ok is None:
+            return slot, rank, None
         return slot[ok], rank[ok], ok
 
     def _step(self, node: int, cols: dict[str, np.ndarray]) -> None:
         slot, rank, ok = self._per_step(cols)
         r = self.ring
-        pick = (lambda a: a) if ok.all() else (lambda a: a[ok])
+
+        def pick(a: np.ndarray) -> np.ndarray:
+            return a if ok is None else a[ok]
+
         r["st"][slot, rank] = pick(cols["step_time_ms"])
         r["wait"][slot, rank] = pick(cols["data_wait_ms"])
         r["end"][slot, rank] = pick(cols["ts_ns"])
-        mem = pick(cols["mem_allocated_bytes"]).astype(np.float64)
-        reserved = pick(cols["mem_reserved_bytes"]).astype(np.float64)
-        r["mem"][slot, rank] = np.where(mem > 0, mem, np.where(reserved > 0, reserved, np.nan))
-        peak = pick(cols["mem_peak_bytes"]).astype(np.float64)
-        r["peak"][slot, rank] = np.where(peak > 0, peak, np.nan)
+        alloc = cols["mem_allocated_bytes"]  # 0: not reported (then the reserved figure)
+        r["mem"][slot, rank] = pick(alloc if alloc.any() else cols["mem_reserved_bytes"])
+        r["peak"][slot, rank] = pick(cols["mem_peak_bytes"])
         self.rank["node"][rank] = node
-        np.maximum.at(self.rank["last_step"], rank, pick(cols["step"]))
-        self.last_step_ns = max(self.last_step_ns, int(cols["ts_ns"].max()))
+        self.last_step_ns = max(self.last_step_ns, self._newest)
 
     def _span(self, node: int, cols: dict[str, np.ndarray]) -> None:
         depth0 = cols["depth"] == 0
@@ -290,8 +309,9 @@ class JobState:
         use = comp | comm
         sub = {k: cols[k][use] for k in ("rank", "step", "duration_ms")}
         slot, rank, ok = self._per_step(sub)
-        dur = sub["duration_ms"][ok]
-        c, m = comp[use][ok], comm[use][ok]
+        dur, c, m = sub["duration_ms"], comp[use], comm[use]
+        if ok is not None:
+            dur, c, m = dur[ok], c[ok], m[ok]
         r = self.ring
         if c.any():
             self.flags["spans"] = True
@@ -305,12 +325,15 @@ class JobState:
     def _collective(self, node: int, cols: dict[str, np.ndarray]) -> None:
         slot, rank, ok = self._per_step(cols)
         self.flags["coll"] = True
-        np.add.at(self.ring["coll"], (slot, rank), cols["duration_ms"][ok])
+        dur = cols["duration_ms"] if ok is None else cols["duration_ms"][ok]
+        np.add.at(self.ring["coll"], (slot, rank), dur)
         self.ring["n_coll"][slot, rank] = 1
 
     def _kernel(self, node: int, cols: dict[str, np.ndarray]) -> None:
         slot, rank, ok = self._per_step(cols)
-        cls, stream, busy = cols["kernel_class"][ok], cols["stream"][ok], cols["busy_ms"][ok]
+        cls, stream, busy = cols["kernel_class"], cols["stream"], cols["busy_ms"]
+        if ok is not None:
+            cls, stream, busy = cls[ok], stream[ok], busy[ok]
         total = (stream == -1) & (cls == "all")
         if total.any():
             self.flags["kernels"] = True
@@ -342,9 +365,13 @@ class JobState:
             busy = util >= 50.0
             self.gpu_stats += (busy.sum(), util[busy].sum(), cols["mem_util_pct"][busy].sum())
         slow = (reasons & SLOWDOWN_BITS) != 0
-        calm = ~slow
-        d["base"][slot[calm]] = np.maximum(d["base"][slot[calm]], clock[calm])
-        if slow.any() or (d["th_on"] > 0).any() or (d["pw_on"] > 0).any():
+        if slow.any():
+            self.flags["throttled"] = True
+            calm = ~slow
+            d["base"][slot[calm]] = np.maximum(d["base"][slot[calm]], clock[calm])
+        else:
+            d["base"][slot] = np.maximum(d["base"][slot], clock)
+        if self.flags.get("throttled"):
             # a throttle sample: its reason bit is set and the clock fell below the baseline
             base = d["base"][slot]
             low = (base <= 0) | (clock <= (1.0 - self.det.get("clock_drop", 0.05)) * base)

@@ -461,7 +461,7 @@ def _memory(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
         step_s = float(d["step_ms"][-1]) / 1000
         total = _device_total(job, int(r))
         peak = win["peak"][-1, r]
-        used = float(peak if peak == peak else mem[-1, r])
+        used = float(peak if peak > 0 else mem[-1, r])
         headroom = max(0.0, total - used) if total > 0 else np.nan
         tto = headroom / rate * step_s if rate > 0 and headroom == headroom else np.nan
         k = int(min(max(run[r], 1), n - 1))

@@ -252,7 +252,8 @@ class KindScore:
         return float(np.quantile(self.latencies_s, q)) if self.latencies_s else float("nan")
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        """Plain figures (NaN, for a kind with no faults or diagnoses, becomes None)."""
+        doc = {
             "kind": self.kind,
             "faults": self.faults,
             "detected": self.detected,
@@ -268,6 +269,7 @@ class KindScore:
             "misses": self.misses,
             "false_alarms": self.false_alarms,
         }
+        return {k: None if isinstance(v, float) and v != v else v for k, v in doc.items()}
 
 
 def _ranks(ranks: Iterable[int], world: int) -> set[int]:
