@@ -228,6 +228,7 @@ def _straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> No
             confidence=float(np.clip(0.5 * sc / (2 * p.score_threshold), 0, 0.5))
             + 0.5 * min(1.0, run_on[r] / (2 * p.persist_steps)),
             ranks=[int(r)],
+            nodes=node_of(job, int(r)),
             rank=int(r),
             step=int(win["step"][-1]),
             evidence={
@@ -335,6 +336,12 @@ def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> N
             "of each step",
         )
     _replace(job, "dataloader_starvation:", found)
+
+
+def node_of(job: JobState, rank: int) -> list[str]:
+    """The name of the node ``rank`` runs on, as a list (empty when unknown)."""
+    n = int(job.rank["node"][rank]) if 0 <= rank < len(job.rank["node"]) else -1
+    return [job.nodes[n]] if 0 <= n < len(job.nodes) else []
 
 
 def _node_evidence(job: JobState, node: int) -> dict[str, float]:
@@ -480,6 +487,7 @@ def _memory(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
             step_share=0.0,
             confidence=float(min(1.0, 0.5 + 0.5 * run[r] / (2 * p.window_steps))),
             ranks=[int(r)],
+            nodes=node_of(job, int(r)),
             rank=int(r),
             step=int(win["step"][-1]),
             evidence=ev,

@@ -82,7 +82,7 @@ EXPLAINS: dict[str, dict[str, str]] = {
 }
 """cause → {symptom: scope}: the cause explains the symptom when both are active in the same
 job and their ranks ("ranks") or nodes ("nodes") overlap, or anywhere in the job ("job").
-An empty rank or node list means the whole job."""
+A side that names no ranks is compared by nodes; one that names neither spans the job."""
 
 _OOM = re.compile(r"out of memory|outofmemory|\boom\b", re.IGNORECASE)
 _BATCH_KINDS = frozenset({"step", "span", "collective", "kernel", "gpu", "host"})
@@ -354,9 +354,13 @@ class Funnel:
 
 
 def _overlap(scope: str, cause: Finding, symptom: Finding) -> bool:
+    """Whether ``cause`` and ``symptom`` meet in ``scope``; a rank scope falls back to the
+    nodes when one side does not know its ranks (a GPU no rank claims)."""
     if scope == "job":
         return True
-    a, b = (cause.ranks, symptom.ranks) if scope == "ranks" else (cause.nodes, symptom.nodes)
+    if scope == "ranks" and cause.ranks and symptom.ranks:
+        return bool(set(cause.ranks) & set(symptom.ranks))
+    a, b = cause.nodes, symptom.nodes
     return not a or not b or bool(set(a) & set(b))
 
 

@@ -51,14 +51,16 @@ class Synth:
         self.gpu_clock = np.full(self.world, 1980.0)
         self.gpu_reasons = np.zeros(self.world, dtype=np.int64)
         self.gpu_xid = np.zeros(self.world, dtype=np.int64)
+        self.gpu_rank = np.arange(self.world)  # -1: a GPU no rank claims
         self.cpu = np.full(nodes, 20.0)
 
     def node(self, n: int) -> str:
         return f"{self.job}-node-{n}"
 
     def _emit(self, kind: str, cols: dict[str, np.ndarray], newest: int) -> None:
+        owner = cols.pop("_node", cols["rank"] // self.per_node)
         for n in range(self.nodes):
-            mine = (cols["rank"] // self.per_node) == n
+            mine = owner == n
             if not mine.any():
                 continue
             part = {k: v[mine].tolist() for k, v in cols.items()}
@@ -154,7 +156,7 @@ class Synth:
             "gpu",
             {
                 "ts_ns": np.repeat(ticks, w),
-                "rank": ranks,
+                "rank": np.tile(self.gpu_rank, k),
                 "device": ranks % self.per_node,
                 "sm_util_pct": np.tile(self.gpu_util, k),
                 "mem_util_pct": np.tile(self.gpu_util * 0.4, k),
@@ -164,6 +166,7 @@ class Synth:
                 "xid_events": np.tile(self.gpu_xid, k),
                 "last_xid": np.tile(np.where(self.gpu_xid > 0, 79, 0), k),
                 "mem_total_bytes": np.full(w * k, int(80 * GIB)),
+                "_node": ranks // self.per_node,
             },
             int(ticks[-1]),
         )
@@ -265,6 +268,20 @@ def test_thermal_throttle_explains_the_straggler_on_its_rank() -> None:
     assert th.ts_ns - onset < 1.5 * S
     assert (st.ranks, st.explained_by, st.critical_path) == ([1], "thermal_throttle", False)
     assert [d.bottleneck for d in actionable(diags)] == ["thermal_throttle"]
+
+
+def test_a_throttled_gpu_no_rank_claims_explains_stragglers_on_its_node_only() -> None:
+    job = Synth(nodes=2, per_node=2)
+    job.gpu_rank[3] = -1
+    job.steps(20)
+    job.gpu_reasons[3] = 0x40
+    job.gpu_clock[3] = 1200.0
+    job.steps(20, compute=[150, 90, 90, 150])
+    diags = job.feed(Funnel())
+    (th,) = opened(diags, "thermal_throttle")
+    assert (th.rank, th.ranks, th.nodes) == (-1, [], ["j-node-1"])
+    why = {d.rank: d.explained_by for d in opened(diags, "straggler")}
+    assert why == {0: "", 3: "thermal_throttle"}
 
 
 def test_throttle_reason_without_a_clock_drop_is_not_a_throttle() -> None:
