@@ -150,7 +150,23 @@ class Registry:
             del self.jobs[job.name]
             self._free["job"].append(job.idx)
             self.job_name[job.idx] = None
+        live = sum(int(self.src_rn[s.idx] * self.src_dn[s.idx]) for s in self.sources.values())
+        if self.n_glut > max(4096, 2 * live):
+            self._compact()
         return sids
+
+    def _compact(self) -> None:
+        """Rebuild the lookup table from the live sources' segments (dead ones accumulate)."""
+        glut = np.full(max(64, self.n_glut), -1, dtype=_I64)
+        end = 0
+        for s in self.sources.values():
+            i = s.idx
+            n = int(self.src_rn[i] * self.src_dn[i])
+            base = int(self.src_base[i])
+            glut[end : end + n] = self.glut[base : base + n]
+            self.src_base[i] = end
+            end += n
+        self.glut, self.n_glut = glut, end
 
     # -- series ids ---------------------------------------------------------------------
     def sids(

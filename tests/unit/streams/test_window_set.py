@@ -479,3 +479,27 @@ def test_a_restored_snapshot_produces_exactly_the_windows_of_an_uninterrupted_ru
 def test_restore_rejects_a_snapshot_of_another_version() -> None:
     with pytest.raises(ConfigError, match="snapshot version"):
         WindowSet().restore({"version": 99})
+
+
+def test_many_finished_jobs_leave_bounded_state() -> None:
+    ws = WindowSet("1", lateness_s=0, forget_after_s=10, metrics={"step": "step_time_ms"})
+    for j in range(30):
+        t = 100 * j
+        ranks = [0, 1000 + 100 * j]  # far-apart ranks: each job's lookup segment is large
+        ws.observe(
+            batch(
+                "step",
+                job=f"job{j}",
+                ts_ns=[T0 + t * NS] * 2,
+                rank=ranks,
+                step=[0, 0],
+                step_time_ms=[1.0, 2.0],
+            ),
+            wall_ns=T0 + t * NS,
+        )
+        out = ws.advance(T0 + (t + 2) * NS)
+        assert out["job_id"].tolist() == [f"job{j}"] * 2 and sorted(out["rank"].tolist()) == ranks
+        assert ws.series == 2 and ws._reg.n_sids == 2, "ids of forgotten series are reused"
+        ws.advance(T0 + (t + 90) * NS)  # silent for long: forgotten
+        assert ws.series == 0 and ws.closed_until_ns(f"job{j}") is None
+        assert ws._reg.n_glut <= 4096, "dead lookup segments are compacted away"
