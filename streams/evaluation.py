@@ -7,8 +7,10 @@ simulated: a message arrives at ``wall_ns = max(previous arrival, newest event t
 delay_s)`` (newest: a sample's time, or a span's or collective's end), and ``tick`` runs every
 ``tick_s`` of that clock, before the first message that arrives after it. The simulator is
 made to publish like a live producer: one message per node and kind every ``flush_s``
-(``chunk_steps`` steps per chunk, a flush per chunk). `GroundTruth` events are handed to the
-funnel like every job event (it must ignore them) and kept here as the answer key.
+(``chunk_steps`` steps per chunk, a flush per chunk; while a job hangs, GPU and host samples
+too — the simulator's private ``_idle_ms``, until `SimConfig` has a setting for it).
+`GroundTruth` events are handed to the funnel like every job event (it must ignore them) and
+kept here as the answer key.
 
 Scoring (`score`), per fault kind K of `perfloop.schemas.FAULT_KINDS`:
 
@@ -19,9 +21,9 @@ Scoring (`score`), per fault kind K of `perfloop.schemas.FAULT_KINDS`:
   ``end`` is the fault's ``end_ns``, or the run's last event time when the fault lasts to the
   end (hang, memory leak, OOM). Kind and time only: ranks are scored separately.
 * **precision** = matched root diagnoses of K / all root diagnoses of K, over every run of
-  the matrix, healthy runs included (a diagnosis at the wrong time or in a run without K
-  counts against it; so does a second diagnosis of the same fault: it is counted as matched,
-  and reported as ``duplicates``).
+  the matrix, healthy runs included: a diagnosis at the wrong time or in a run without K
+  counts against it. A second diagnosis of the same fault (one that resolved and reopened)
+  counts as matched and is reported in ``duplicates``.
 * **recall** = faults of K with at least one match / faults of K.
 * **latency** of a detected fault = its first match's ``ts_ns`` − onset (median and p90).
 * **rank attribution**: of the matched diagnoses, the share whose ranks overlap the fault's
@@ -87,7 +89,11 @@ _JOB_TOPIC_SUFFIX = ".job"
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One simulated run: scenario, seed, shape and simulated duration."""
+    """One simulated run: scenario, seed, shape and simulated duration.
+
+    >>> RunSpec("straggler", 101, nodes=2, ranks_per_node=8).job_id
+    'eval-straggler-2x8-s101'
+    """
 
     scenario: str
     seed: int

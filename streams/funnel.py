@@ -119,7 +119,7 @@ class _Open:
 class Funnel:
     """Cross-rank and per-device detectors ordered top-down (see the module docstring).
 
-    >>> from perfloop.schemas import BatchBuilder, decode_batch, JobLifecycle
+    >>> from perfloop.schemas import JobLifecycle
     >>> f = Funnel()
     >>> ev = JobLifecycle(ts_ns=5, job_id="j", node="n0", rank=2, state="failed",
     ...                   message="torch.OutOfMemoryError: CUDA out of memory")
