@@ -63,8 +63,10 @@ __all__ = [
     "RunSpec",
     "evaluate",
     "format_table",
+    "replay",
     "run_scenario",
     "score",
+    "simulate",
 ]
 
 T0_NS = 1_700_000_000_000_000_000
@@ -134,15 +136,9 @@ def _newest_ns(batch: Any) -> int:
     return int(ts.max())
 
 
-def run_scenario(
-    spec: RunSpec,
-    *,
-    config: DetectConfig | None = None,
-    delay_s: float = 0.3,
-    tick_s: float = 0.25,
-    flush_s: float = 0.25,
-) -> RunResult:
-    """Simulate ``spec``, replay it into a fresh `Funnel`, return what it diagnosed."""
+def simulate(spec: RunSpec, *, flush_s: float = 0.25) -> tuple[list[tuple[str, bytes]], int]:
+    """Run ``spec``'s simulated job; return its published ``(topic, value)`` messages in order
+    and its world size."""
     shape = SimConfig(job_id=spec.job_id, nodes=spec.nodes, ranks_per_node=spec.ranks_per_node)
     steps = max(1, int(flush_s * 1000 // shape.nominal_step_ms))
     cfg = scenario_config(
@@ -168,7 +164,20 @@ def run_scenario(
     if hasattr(job, "_idle_ms"):  # while hung, GPU and host samples also leave every flush_s
         job._idle_ms = max(cfg.gpu_interval_ms, flush_s * 1000)
     job.run(spec.duration_s)
-    return replay(spec, sent, cfg.world, config=config, delay_s=delay_s, tick_s=tick_s)
+    return sent, cfg.world
+
+
+def run_scenario(
+    spec: RunSpec,
+    *,
+    config: DetectConfig | None = None,
+    delay_s: float = 0.3,
+    tick_s: float = 0.25,
+    flush_s: float = 0.25,
+) -> RunResult:
+    """Simulate ``spec``, replay it into a fresh `Funnel`, return what it diagnosed."""
+    sent, world = simulate(spec, flush_s=flush_s)
+    return replay(spec, sent, world, config=config, delay_s=delay_s, tick_s=tick_s)
 
 
 def replay(
