@@ -31,6 +31,7 @@ import numpy as np
 __all__ = ["LogBuckets", "Sketches"]
 
 _I64 = np.int64
+_I32 = np.int32  # bucket numbers and counts are stored narrow: half the memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,7 @@ class LogBuckets:
         code[a < self.min_value] = 0
         np.negative(code, out=code, where=v < 0)
         code += half
-        return code
+        return np.asarray(code)
 
     def value(self, buckets: np.ndarray | int) -> np.ndarray:
         """The representative value of each bucket number."""
@@ -138,8 +139,8 @@ class Sketches:
 
     mapping: LogBuckets
     ptr: np.ndarray  # int64[n_rows + 1]
-    bucket: np.ndarray  # int64[n_entries]
-    count: np.ndarray  # int64[n_entries]
+    bucket: np.ndarray  # int32[n_entries]
+    count: np.ndarray  # int32[n_entries]
 
     @property
     def n_rows(self) -> int:
@@ -147,7 +148,7 @@ class Sketches:
 
     @classmethod
     def empty(cls, mapping: LogBuckets, n_rows: int = 0) -> Sketches:
-        z = np.zeros(0, dtype=_I64)
+        z = np.zeros(0, dtype=_I32)
         return cls(mapping, np.zeros(n_rows + 1, dtype=_I64), z, z)
 
     @classmethod
@@ -157,7 +158,7 @@ class Sketches:
         bits = mapping.key_bits
         ptr = np.zeros(n_rows + 1, dtype=_I64)
         np.cumsum(np.bincount(keys >> bits, minlength=n_rows), out=ptr[1:])
-        return cls(mapping, ptr, keys & ((1 << bits) - 1), counts)
+        return cls(mapping, ptr, (keys & ((1 << bits) - 1)).astype(_I32), counts.astype(_I32))
 
     @classmethod
     def from_values(
@@ -178,8 +179,8 @@ class Sketches:
 
     def totals(self) -> np.ndarray:
         """Values per row."""
-        csum = np.r_[0, np.cumsum(self.count)]
-        return csum[self.ptr[1:]] - csum[self.ptr[:-1]]
+        csum = np.r_[0, np.cumsum(self.count, dtype=_I64)]
+        return np.asarray(csum[self.ptr[1:]] - csum[self.ptr[:-1]])
 
     def take(self, rows: np.ndarray) -> Sketches:
         """The sketches of ``rows`` (indices, in that order; a row may repeat)."""
@@ -194,7 +195,8 @@ class Sketches:
     def merge(self, groups: np.ndarray, n_groups: int) -> Sketches:
         """Merge row ``i`` into group ``groups[i]``: counts of equal buckets add up."""
         egroup = np.repeat(np.asarray(groups, dtype=_I64), self.lengths())
-        keys, counts = _sum_by_key((egroup << self.mapping.key_bits) | self.bucket, self.count)
+        keys = (egroup << self.mapping.key_bits) | self.bucket
+        keys, counts = _sum_by_key(keys, self.count.astype(_I64))
         return Sketches._from_keys(self.mapping, keys, counts, n_groups)
 
     @staticmethod
@@ -229,7 +231,7 @@ class Sketches:
         out = np.full((n, len(qs)), np.nan)
         if n == 0 or len(self.count) == 0:
             return out
-        csum = np.cumsum(self.count)
+        csum = np.cumsum(self.count, dtype=_I64)
         base = np.r_[0, csum][self.ptr[:-1]]
         total = np.r_[0, csum][self.ptr[1:]] - base
         ok = total > 0
