@@ -119,7 +119,9 @@ class Agg:
     def slope(self) -> np.ndarray:
         """Least-squares slope of value over time, units per second (0 with no time spread)."""
         ok = self.m2t > 0
-        return np.divide(self.ctv, self.m2t, out=np.zeros(len(self)), where=ok)
+        out = np.zeros(len(self))
+        np.divide(self.ctv, self.m2t, out=out, where=ok)
+        return out
 
     def quantiles(self, qs: Sequence[float] = QUANTILES) -> np.ndarray:
         return self.sk.quantiles(qs, self.vmin, self.vmax)

@@ -295,4 +295,5 @@ def _concat(parts: list[Samples]) -> Samples:
         return e, e, e, e, e, np.zeros(0)
     if len(parts) == 1:
         return _finite(parts[0])
-    return _finite(tuple(np.concatenate(c) for c in zip(*parts, strict=True)))  # type: ignore[return-value]
+    ts, src, rank, dev, mid, v = (np.concatenate(c) for c in zip(*parts, strict=True))
+    return _finite((ts, src, rank, dev, mid, v))

@@ -68,6 +68,23 @@ def _grow(a: np.ndarray, n: int, fill: Any) -> np.ndarray:
 class Registry:
     """Jobs, sources, metric names and series ids (see the module docstring)."""
 
+    # Per series id, per source index, per job index (grown by doubling; set via setattr).
+    sid_src: np.ndarray
+    sid_job: np.ndarray
+    sid_rank: np.ndarray
+    sid_dev: np.ndarray
+    sid_mid: np.ndarray
+    sid_since: np.ndarray
+    src_job: np.ndarray
+    src_base: np.ndarray
+    src_rlo: np.ndarray
+    src_rn: np.ndarray
+    src_dlo: np.ndarray
+    src_dn: np.ndarray
+    job_cu: np.ndarray  # closed until (ns): the job's panes that end by then have closed
+    glut: np.ndarray  # the sources' segments: (rank, device) -> slot
+    slot_src: np.ndarray
+
     _SID_COLS = ("sid_src", "sid_job", "sid_rank", "sid_dev", "sid_mid", "sid_since")
     _SRC_COLS = ("src_job", "src_base", "src_rlo", "src_rn", "src_dlo", "src_dn")
     _ARRAYS = (*_SID_COLS, *_SRC_COLS, "job_cu", "glut", "slot_src")
@@ -150,10 +167,10 @@ class Registry:
             del self.jobs[job.name]
             self._free["job"].append(job.idx)
             self.job_name[job.idx] = None
-        live = sum(int(self.src_rn[s.idx] * self.src_dn[s.idx]) for s in self.sources.values())
+        live = sum(int(self.src_rn[s.idx]) * int(self.src_dn[s.idx]) for s in self.sources.values())
         if self.n_glut > max(4096, 2 * live):
             self._compact()
-        return sids
+        return np.asarray(sids, dtype=_I64)
 
     def _compact(self) -> None:
         """Rebuild the lookup table from the live sources' segments (dead ones accumulate)."""
@@ -197,7 +214,7 @@ class Registry:
             miss = sid < 0
             self._register(slot[miss], mid[miss], rank[miss], dev[miss])
             sid = self.gtab[slot, mid]
-        return sid
+        return np.asarray(sid, dtype=_I64)
 
     def _widen(self, src: np.ndarray, rank: np.ndarray, dev: np.ndarray) -> None:
         """Give sources a segment that also covers these ranks and devices (slots kept)."""

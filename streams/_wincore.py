@@ -45,6 +45,7 @@ __all__ = [
     "WindowSpec",
     "empty_columns",
     "parse_specs",
+    "trim_batches",
 ]
 
 NS = 1_000_000_000
@@ -148,6 +149,24 @@ def empty_columns(names: Sequence[str]) -> WindowColumns:
         c: np.zeros(0, dtype=object if c in _STRINGS else float if c in _FLOATS else np.int64)
         for c in names
     }
+
+
+def _column(cols: dict[str, np.ndarray], name: str) -> np.ndarray:
+    """A batch column; a missing one reads as NaN (not a sample)."""
+    col = cols.get(name)
+    return np.full(len(cols["ts_ns"]), np.nan) if col is None else col
+
+
+def trim_batches(
+    raw: list[tuple[str, int, int, dict[str, np.ndarray]]], metrics: dict[str, tuple[str, ...]]
+) -> list[tuple[str, int, int, dict[str, np.ndarray]]]:
+    """Waiting batches with only the columns their kind's metrics read (for snapshots)."""
+    out = []
+    for kind, tmin, tmax, cols in raw:
+        if metrics.get(kind):
+            keep = [c for c in needed_columns(kind, metrics[kind]) if c in cols]
+            out.append((kind, tmin, tmax, {c: cols[c] for c in keep}))
+    return out
 
 
 class WindowCore:
@@ -271,8 +290,11 @@ class WindowCore:
             if not names:
                 continue
             need = [c for c in needed_columns(kind, names) if c != "_src"]
-            columns = zip(*map(itemgetter(*need), (ch for _, ch in chunks)), strict=True)
-            cols = {c: np.concatenate(arrays) for c, arrays in zip(need, columns, strict=True)}
+            try:
+                columns = zip(*map(itemgetter(*need), (ch for _, ch in chunks)), strict=True)
+                cols = {c: np.concatenate(arrays) for c, arrays in zip(need, columns, strict=True)}
+            except KeyError:  # batches restored from a snapshot keep only the columns read then
+                cols = {c: np.concatenate([_column(ch, c) for _, ch in chunks]) for c in need}
             lengths = [len(ch["ts_ns"]) for _, ch in chunks]
             cols["_src"] = np.repeat(np.array([i for i, _ in chunks], dtype=np.int64), lengths)
             if kind in ("gpu", "host", "step"):
@@ -307,15 +329,19 @@ class WindowCore:
             if m.all():
                 take.append(chunk[2:])
             elif m.any():
-                take.append(tuple(a[m] for a in chunk[2:]))
-                rest = tuple(a[~m] for a in chunk[2:])
-                keep.append((int(rest[0].min()), chunk[1], *rest))
+                ts, src, rank, dev, mid, v = chunk[2:]
+                take.append((ts[m], src[m], rank[m], dev[m], mid[m], v[m]))
+                r = ~m
+                keep.append(
+                    (int(ts[r].min()), chunk[1], ts[r], src[r], rank[r], dev[r], mid[r], v[r])
+                )
             else:
                 keep.append(chunk)
         self._pending = keep
         if not take:
             return None
-        return tuple(np.concatenate(c) for c in zip(*take, strict=True))  # type: ignore[return-value]
+        ts, src, rank, dev, mid, v = (np.concatenate(c) for c in zip(*take, strict=True))
+        return ts, src, rank, dev, mid, v
 
     # -- closing --------------------------------------------------------------------------
     def _close(
@@ -334,8 +360,8 @@ class WindowCore:
         self._levels[pane].append(panes)
         for b in sorted(self._levels)[1:]:
             lvl = self._levels[b]
-            rows = self._levels[lvl.child].gather(sid_job, old // b * b, new // b * b)
-            fresh[b] = build_blocks(rows, b, reg.n_sids, self._empty)
+            parts = self._levels[lvl.child].gather(sid_job, old // b * b, new // b * b)
+            fresh[b] = build_blocks(parts, b, reg.n_sids, self._empty)
             lvl.append(fresh[b])
         made: dict[tuple[int, int], Agg] = {}
         for spec in sorted(self._specs, key=lambda s: s.key in self._subset_of):

@@ -2,22 +2,29 @@
 
 `WindowSet` keeps, per 1 s pane (``pane_s``) and series, count, mean, min, max, the last
 value, the moments of a least-squares slope and a mergeable log-bucket sketch
-(`perfloop.streams.sketch`). Raw samples wait per source until their pane closes and are then
-reduced in one vectorised pass over every closing pane of every job; bigger blocks (10 s, 60 s)
-are merges of smaller ones, and a hopping window is a merge of its blocks. Every window size
-and hop is a whole number of panes (`WindowSpec`; default tumbling 1, 10, 60 s and 60 s
-hopping every 10 s). Closed windows come out columnar (`WindowColumns`, the columns of the
-``windows`` message): count, mean, min, max, p50/p95/p99 (within ``alpha`` relative error of a
-sample of that rank), rate (count / window size) and slope (units per second).
+(`perfloop.streams.sketch`). Batches wait by reference until a pane of theirs closes; then the
+due batches of every source are read and every closing pane of every job is reduced in one
+vectorised pass. Bigger blocks (10 s) are merges of panes, a hopping window is a merge of its
+blocks, and a tumbling window a hopping spec covers (60 s beside 60 s every 10 s) is taken
+from it. Sizes and hops are whole numbers of panes, windows start at multiples of their hop
+since the epoch (`WindowSpec`; default tumbling 1, 10, 60 s and 60 s every 10 s). What each
+batch kind yields is configurable (`AVAILABLE_METRICS`, `DEFAULT_METRICS`; derived figures such
+as ``data_wait_share``, per-phase times and per-step shares, per-op bus bandwidth), and
+`WindowSet.add` takes metrics computed elsewhere. Closed windows come out columnar, grouped by
+job (`WindowColumns`, the columns of the ``windows`` message): count, mean, min, max,
+p50/p95/p99 (each within ``alpha`` relative error of ``np.quantile(x, q, method="lower")``),
+rate (count / window size) and slope (least squares, units per second).
 
 Time: each source (job, node) has an event-time watermark, the newest ``ts_ns`` it sent; a
 source that sends nothing moves on with the wall clock (``wall_ns``), so windows close on time
 with no new events. A job's watermark is the minimum over its sources active in the last
 ``source_idle_s`` (a node whose clock lags delays the job's windows instead of making its own
 samples late). Panes up to the job's watermark minus ``lateness_s`` close; a sample older
-than a closed pane is counted in `late_samples` and dropped. Series of sources silent for
-``forget_after_s`` are forgotten, so finished jobs free their memory. `snapshot` / `restore`
-carry everything (open panes included) across a restart.
+than a closed pane is counted in `WindowSet.late_samples` and dropped (spans are stamped at
+their start, so the lateness should cover the longest span). Sources silent for
+``forget_after_s`` are forgotten and their series ids reused, so finished jobs free their
+memory. `WindowSet.snapshot` / `WindowSet.restore` carry everything, open panes included,
+across a restart.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from perfloop.streams._wincore import (
     WindowSpec,
     empty_columns,
     parse_specs,
+    trim_batches,
 )
 
 __all__ = [
@@ -299,6 +307,9 @@ class WindowSet(WindowCore):
 
     def snapshot(self) -> dict[str, Any]:
         """Everything needed to resume (open panes included): builtins and numpy arrays."""
+        registry = self._reg.state()
+        for src in registry["sources"]:
+            src["raw"] = trim_batches(src["raw"], self._metrics)
         return {
             "version": _SNAPSHOT_VERSION,
             "config": {
@@ -310,7 +321,7 @@ class WindowSet(WindowCore):
                 "forget_ns": self._forget_ns,
                 "alpha": self._mapping.alpha,
             },
-            "registry": self._reg.state(),
+            "registry": registry,
             "levels": {b: lvl.state() for b, lvl in self._levels.items()},
             "pending": list(self._pending),
             "spans": None if self._spans is None else dict(self._spans),

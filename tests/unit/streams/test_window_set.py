@@ -503,3 +503,14 @@ def test_many_finished_jobs_leave_bounded_state() -> None:
         ws.advance(T0 + (t + 90) * NS)  # silent for long: forgotten
         assert ws.series == 0 and ws.closed_until_ns(f"job{j}") is None
         assert ws._reg.n_glut <= 4096, "dead lookup segments are compacted away"
+
+
+def test_a_restored_set_reads_its_waiting_batches_after_a_metric_is_added() -> None:
+    ws = WindowSet("1", lateness_s=5, metrics={"gpu": "power_w"})
+    g = batch("gpu", ts_ns=[T0 + NS], rank=[0], device=[0], power_w=[300.0], temp_c=[70.0])
+    ws.observe(g, wall_ns=T0 + NS)  # waits: its pane closes at 1 + 1 + 5 s
+    resumed = WindowSet()
+    resumed.restore(pickle.loads(pickle.dumps(ws.snapshot())))
+    resumed.configure("windows.metrics.gpu", "power_w,temp_c")
+    got = rows(resumed.advance(T0 + 30 * NS))
+    assert [(r["metric"], r["mean"]) for r in got] == [("power_w", 300.0)]
