@@ -1,4 +1,8 @@
-"""The series registry of the windows: jobs, sources (job, node), metric names and series ids.
+"""The series registry of the windows: jobs, sources, metric names and series ids.
+
+A source is one kind of telemetry of one node of a job (job, node, kind): the kinds of a node
+come from different producers (the node sampler, the training processes) with their own
+publishing delays, so each has its own event-time watermark.
 
 A series is (job, node, rank, device, metric) and gets a small int id (``sid``), reused after
 its source is forgotten, so per-series arrays stay dense and bounded. Ids are looked up in
@@ -29,18 +33,18 @@ class Job:
 
     def __init__(self, idx: int, name: str) -> None:
         self.idx, self.name = idx, name
-        self.sources: list[str] = []
+        self.sources: list[Source] = []
         self.spec_since: dict[tuple[int, int], int] = {}
         self.family_since: dict[str, int] = {}
 
 
 class Source:
-    """One (job, node): event-time watermark, wall time last seen, batches not yet read."""
+    """One (job, node, kind): event-time watermark, wall time last seen, batches not read."""
 
-    __slots__ = ("idx", "job", "node", "raw", "seen", "wm")
+    __slots__ = ("idx", "job", "kind", "node", "raw", "seen", "wm")
 
-    def __init__(self, idx: int, job: int, node: str) -> None:
-        self.idx, self.job, self.node = idx, job, node
+    def __init__(self, idx: int, job: int, node: str, kind: str) -> None:
+        self.idx, self.job, self.node, self.kind = idx, job, node, kind
         self.wm = -1
         self.seen = 0
         self.raw: list[Raw] = []  # batches waiting for a pane of theirs to close
@@ -52,7 +56,7 @@ class Source:
 
     @classmethod
     def from_state(cls, d: dict[str, Any]) -> Source:
-        s = cls(d["idx"], d["job"], d["node"])
+        s = cls(d["idx"], d["job"], d["node"], d["kind"])
         s.wm, s.seen, s.raw = d["wm"], d["seen"], list(d["raw"])
         return s
 
@@ -95,7 +99,7 @@ class Registry:
         self._mid: dict[str, int] = {}
         self.metric_arr = np.zeros(0, dtype=object)
         self.jobs: dict[str, Job] = {}
-        self.sources: dict[tuple[str, str], Source] = {}
+        self.sources: dict[tuple[str, str, str], Source] = {}  # (job, node, kind)
         self.job_name = np.zeros(0, dtype=object)
         self.src_node = np.zeros(0, dtype=object)
         for c in self._ARRAYS:
@@ -125,8 +129,8 @@ class Registry:
         setattr(self, count, max(getattr(self, count), i + 1))
         return i
 
-    def source(self, job_id: str, node: str) -> Source:
-        src = self.sources.get((job_id, node))
+    def source(self, job_id: str, node: str, kind: str) -> Source:
+        src = self.sources.get((job_id, node, kind))
         if src is not None:
             return src
         job = self.jobs.get(job_id)
@@ -142,15 +146,15 @@ class Registry:
             setattr(self, c, _grow(getattr(self, c), i + 1, 0))
         self.src_node[i], self.src_job[i] = node, job.idx
         self.src_base[i] = self.src_rn[i] = self.src_dn[i] = 0
-        job.sources.append(node)
-        src = self.sources[(job_id, node)] = Source(i, job.idx, node)
+        src = self.sources[(job_id, node, kind)] = Source(i, job.idx, node, kind)
+        job.sources.append(src)
         return src
 
     def forget(self, src: Source) -> np.ndarray:
         """Drop a source (and its job when it was the last one); return its freed sids."""
         job = self.jobs[str(self.job_name[src.job])]
-        del self.sources[(job.name, src.node)]
-        job.sources.remove(src.node)
+        del self.sources[(job.name, src.node, src.kind)]
+        job.sources.remove(src)
         i = src.idx
         self._free["src"].append(i)
         self.src_node[i] = None
@@ -286,7 +290,7 @@ class Registry:
                 {
                     "idx": j.idx,
                     "name": j.name,
-                    "sources": list(j.sources),
+                    "sources": [s.idx for s in j.sources],
                     "spec_since": dict(j.spec_since),
                     "family_since": dict(j.family_since),
                 }
@@ -308,13 +312,14 @@ class Registry:
         r.metric_arr = np.array(r.metric_names, dtype=object)
         r.n_jobs, r.n_srcs, r.n_sids, r.n_slots, r.n_glut = d["counts"]
         r._free = {k: list(v) for k, v in d["free"].items()}
+        by_idx = {}
+        for sd in d["sources"]:
+            src = by_idx[sd["idx"]] = Source.from_state(sd)
+            r.sources[(str(r.job_name[src.job]), src.node, src.kind)] = src
         for jd in d["jobs"]:
             job = Job(jd["idx"], jd["name"])
-            job.sources = list(jd["sources"])
+            job.sources = [by_idx[i] for i in jd["sources"]]
             job.spec_since = dict(jd["spec_since"])
             job.family_since = dict(jd["family_since"])
             r.jobs[job.name] = job
-        for sd in d["sources"]:
-            src = Source.from_state(sd)
-            r.sources[(str(r.job_name[src.job]), src.node)] = src
         return r

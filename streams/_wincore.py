@@ -274,8 +274,7 @@ class WindowCore:
         by_kind: dict[str, list[tuple[int, dict[str, np.ndarray]]]] = {}
         for job in progressed:
             cu = int(reg.job_cu[job.idx])
-            for node in job.sources:
-                src = reg.sources[(job.name, node)]
+            for src in job.sources:
                 if not src.raw:
                     continue
                 later = []

@@ -15,13 +15,16 @@ job (`WindowColumns`, the columns of the ``windows`` message): count, mean, min,
 p50/p95/p99 (each within ``alpha`` relative error of ``np.quantile(x, q, method="lower")``),
 rate (count / window size) and slope (least squares, units per second).
 
-Time: each source (job, node) has an event-time watermark, the newest ``ts_ns`` it sent; a
-source that sends nothing moves on with the wall clock (``wall_ns``), so windows close on time
-with no new events. A job's watermark is the minimum over its sources active in the last
-``source_idle_s`` (a node whose clock lags delays the job's windows instead of making its own
-samples late). Panes up to the job's watermark minus ``lateness_s`` close; a sample older
-than a closed pane is counted in `WindowSet.late_samples` and dropped (spans are stamped at
-their start, so the lateness should cover the longest span). Sources silent for
+Time: each source — one kind of telemetry of one node, (job, node, kind), as the kinds of a
+node come from different producers with their own delays; `add` feeds the node's ``derived``
+source — has an event-time watermark, the newest ``ts_ns`` it sent; a source that sends
+nothing moves on with the wall clock (``wall_ns``), so windows close on time with no new
+events. A job's watermark is the minimum over its sources active in the last
+``source_idle_s`` (a node whose clock lags, or a kind published later, delays the job's
+windows instead of making its own samples late). Panes up to the job's watermark minus
+``lateness_s`` close; a sample older than a closed pane is counted in `WindowSet.late_samples`
+and dropped (spans are stamped at their start, so the lateness should cover the longest span).
+Sources silent for
 ``forget_after_s`` are forgotten and their series ids reused, so finished jobs free their
 memory. `WindowSet.snapshot` / `WindowSet.restore` carry everything, open panes included,
 across a restart.
@@ -197,7 +200,7 @@ class WindowSet(WindowCore):
         if not len(ts):
             return
         tmin, tmax = int(ts.min()), int(ts.max())
-        src = self._reg.source(batch.job_id, batch.node)
+        src = self._reg.source(batch.job_id, batch.node, batch.kind)
         src.wm = max(src.wm, tmax)
         src.seen = max(src.seen, int(wall_ns))
         if not self._metrics.get(batch.kind):
@@ -230,7 +233,7 @@ class WindowSet(WindowCore):
             raise ValueError(f"{len(ts)} times for {len(v)} values of {metric!r}")
         if not len(ts):
             return
-        src = self._reg.source(job_id, node)
+        src = self._reg.source(job_id, node, "derived")
         src.wm = max(src.wm, int(ts.max()))
         src.seen = max(src.seen, int(wall_ns))
         cu = int(self._reg.job_cu[src.job])
@@ -250,8 +253,7 @@ class WindowSet(WindowCore):
         if job is None:
             return None
         effective, active = [], []
-        for node in job.sources:
-            src = self._reg.sources[(job_id, node)]
+        for src in job.sources:
             idle = wall_ns - src.seen
             effective.append(src.wm + max(0, idle))
             if idle <= self._idle_ns:

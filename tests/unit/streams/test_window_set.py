@@ -139,6 +139,26 @@ def test_a_lagging_node_delays_its_jobs_windows_instead_of_losing_samples() -> N
     ]
 
 
+def test_a_kind_published_later_on_the_same_node_is_not_made_late() -> None:
+    # The node sampler publishes GPU samples at once; the training process sends its steps of
+    # the same seconds later: each kind of a node has its own watermark.
+    ws = WindowSet("1", lateness_s=0, metrics={"gpu": "power_w", "step": "step_time_ms"})
+    gpu = batch(
+        "gpu",
+        ts_ns=[T0 + k * NS for k in range(10)],
+        rank=[0] * 10,
+        device=[0] * 10,
+        power_w=[300.0] * 10,
+    )
+    ws.observe(gpu, wall_ns=T0 + 10 * NS)
+    ws.observe(steps([0.5], [100.0]), wall_ns=T0 + 10 * NS)
+    assert len(ws.advance(T0 + 10 * NS)["ts_ns"]) == 0, "the step source holds the job at 0.5 s"
+    ws.observe(steps([1.5, 8.5], [110.0, 120.0]), wall_ns=T0 + 10 * NS)
+    out = rows(ws.advance(T0 + 10 * NS), metric="step_time_ms")
+    assert ws.late_samples == 0
+    assert [(r["ts_ns"] - T0) // NS for r in out] == [0, 1]
+
+
 def test_a_source_idle_past_source_idle_s_no_longer_holds_the_job_back() -> None:
     ws = only_step_time(specs="1", lateness_s=0, source_idle_s=5)
     ws.observe(steps([0.5], [1.0]), wall_ns=T0)  # n0 sends once; its clock lags by 100 s
