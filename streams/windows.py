@@ -24,10 +24,9 @@ events. A job's watermark is the minimum over its sources active in the last
 windows instead of making its own samples late). Panes up to the job's watermark minus
 ``lateness_s`` close; a sample older than a closed pane is counted in `WindowSet.late_samples`
 and dropped (spans are stamped at their start, so the lateness should cover the longest span).
-Sources silent for
-``forget_after_s`` are forgotten and their series ids reused, so finished jobs free their
-memory. `WindowSet.snapshot` / `WindowSet.restore` carry everything, open panes included,
-across a restart.
+Sources silent for ``forget_after_s`` are forgotten and their series ids reused, so finished
+jobs free their memory. `WindowSet.snapshot` / `WindowSet.restore` carry everything, open
+panes included, across a restart.
 """
 
 from __future__ import annotations
