@@ -1,17 +1,25 @@
-"""The Faust stream app: step batches → 10 s windows per job and rank → the data-wait rule.
+"""The Faust stream app: one ingest agent per input topic around one `StreamEngine`.
 
-Processing is at-least-once: Faust commits an offset after the agent has handled the event,
-and everything the agent emits is idempotent downstream (windows and recommendations carry
-deterministic keys; the sink deduplicates by insert token). Window state lives in memory.
-Bad input never stops the agent: it goes to ``perfloop.dlq`` with the reason and the source
-in its headers.
+Agents read ``perfloop.telemetry.{gpu,host,step,span,job}`` and ``perfloop.control`` in
+groups of messages, hand each to the engine, and send what it rejects to ``perfloop.dlq``
+with the reason and the source in its headers; an agent never dies on bad input (even an
+unexpected error in a component is logged, dead-lettered and survived). A timer ticks the
+engine every ``tick_interval_s`` and publishes closed windows (``perfloop.windows``), phase
+changes, diagnoses and recommendations, keyed by job.
+
+Processing is at least once, with durable state: input is read without automatic
+acknowledgement; every ``snapshot_interval_s`` the engine's state is written to
+``$PERFLOOP_HOME/streams/<worker_name>.snapshot`` (atomically, fsync'd) and only then is the
+input it covers acknowledged, so committed offsets never pass the snapshot. A restarted
+worker restores the snapshot and skips what it already holds; what it emitted after the
+snapshot may be emitted again (bounded by the snapshot interval).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
+from pathlib import Path
 from typing import Any
 
 import faust
@@ -19,75 +27,38 @@ import orjson
 
 from perfloop.catalog import Topics
 from perfloop.kafka import dlq_headers
-from perfloop.schemas import SchemaError, decode_batch, encode_event
+from perfloop.schemas import SchemaError, encode_event
 from perfloop.settings import StreamsSettings
-from perfloop.streams.rules import DataWaitRule
-from perfloop.streams.windows import NS, TumblingWindows, WindowRow
+from perfloop.streams.engine import INPUT_TOPICS, Outputs, StreamEngine
+from perfloop.streams.windows import WindowColumns, split_by_job
 
-__all__ = ["StreamsService", "WindowEngine", "create_app"]
+__all__ = ["StreamsService", "create_app", "snapshot_path", "windows_messages"]
 
 log = logging.getLogger("perfloop.streams")
 
 # About 300 bytes a row: a message stays far below the 1 MiB default request size.
-WINDOW_ROWS_PER_MESSAGE = 1000
+WINDOW_ROWS_PER_MESSAGE = 2000
+# Held (unacknowledged) input beyond this while snapshots fail is acknowledged anyway.
+MAX_HELD_EVENTS = 20_000
 
 
-class WindowEngine:
-    """The app's pure core: step batches in, closed windows and recommendations out.
+def snapshot_path(settings: StreamsSettings) -> Path:
+    return settings.home_dir / "streams" / f"{settings.worker_name}.snapshot"
 
-    Kept free of Faust so that it can be tested, benchmarked and hosted elsewhere.
-    """
 
-    METRICS = ("step_time_ms", "data_wait_share")
-
-    def __init__(self, settings: StreamsSettings) -> None:
-        self.windows = TumblingWindows(
-            window_s=settings.window_s, lateness_s=settings.allowed_lateness_s
-        )
-        self.rule = DataWaitRule(
-            threshold=settings.data_wait_share_threshold,
-            cooldown_s=settings.recommendation_cooldown_s,
-            max_workers=max(2, 2 * (os.cpu_count() or 2)),
-        )
-        self.max_skew_ns = int(settings.max_skew_s * NS)
-        self.samples = 0
-
-    def add_step_batch(self, data: bytes) -> None:
-        """Decode one step batch and add it to the windows; raise `SchemaError` if bad."""
-        batch = decode_batch(data)
-        if batch.kind != "step":
-            raise SchemaError(f"expected a step batch on {Topics.STEP}, got {batch.kind!r}")
-        cols = batch.columns
-        ts = cols["ts_ns"]
-        skew = ts.max() - time.time_ns()
-        if skew > self.max_skew_ns:
-            raise SchemaError(
-                f"step batch event time is {skew / NS:.0f} s in the future "
-                f"(limit {self.max_skew_ns / NS:.0f} s); check the producer's clock"
-            )
-        share = cols["data_wait_ms"] / cols["step_time_ms"]
-        ranks = cols["rank"]
-        wall = time.time_ns()
-        for rank in set(ranks.tolist()):
-            sel = ranks == rank
-            for metric, values in (
-                ("step_time_ms", cols["step_time_ms"]),
-                ("data_wait_share", share),
-            ):
-                self.windows.add(
-                    batch.job_id, batch.node, rank, metric, ts[sel], values[sel], wall_ns=wall
-                )
-        self.rule.observe_workers(batch.job_id, int(cols["num_workers"][-1]))
-        self.samples += len(batch)
-
-    def tick(self) -> tuple[list[WindowRow], list[Any]]:
-        """Close due windows; a series with no new events advances with the wall clock."""
-        rows = self.windows.advance(wall_ns=time.time_ns())
-        return rows, self.rule.evaluate(rows)
+def windows_messages(cols: WindowColumns) -> list[tuple[bytes, bytes]]:
+    """Closed windows as ``(key, value)`` messages: per job, at most 2000 rows each."""
+    out = []
+    for job, part in split_by_job(cols).items():
+        n = len(part["ts_ns"])
+        for i in range(0, n, WINDOW_ROWS_PER_MESSAGE):
+            chunk = {k: v[i : i + WINDOW_ROWS_PER_MESSAGE].tolist() for k, v in part.items()}
+            out.append((job.encode(), orjson.dumps({"kind": "windows", "v": 2, "columns": chunk})))
+    return out
 
 
 def create_app(settings: StreamsSettings) -> faust.App:
-    """Build the Faust app and its agents for the given settings."""
+    """Build the Faust app, its agents and timers for the given settings."""
     app = faust.App(
         settings.app_id,
         broker=f"kafka://{settings.kafka_bootstrap}",
@@ -100,54 +71,98 @@ def create_app(settings: StreamsSettings) -> faust.App:
         processing_guarantee="at_least_once",
         datadir=str(settings.home_dir / "streams"),
     )
-    steps = app.topic(Topics.STEP, value_serializer="raw", key_serializer="raw")
-    windows_out = app.topic(Topics.WINDOWS, value_serializer="raw", key_serializer="raw")
-    recs_out = app.topic(Topics.RECOMMENDATIONS, value_serializer="raw", key_serializer="raw")
-    dlq = app.topic(Topics.DLQ, value_serializer="raw", key_serializer="raw")
-    engine = WindowEngine(settings)
 
-    async def emit(rows: list[WindowRow], recs: list[Any]) -> None:
-        by_job: dict[str, list[dict[str, Any]]] = {}
-        for r in rows:
-            by_job.setdefault(r.job_id, []).append(r.as_dict())
-        for job_id, job_rows in by_job.items():
-            # A backlog can close thousands of windows at once: keep each message small.
-            for i in range(0, len(job_rows), WINDOW_ROWS_PER_MESSAGE):
-                chunk = job_rows[i : i + WINDOW_ROWS_PER_MESSAGE]
-                await windows_out.send(
-                    key=job_id.encode(), value=orjson.dumps({"kind": "windows", "rows": chunk})
-                )
-        for rec in recs:
+    def out(name: str) -> Any:
+        return app.topic(name, value_serializer="raw", key_serializer="raw")
+
+    windows_out, phases_out = out(Topics.WINDOWS), out(Topics.PHASES)
+    diagnoses_out, recs_out, dlq = (
+        out(Topics.DIAGNOSES),
+        out(Topics.RECOMMENDATIONS),
+        out(Topics.DLQ),
+    )
+    engine = StreamEngine(settings)
+    path = snapshot_path(settings)
+    if engine.load(path):
+        log.info("resumed from %s (%d partitions)", path, len(engine.snapshot()["offsets"]))
+    held: list[Any] = []
+
+    async def emit(o: Outputs) -> None:
+        if o.windows is not None:
+            for key, value in windows_messages(o.windows):
+                await windows_out.send(key=key, value=value)
+        for topic, events in (
+            (phases_out, o.phases),
+            (diagnoses_out, o.diagnoses),
+            (recs_out, o.recommendations),
+        ):
+            for ev in events:
+                await topic.send(key=ev.job_id.encode(), value=encode_event(ev))
+        for d in o.diagnoses:
+            if d.state == "open":
+                log.info("diagnosis %s %s (%s) ranks %s", d.job_id, d.bottleneck, d.level, d.ranks)
+        for r in o.recommendations:
             log.info(
-                "recommendation for %s: %s %s -> %s",
-                rec.job_id,
-                rec.knob,
-                rec.from_value,
-                rec.to_value,
+                "recommendation for %s: %s %s -> %s", r.job_id, r.knob, r.from_value, r.to_value
             )
-            await recs_out.send(key=rec.job_id.encode(), value=encode_event(rec))
 
-    @app.agent(steps)
-    async def step_windows(stream: Any) -> None:
-        async for events in stream.take_events(2000, within=0.2):
+    async def ingest(stream: Any) -> None:
+        async for events in stream.noack().take_events(1000, within=0.05):
+            wall = time.time_ns()
             for event in events:
                 msg = event.message
+                value = event.value if isinstance(event.value, bytes) else b""
                 try:
-                    engine.add_step_batch(event.value)
+                    engine.ingest(
+                        msg.topic, value, wall_ns=wall, partition=msg.partition, offset=msg.offset
+                    )
+                    reason = ""
                 except SchemaError as e:
+                    reason = str(e)
+                except Exception as e:  # a component's bug must not stop the worker
+                    log.exception(
+                        "internal error on %s[%s]@%s", msg.topic, msg.partition, msg.offset
+                    )
+                    reason = f"internal error: {type(e).__name__}: {e}".splitlines()[0]
+                if reason:
+                    engine.rejected[msg.topic] += 1
                     log.warning(
-                        "rejected step batch %s[%s]@%s: %s", msg.topic, msg.partition, msg.offset, e
+                        "rejected %s[%s]@%s: %s", msg.topic, msg.partition, msg.offset, reason
                     )
                     await dlq.send(
                         key=msg.key,
-                        value=event.value if isinstance(event.value, bytes) else b"",
-                        headers=dlq_headers(str(e), msg.topic, msg.partition, msg.offset),
+                        value=value,
+                        headers=dlq_headers(reason, msg.topic, msg.partition, msg.offset),
                     )
-            await emit(*engine.tick())
+                held.append(event)
 
-    @app.timer(1.0)
-    async def close_windows() -> None:
-        await emit(*engine.tick())
+    for topic in INPUT_TOPICS:
+        name = "ingest-" + topic.rsplit(".", 1)[-1]
+        app.agent(out(topic), name=name)(ingest)
+
+    @app.timer(settings.tick_interval_s)
+    async def tick() -> None:
+        try:
+            o = engine.tick(time.time_ns())
+        except Exception:  # logged; the next tick tries again
+            log.exception("tick failed")
+            return
+        if o:
+            await emit(o)
+
+    @app.timer(settings.snapshot_interval_s)
+    async def snapshot() -> None:
+        # No await between the snapshot and the acks: the acks cover exactly what it holds.
+        try:
+            engine.save(path)
+        except OSError as e:
+            log.warning("stream snapshot to %s failed: %s", path, e)
+            if len(held) < MAX_HELD_EVENTS:
+                return
+            log.warning("acknowledging %d messages without a snapshot", len(held))
+        for event in held:
+            event.ack()
+        held.clear()
 
     app.perfloop_engine = engine  # type: ignore[attr-defined]
     return app

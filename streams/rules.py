@@ -1,34 +1,41 @@
-"""The data-wait rule: when waiting for input dominates the step, recommend more loader workers.
+"""From diagnoses to recommendations: only an unexplained, critical-path bottleneck acts.
 
-It reads closed windows of ``data_wait_share`` per rank, takes the job-wide mean for each
-window, and when it passes the threshold — and data wait is the largest part of the step —
-emits one `Recommendation` per job and cooldown, with the target from the data-pipeline model.
+`DataWaitRule` reads the funnel's ``dataloader_starvation`` diagnoses. When one is open (or
+updated) with ``critical_path`` set and no higher-level cause (``explained_by`` empty), and the
+data-wait share in its evidence passes the threshold, it emits one `Recommendation` per job
+and cooldown: more loader workers, as many as the data-pipeline model says hide the loading
+behind compute. Every other bottleneck is reported by its diagnosis alone until the
+optimization tier adds its own rules.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
+from perfloop.exceptions import ConfigError
 from perfloop.models import expected_step_gain, loader_workers_needed
-from perfloop.schemas import Recommendation
-from perfloop.streams.windows import NS, WindowRow
+from perfloop.schemas import Diagnosis, Recommendation
+from perfloop.streams.funnel import actionable
 
 __all__ = ["KNOB_NUM_WORKERS", "DataWaitRule"]
 
 KNOB_NUM_WORKERS = "dataloader.num_workers"
+NS = 1_000_000_000
 
 
 class DataWaitRule:
-    """Stateful rule over closed windows; `observe_workers` feeds the current setting.
+    """Stateful rule over diagnoses; `observe_workers` feeds each job's current setting.
 
     >>> rule = DataWaitRule(threshold=0.3, cooldown_s=30, max_workers=16)
     >>> rule.observe_workers("j", 2)
-    >>> w = WindowRow("j", "n0", 0, "data_wait_share", 0, 10 * NS, 10.0, 50, 0.5, 0.4, 0.6,
-    ...               0.5, 0.6, 0.6, 5.0, 0.0)
-    >>> [(r.knob, r.from_value, r.to_value) for r in rule.evaluate([w])]
+    >>> d = Diagnosis(ts_ns=10 * NS, job_id="j", node="n0", rank=-1, diagnosis_id="d1",
+    ...               bottleneck="dataloader_starvation", level="host", loop="training",
+    ...               state="open", onset_ns=9 * NS, step_share=0.5, confidence=0.9,
+    ...               critical_path=True, ranks=[0, 1], evidence={"data_wait_share": 0.5})
+    >>> [(r.knob, r.from_value, r.to_value) for r in rule.evaluate([d], now_ns=10 * NS)]
     [('dataloader.num_workers', 2, 5)]
-    >>> rule.evaluate([w])  # within the cooldown
+    >>> rule.evaluate([d], now_ns=11 * NS)  # within the cooldown
     []
     """
 
@@ -42,49 +49,75 @@ class DataWaitRule:
     def observe_workers(self, job_id: str, num_workers: int) -> None:
         self._workers[job_id] = num_workers
 
-    def evaluate(self, rows: Iterable[WindowRow]) -> list[Recommendation]:
-        shares: dict[tuple[str, int], list[WindowRow]] = defaultdict(list)
-        for r in rows:
-            if r.metric == "data_wait_share":
-                shares[(r.job_id, r.ts_ns)].append(r)
+    def evaluate(self, diagnoses: Iterable[Diagnosis], *, now_ns: int) -> list[Recommendation]:
         recs = []
-        for (job_id, start), ranks in sorted(shares.items(), key=lambda kv: kv[0][1]):
-            share = sum(r.mean for r in ranks) / len(ranks)
-            end = ranks[0].window_end_ns
-            last = self._last_emit.get(job_id)
-            # Data wait dominates the step once it is the largest part of it; the threshold
-            # keeps small, harmless waits from producing recommendations.
-            if share < self.threshold or (last is not None and end - last < self.cooldown_ns):
+        for d in actionable(diagnoses):
+            if d.bottleneck != "dataloader_starvation":
                 continue
-            current = self._workers.get(job_id, 0)
+            share = float(d.evidence.get("data_wait_share", d.step_share))
+            last = self._last_emit.get(d.job_id)
+            if share < self.threshold or (last is not None and now_ns - last < self.cooldown_ns):
+                continue
+            current = self._workers.get(d.job_id, 0)
             target = loader_workers_needed(min(share, 0.95), current, max_workers=self.max_workers)
             if target <= current:
                 continue
             gain = expected_step_gain(share, current, target)
-            self._last_emit[job_id] = end
+            self._last_emit[d.job_id] = now_ns
+            where = f"{len(d.ranks)} ranks" if d.ranks else "the job"
             recs.append(
                 Recommendation(
-                    ts_ns=end,
-                    job_id=job_id,
-                    node=ranks[0].node,
+                    ts_ns=d.ts_ns,
+                    job_id=d.job_id,
+                    node=d.node,
                     rank=-1,
                     knob=KNOB_NUM_WORKERS,
                     from_value=current,
                     to_value=target,
                     loop="fast",
                     expected_gain_pct=round(100 * gain, 2),
-                    confidence=min(1.0, 0.5 + 0.1 * len(ranks)),
+                    confidence=d.confidence,
                     rationale=(
-                        f"ranks wait for input {100 * share:.0f}% of each step "
-                        f"(window {ranks[0].window_s:g} s, {len(ranks)} ranks); "
+                        f"{where} wait for input {100 * share:.0f}% of each step "
+                        f"(diagnosis {d.diagnosis_id}, on the critical path); "
                         f"{current} loader workers cannot keep up, {target} can"
                     ),
                     evidence={
+                        **{k: float(v) for k, v in d.evidence.items()},
                         "data_wait_share": round(share, 4),
-                        "ranks": float(len(ranks)),
-                        "window_start_s": start / NS,
                         "num_workers": float(current),
+                        "onset_s": d.onset_ns / NS,
                     },
                 )
             )
         return recs
+
+    # -- component protocol ------------------------------------------------------------------
+    def configure(self, key: str, value: Any) -> tuple[Any, Any]:
+        """``rules.data_wait_share_threshold`` (0..1) or ``rules.cooldown_s`` (≥ 0)."""
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        if key == "rules.data_wait_share_threshold" and 0 < value < 1:
+            old, self.threshold = self.threshold, float(value)
+            return old, self.threshold
+        if key == "rules.cooldown_s" and value >= 0:
+            old_s, self.cooldown_ns = self.cooldown_ns / NS, int(value * NS)
+            return old_s, float(value)
+        raise ConfigError(
+            f"bad rule setting {key}={value!r}; valid: rules.data_wait_share_threshold "
+            "(0 < x < 1), rules.cooldown_s (≥ 0)"
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "threshold": self.threshold,
+            "cooldown_ns": self.cooldown_ns,
+            "workers": dict(self._workers),
+            "last_emit": dict(self._last_emit),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.threshold = state["threshold"]
+        self.cooldown_ns = state["cooldown_ns"]
+        self._workers = dict(state["workers"])
+        self._last_emit = dict(state["last_emit"])

@@ -354,15 +354,3 @@ class WindowSet(WindowCore):
         self._spans = None if state["spans"] is None else dict(state["spans"])
         self.late_samples = state["late_samples"]
         self._next_forget = state["next_forget"]
-
-
-_LEGACY = frozenset({"TumblingWindows", "WindowRow", "summarize"})
-
-
-def __getattr__(name: str) -> Any:
-    """Transitional: the old single-timescale API, until its last importers move on."""
-    if name in _LEGACY:
-        from perfloop.streams import _legacy_windows
-
-        return getattr(_legacy_windows, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,43 +1,45 @@
-"""The data-wait rule: recommend more loader workers when input waits dominate, not too often."""
+"""The data-wait rule: only an unexplained, critical-path starvation diagnosis recommends more
+loader workers, with the modelled target, not more often than the cooldown allows."""
 
 from __future__ import annotations
 
 import pytest
 
+from perfloop.exceptions import ConfigError
 from perfloop.models import expected_step_gain, loader_workers_needed
-from perfloop.schemas import Recommendation, decode_event, encode_event
+from perfloop.schemas import Diagnosis, Recommendation, decode_event, encode_event
 from perfloop.streams.rules import KNOB_NUM_WORKERS, DataWaitRule
-from perfloop.streams.windows import NS, WindowRow
 
-WINDOW_S = 10
+NS = 1_000_000_000
 
 
-def _row(
+def _diag(
     share: float,
     *,
-    window: int = 0,
+    t_s: float = 10.0,
     job: str = "j",
-    rank: int = 0,
-    metric: str = "data_wait_share",
-) -> WindowRow:
-    start = window * WINDOW_S * NS
-    return WindowRow(
+    bottleneck: str = "dataloader_starvation",
+    critical: bool = True,
+    explained_by: str = "",
+    state: str = "open",
+) -> Diagnosis:
+    return Diagnosis(
+        ts_ns=int(t_s * NS),
         job_id=job,
         node="n0",
-        rank=rank,
-        metric=metric,
-        ts_ns=start,
-        window_end_ns=start + WINDOW_S * NS,
-        window_s=float(WINDOW_S),
-        count=50,
-        mean=share,
-        min=share,
-        max=share,
-        p50=share,
-        p95=share,
-        p99=share,
-        rate_per_s=5.0,
-        slope_per_s=0.0,
+        rank=-1,
+        diagnosis_id=f"d-{job}-{t_s}",
+        bottleneck=bottleneck,
+        level="host",
+        loop="training",
+        state=state,
+        onset_ns=int((t_s - 1) * NS),
+        step_share=share,
+        confidence=0.9,
+        critical_path=critical,
+        explained_by=explained_by,
+        ranks=[0, 1],
+        evidence={"data_wait_share": share, "step_time_ms": 200.0},
     )
 
 
@@ -48,14 +50,17 @@ def _rule(cooldown_s: float = 30, max_workers: int = 16) -> DataWaitRule:
     return rule
 
 
+def _eval(rule: DataWaitRule, *diags: Diagnosis) -> list[Recommendation]:
+    return rule.evaluate(diags, now_ns=max(d.ts_ns for d in diags))
+
+
 def test_share_below_threshold_recommends_nothing() -> None:
-    assert _rule().evaluate([_row(0.29), _row(0.1, rank=1)]) == []
+    assert _eval(_rule(), _diag(0.29)) == []
 
 
-def test_share_above_threshold_recommends_the_modelled_target() -> None:
-    (rec,) = _rule().evaluate([_row(0.5)])
+def test_starvation_recommends_the_modelled_target() -> None:
+    (rec,) = _eval(_rule(), _diag(0.5))
     target = loader_workers_needed(0.5, 2, max_workers=16)
-    assert isinstance(rec, Recommendation)
     assert (rec.job_id, rec.knob, rec.from_value, rec.to_value) == (
         "j",
         KNOB_NUM_WORKERS,
@@ -63,81 +68,72 @@ def test_share_above_threshold_recommends_the_modelled_target() -> None:
         target,
     )
     assert rec.expected_gain_pct == round(100 * expected_step_gain(0.5, 2, target), 2)
-    assert rec.loop == "fast"
-    assert rec.rank == -1
-    assert rec.ts_ns == WINDOW_S * NS, "stamped with the window's end (event time)"
-    assert 0 <= rec.confidence <= 1
-    assert rec.evidence["data_wait_share"] == 0.5
+    assert (rec.loop, rec.rank, rec.ts_ns, rec.confidence) == ("fast", -1, 10 * NS, 0.9)
+    assert rec.evidence["data_wait_share"] == 0.5 and rec.evidence["step_time_ms"] == 200.0
+    assert "d-j-10.0" in rec.rationale
     assert decode_event(encode_event(rec)) == rec
 
 
-def test_share_is_the_job_wide_mean_across_ranks() -> None:
-    # Mean 0.25: one starved rank alone does not trigger the rule.
-    assert _rule().evaluate([_row(0.45, rank=0), _row(0.05, rank=1)]) == []
-    (rec,) = _rule().evaluate([_row(0.6, rank=0), _row(0.2, rank=1)])
-    assert rec.evidence["data_wait_share"] == 0.4
-    assert rec.evidence["ranks"] == 2.0
-    assert rec.to_value == loader_workers_needed(0.4, 2, max_workers=16)
+@pytest.mark.parametrize(
+    "diag",
+    [
+        _diag(0.6, critical=False),
+        _diag(0.6, explained_by="hang"),
+        _diag(0.6, state="resolved"),
+        _diag(0.6, bottleneck="straggler"),
+    ],
+    ids=["off the critical path", "explained by a higher level", "resolved", "another kind"],
+)
+def test_only_an_actionable_starvation_acts(diag: Diagnosis) -> None:
+    assert _eval(_rule(), diag) == []
 
 
-def test_other_metrics_are_ignored() -> None:
-    assert _rule().evaluate([_row(0.9, metric="step_time_ms")]) == []
+def test_updates_act_like_opens() -> None:
+    assert len(_eval(_rule(), _diag(0.5, state="update"))) == 1
 
 
 def test_cooldown_holds_back_repeats_for_the_same_job() -> None:
     rule = _rule(cooldown_s=30)
-    assert len(rule.evaluate([_row(0.5, window=0)])) == 1
-    assert rule.evaluate([_row(0.5, window=1)]) == []
-    assert rule.evaluate([_row(0.5, window=2)]) == []
-    assert len(rule.evaluate([_row(0.5, window=3)])) == 1, "30 s after the last one"
-
-
-def test_cooldown_applies_within_one_evaluation() -> None:
-    rule = _rule(cooldown_s=30)
-    recs = rule.evaluate([_row(0.5, window=w) for w in (2, 0, 1)])
-    assert [r.ts_ns for r in recs] == [WINDOW_S * NS]
+    assert len(_eval(rule, _diag(0.5, t_s=10))) == 1
+    assert _eval(rule, _diag(0.5, t_s=20)) == []
+    assert len(_eval(rule, _diag(0.5, t_s=40))) == 1, "30 s after the last one"
 
 
 def test_jobs_are_independent() -> None:
     rule = _rule(cooldown_s=30)
-    recs = rule.evaluate([_row(0.5, job="j"), _row(0.5, job="k")])
+    recs = _eval(rule, _diag(0.5, job="j"), _diag(0.5, job="k"))
     assert sorted(r.job_id for r in recs) == ["j", "k"]
-    rule.observe_workers("k", 4)
-    # j is cooling down; k is not held back by j's cooldown once its own has passed.
-    assert rule.evaluate([_row(0.5, window=1, job="j")]) == []
-    assert [r.job_id for r in rule.evaluate([_row(0.6, window=3, job="k")])] == ["k"]
 
 
-def test_no_recommendation_when_already_at_the_worker_cap() -> None:
+def test_no_recommendation_at_the_worker_cap_and_nothing_cools_down() -> None:
     rule = _rule(max_workers=2)
-    assert rule.evaluate([_row(0.8)]) == []
-    # Nothing was issued, so nothing cools down: a raised cap acts on the next window.
+    assert _eval(rule, _diag(0.8)) == []
     rule.max_workers = 16
-    assert len(rule.evaluate([_row(0.8, window=1)])) == 1
-
-
-def test_target_respects_the_worker_cap() -> None:
-    (rec,) = _rule(max_workers=4).evaluate([_row(0.9)])
-    assert rec.to_value == 4
+    assert len(_eval(rule, _diag(0.8, t_s=11))) == 1
 
 
 @pytest.mark.parametrize("share", [0.95, 0.99, 1.0])
 def test_saturated_share_still_yields_a_valid_recommendation(share: float) -> None:
-    (rec,) = _rule(max_workers=64).evaluate([_row(share)])
+    (rec,) = _eval(_rule(max_workers=64), _diag(share))
     assert rec.to_value == loader_workers_needed(0.95, 2, max_workers=64)
-
-
-def test_unknown_worker_count_counts_as_zero() -> None:
-    rule = DataWaitRule(threshold=0.3, cooldown_s=0, max_workers=16)
-    (rec,) = rule.evaluate([_row(0.5)])
-    assert rec.from_value == 0
-    assert rec.to_value == loader_workers_needed(0.5, 0, max_workers=16)
 
 
 def test_new_worker_count_moves_the_next_target() -> None:
     rule = _rule(cooldown_s=0)
-    (first,) = rule.evaluate([_row(0.5)])
+    (first,) = _eval(rule, _diag(0.5))
     rule.observe_workers("j", int(first.to_value))
-    (second,) = rule.evaluate([_row(0.5, window=1)])
-    assert second.from_value == first.to_value
-    assert int(second.to_value) > int(first.to_value)
+    (second,) = _eval(rule, _diag(0.5, t_s=11))
+    assert second.from_value == first.to_value and int(second.to_value) > int(first.to_value)
+
+
+def test_configure_and_snapshot() -> None:
+    rule = _rule()
+    assert rule.configure("rules.data_wait_share_threshold", 0.6) == (0.3, 0.6)
+    assert _eval(rule, _diag(0.5)) == []
+    with pytest.raises(ConfigError, match="valid"):
+        rule.configure("rules.data_wait_share_threshold", 1.5)
+    with pytest.raises(ConfigError, match="valid"):
+        rule.configure("rules.nope", 1)
+    again = DataWaitRule(threshold=0.3, cooldown_s=0, max_workers=16)
+    again.restore(rule.snapshot())
+    assert again.snapshot() == rule.snapshot()

@@ -1,0 +1,317 @@
+"""The stream worker's pure core: messages in; windows, phases, diagnoses, recommendations out.
+
+`StreamEngine` is what the Faust app (`perfloop.streams.app`) hosts, kept free of Faust and of
+I/O so that tests, benchmarks and the offline evaluation drive it directly. For each message
+the app hands over (`ingest`), the engine:
+
+1. **validates** it — schema and version (`decode_batch` / `decode_event`), size, the kind
+   belonging on its topic, event time within ``max_skew_s`` ahead of and ``max_age_s``
+   behind the receiving clock. Anything else raises `SchemaError` with a one-line reason;
+   the app sends the message to ``perfloop.dlq`` and goes on.
+2. **skips** it when a restored snapshot already holds it (its offset is below the
+   snapshot's offset for that partition), counting it in ``stats["replayed"]``.
+3. **hands** the decoded batch to its components: `WindowSet` (1/10/60 s windows),
+   `StepAnalysis` (per-step busy/idle/straggler analysis), `PhaseMachine` and `Funnel`;
+   job events (job info, lifecycle) go to the components that read them; a ``ConfigChange``
+   for the streams is applied live (`configure`).
+
+`tick` closes what is due and returns it as `Outputs`. `snapshot` / `restore` capture every
+component's state with the offsets it covers; the app writes a snapshot before it
+acknowledges the input it holds, so a worker killed at any moment resumes from its last
+snapshot and re-reads only the messages after it: those messages are processed once, and the
+windows and diagnoses emitted between that snapshot and the kill may be emitted a second time
+(at most ``snapshot_interval_s`` of them; the windows table keeps one row per window
+identity, see the README).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from perfloop.catalog import KIND_TOPICS, Topics
+from perfloop.exceptions import ConfigError
+from perfloop.schemas import (
+    Batch,
+    ConfigChange,
+    Diagnosis,
+    PhaseChange,
+    Recommendation,
+    SchemaError,
+    decode_batch,
+    decode_event,
+)
+from perfloop.settings import StreamsSettings
+from perfloop.streams.funnel import Funnel
+from perfloop.streams.phases import PhaseMachine
+from perfloop.streams.rules import DataWaitRule
+from perfloop.streams.steps import StepAnalysis
+from perfloop.streams.windows import NS, WindowSet, parse_specs
+
+__all__ = ["SNAPSHOT_VERSION", "TELEMETRY_TOPICS", "Outputs", "StreamEngine"]
+
+log = logging.getLogger("perfloop.streams")
+
+SNAPSHOT_VERSION = 1
+TELEMETRY_TOPICS = (Topics.GPU, Topics.HOST, Topics.STEP, Topics.SPAN)
+INPUT_TOPICS = (*TELEMETRY_TOPICS, Topics.JOB, Topics.CONTROL)
+_TOPIC_KINDS = {t: {k for k, kt in KIND_TOPICS.items() if kt == t} for t in INPUT_TOPICS}
+
+
+@dataclass
+class Outputs:
+    """What one `StreamEngine.tick` produced."""
+
+    windows: dict[str, Any] | None = None  # columnar, the perfloop.windows message columns
+    phases: list[PhaseChange] = field(default_factory=list)
+    diagnoses: list[Diagnosis] = field(default_factory=list)
+    recommendations: list[Recommendation] = field(default_factory=list)
+
+    @property
+    def window_rows(self) -> int:
+        return 0 if not self.windows else len(self.windows["ts_ns"])
+
+    def __bool__(self) -> bool:
+        return bool(self.window_rows or self.phases or self.diagnoses or self.recommendations)
+
+
+class StreamEngine:
+    """Validates and routes messages to the stream components; closes what is due on `tick`."""
+
+    def __init__(self, settings: StreamsSettings) -> None:
+        self.settings = settings
+        self.windows = WindowSet(
+            parse_specs(settings.windows), lateness_s=settings.allowed_lateness_s
+        )
+        self.steps = StepAnalysis()
+        self.phases = PhaseMachine()
+        self.funnel = Funnel()
+        self.rule = DataWaitRule(
+            threshold=settings.data_wait_share_threshold,
+            cooldown_s=settings.recommendation_cooldown_s,
+            max_workers=max(2, 2 * (os.cpu_count() or 2)),
+        )
+        self.max_skew_ns = int(settings.max_skew_s * NS)
+        self.max_age_ns = int(settings.max_age_s * NS)
+        self.stats: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()  # by topic
+        self.applied: list[tuple[ConfigChange, Any, Any]] = []  # recent live changes
+        self._offsets: dict[tuple[str, int], int] = {}  # next offset to read, per partition
+        self._resume: dict[tuple[str, int], int] = {}  # from a restored snapshot
+
+    # -- input -------------------------------------------------------------------------------
+    def ingest(
+        self,
+        topic: str,
+        data: bytes,
+        *,
+        wall_ns: int,
+        partition: int = 0,
+        offset: int = -1,
+    ) -> int:
+        """Take one message; return its samples (0 for an event or a skipped message).
+
+        Raise `SchemaError` with a one-line reason if the message is bad; nothing of it is
+        then applied, and the engine's state is as if it had never arrived.
+        """
+        tp = (topic, partition)
+        if offset >= 0:
+            if offset < self._resume.get(tp, -1):
+                self.stats["replayed"] += 1
+                return 0
+            self._offsets[tp] = max(self._offsets.get(tp, 0), offset + 1)
+        if topic in TELEMETRY_TOPICS:
+            batch = self._batch(topic, data, wall_ns)
+            self._observe(batch, wall_ns)
+            self.stats["messages"] += 1
+            self.stats["samples"] += len(batch)
+            return len(batch)
+        if topic in (Topics.JOB, Topics.CONTROL):
+            event = decode_event(data)
+            if event.KIND not in _TOPIC_KINDS[topic]:
+                raise SchemaError(f"a {event.KIND} event does not belong on {topic}")
+            self.stats["events"] += 1
+            if isinstance(event, ConfigChange):
+                self._config(event)
+            elif topic == Topics.JOB:
+                self.phases.observe_event(event, wall_ns)
+                self.funnel.observe_event(event, wall_ns)
+            return 0
+        raise SchemaError(f"the stream worker does not read {topic}")
+
+    def _batch(self, topic: str, data: bytes, wall_ns: int) -> Batch:
+        batch = decode_batch(data)
+        if batch.kind not in _TOPIC_KINDS[topic]:
+            raise SchemaError(f"a {batch.kind} batch does not belong on {topic}")
+        if len(batch):
+            ts = batch.columns["ts_ns"]
+            ahead = int(ts.max()) - wall_ns
+            if ahead > self.max_skew_ns:
+                raise SchemaError(
+                    f"{batch.kind} batch from {batch.node}: event time {ahead / NS:.0f} s ahead "
+                    f"of this worker's clock (limit {self.max_skew_ns / NS:.0f} s); "
+                    "check the producer's clock"
+                )
+            behind = wall_ns - int(ts.min())
+            if behind > self.max_age_ns:
+                raise SchemaError(
+                    f"{batch.kind} batch from {batch.node}: event time {behind / NS:.0f} s "
+                    f"behind this worker's clock (limit {self.max_age_ns / NS:.0f} s)"
+                )
+        return batch
+
+    def _observe(self, batch: Batch, wall_ns: int) -> None:
+        self.windows.observe(batch, wall_ns)
+        self.steps.observe(batch, wall_ns)
+        self.phases.observe(batch, wall_ns)
+        self.funnel.observe(batch, wall_ns)
+        if batch.kind == "step" and len(batch):
+            self.rule.observe_workers(batch.job_id, int(batch.columns["num_workers"][-1]))
+
+    # -- live configuration ------------------------------------------------------------------
+    def _config(self, change: ConfigChange) -> None:
+        if change.target != "streams":
+            return  # sampling changes are for the producers
+        try:
+            old, new = self.configure(change.key, change.value)
+        except ConfigError as e:
+            raise SchemaError(f"config change {change.key}={change.value!r} refused: {e}") from None
+        log.info("config %s: %r -> %r (by %s)", change.key, old, new, change.author or "?")
+        self.applied = [*self.applied[-99:], (change, old, new)]
+
+    def configure(self, key: str, value: Any) -> tuple[Any, Any]:
+        """Change one setting live; raise `ConfigError` naming the valid keys if unknown."""
+        head = key.split(".", 1)[0]
+        target = {
+            "windows": self.windows,
+            "steps": self.steps,
+            "phases": self.phases,
+            "detect": self.funnel,
+            "rules": self.rule,
+        }.get(head)
+        if target is not None:
+            return target.configure(key, value)
+        if key in ("ingest.max_skew_s", "ingest.max_age_s"):
+            v = _positive(key, value)
+            attr = "max_skew_ns" if key.endswith("skew_s") else "max_age_ns"
+            old = getattr(self, attr) / NS
+            setattr(self, attr, int(v * NS))
+            return old, v
+        raise ConfigError(
+            f"unknown stream setting {key!r}; valid prefixes: windows., steps., phases., "
+            "detect., rules., and ingest.max_skew_s, ingest.max_age_s"
+        )
+
+    # -- output ------------------------------------------------------------------------------
+    def tick(self, wall_ns: int) -> Outputs:
+        """Close due windows, advance the analyses; return everything that became due."""
+        derived = self.steps.tick(wall_ns)
+        if derived is not None and len(derived["ts_ns"]):
+            self._add_derived(derived, wall_ns)
+        out = Outputs()
+        cols = self.windows.advance(wall_ns)
+        if cols is not None and len(cols["ts_ns"]):
+            out.windows = cols
+        out.phases = self.phases.tick(wall_ns)
+        out.diagnoses = self.funnel.tick(wall_ns)
+        out.recommendations = self.rule.evaluate(out.diagnoses, now_ns=wall_ns)
+        self.stats["window_rows"] += out.window_rows
+        self.stats["phase_events"] += len(out.phases)
+        self.stats["diagnoses"] += len(out.diagnoses)
+        self.stats["recommendations"] += len(out.recommendations)
+        return out
+
+    def _add_derived(self, d: dict[str, Any], wall_ns: int) -> None:
+        """Feed `StepAnalysis`' per-rank metrics (idle, busy, straggler score) to the windows."""
+        jobs, nodes, metrics = (
+            np.asarray(d[k], dtype=object) for k in ("job_id", "node", "metric")
+        )
+        ranks = np.asarray(d["rank"], dtype=np.int64)
+        ts = np.asarray(d["ts_ns"], dtype=np.int64)
+        values = np.asarray(d["value"], dtype=np.float64)
+        groups: dict[tuple[str, str, str], list[int]] = defaultdict(list)
+        for i, key in enumerate(zip(jobs.tolist(), nodes.tolist(), metrics.tolist(), strict=True)):
+            groups[key].append(i)
+        for (job, node, metric), idx in groups.items():
+            sel = np.asarray(idx)
+            self.windows.add(
+                job,
+                node,
+                ranks[sel],
+                np.full(len(sel), -1),
+                ts[sel],
+                metric,
+                values[sel],
+                wall_ns=wall_ns,
+            )
+
+    # -- durable state -----------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a restarted worker needs to resume, with the offsets it covers."""
+        return {
+            "version": SNAPSHOT_VERSION,
+            "offsets": dict(self._offsets),
+            "windows": self.windows.snapshot(),
+            "steps": self.steps.snapshot(),
+            "phases": self.phases.snapshot(),
+            "funnel": self.funnel.snapshot(),
+            "rule": self.rule.snapshot(),
+            "stats": dict(self.stats),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Resume from `snapshot` output: messages below its offsets are skipped when re-read."""
+        if state.get("version") != SNAPSHOT_VERSION:
+            raise ConfigError(
+                f"stream snapshot version {state.get('version')!r} is not {SNAPSHOT_VERSION}"
+            )
+        self.windows.restore(state["windows"])
+        self.steps.restore(state["steps"])
+        self.phases.restore(state["phases"])
+        self.funnel.restore(state["funnel"])
+        self.rule.restore(state["rule"])
+        self._offsets = dict(state["offsets"])
+        self._resume = dict(state["offsets"])
+        self.stats.update(state.get("stats", {}))
+        self.stats["restored"] += 1
+
+    def save(self, path: Path) -> int:
+        """Write a snapshot atomically (temporary file, fsync, rename); return its size."""
+        data = pickle.dumps(self.snapshot(), protocol=pickle.HIGHEST_PROTOCOL)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return len(data)
+
+    def load(self, path: Path) -> bool:
+        """Restore from ``path`` if it exists; an unreadable snapshot is logged and ignored."""
+        if not path.exists():
+            return False
+        try:
+            self.restore(pickle.loads(path.read_bytes()))  # our own file, written by `save`
+        except (OSError, pickle.UnpicklingError, ConfigError, KeyError, EOFError) as e:
+            log.warning("ignoring unreadable stream snapshot %s: %s", path, e)
+            return False
+        return True
+
+
+def _positive(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(f"{key} must be a number > 0, got {value!r}")
+    return float(value)
