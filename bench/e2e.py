@@ -55,72 +55,61 @@ NS = 1_000_000_000
 
 
 # -- 1. batched throughput -------------------------------------------------------------------
-def _synthetic_messages(
+TABLE_OF_KIND = {
+    "gpu": "gpu_samples",
+    "host": "host_samples",
+    "step": "steps",
+    "span": "spans",
+    "collective": "collectives",
+    "kernel": "kernel_summaries",
+}
+
+
+def _simulated_messages(
     args: argparse.Namespace, run_id: str, now_ns: int
-) -> tuple[list[tuple[int, str, str, str, str, dict[str, np.ndarray]]], set[tuple[Any, ...]]]:
-    """Step and GPU batches for every node, and the (job, node, rank, window) set they cover.
+) -> tuple[list[tuple[int, str, str, bytes]], dict[str, int]]:
+    """Every message of ``--jobs`` simulated jobs (scenario ``--scenario``), in event-time order.
 
-    Returns messages as ``(first ts, topic, kind, job_id, node, columns)``.
+    The jobs ran ``--sim-s`` seconds ending 30 s ago, so their windows can all close. Returns
+    ``(first ts, topic, key, value)`` per message and the samples per table.
     """
-    from perfloop.catalog import Topics
+    from perfloop.producers.scenarios import scenario_config
+    from perfloop.producers.simulator import SimulatedJob
+    from perfloop.schemas import decode_batch
 
-    rng = np.random.default_rng(0)
-    nodes = args.jobs * args.nodes
-    r = args.ranks
-    steps_per_msg = args.batch // r
-    step_msgs = max(1, math.ceil(args.steps / (steps_per_msg * r * nodes)))
-    gpu_msgs = math.ceil(args.gpu / (steps_per_msg * r * nodes)) if args.gpu else 0
-    step_ns = int(args.step_ms * 1e6)
-    span_ns = step_msgs * steps_per_msg * step_ns
-    gpu_ns = span_ns // max(1, gpu_msgs * steps_per_msg)
-    start_ns = now_ns - span_ns - 30 * NS  # all in the recent past, all windows closable
-    window_ns = int(args.window_s * NS)
-    msgs: list[tuple[int, str, str, str, str, dict[str, np.ndarray]]] = []
-    expected: set[tuple[Any, ...]] = set()
+    class Collect:
+        def __init__(self) -> None:
+            self.msgs: list[tuple[str, str, bytes]] = []
+
+        def publish(self, topic: str, key: str, value: bytes) -> bool:
+            self.msgs.append((topic, key, value))
+            return True
+
+    out: list[tuple[int, str, str, bytes]] = []
+    per_table: dict[str, int] = {}
+    t0_ns = now_ns - int((args.sim_s + 30) * NS)
     for j in range(args.jobs):
-        job_id = f"bench-{run_id}-j{j}"
-        for n in range(args.nodes):
-            node = f"node-{n}"
-            local = np.arange(r)
-            ranks = np.tile(n * r + local, steps_per_msg)
-            for b in range(step_msgs):
-                steps = np.arange(b * steps_per_msg, (b + 1) * steps_per_msg)
-                ts = np.repeat(start_ns + (steps + 1) * step_ns, r) + rng.integers(
-                    0, 1000, len(ranks)
-                )
-                st = np.abs(rng.normal(args.step_ms, 2.0, len(ranks))) + 1.0
-                cols = {
-                    "ts_ns": ts,
-                    "rank": ranks,
-                    "step": np.repeat(steps, r),
-                    "step_time_ms": st,
-                    "data_wait_ms": st * rng.uniform(0.0, 0.1, len(ranks)),
-                    "batch_size": np.full(len(ranks), 32),
-                    "num_workers": np.full(len(ranks), 8),
-                }
-                msgs.append((int(ts[0]), Topics.STEP, "step", job_id, node, cols))
-                starts = ts // window_ns
-                for rank, w in set(zip(ranks.tolist(), starts.tolist(), strict=True)):
-                    expected.add((job_id, rank, w))
-            for b in range(gpu_msgs):
-                ticks = np.arange(b * steps_per_msg, (b + 1) * steps_per_msg)
-                ts = np.repeat(start_ns + ticks * gpu_ns, r)
-                util = rng.uniform(60, 100, len(ranks))
-                cols = {
-                    "ts_ns": ts,
-                    "rank": ranks,
-                    "device": np.tile(local, steps_per_msg),
-                    "sm_util_pct": util,
-                    "mem_util_pct": util * 0.6,
-                    "mem_used_bytes": np.full(len(ranks), 60 << 30),
-                    "mem_total_bytes": np.full(len(ranks), 80 << 30),
-                    "power_w": 120 + 5.8 * util,
-                    "temp_c": 45 + 0.3 * util,
-                    "sm_clock_mhz": np.full(len(ranks), 1980.0),
-                }
-                msgs.append((int(ts[0]), Topics.GPU, "gpu", job_id, node, cols))
-    msgs.sort(key=lambda m: m[0])
-    return msgs, expected
+        cfg = scenario_config(
+            args.scenario,
+            job_id=f"bench-{run_id}-j{j}",
+            nodes=args.nodes,
+            ranks_per_node=args.ranks,
+            duration_s=args.sim_s,
+            seed=j,
+            t0_ns=t0_ns,
+            speed=1e9,
+        )
+        sink = Collect()
+        SimulatedJob(cfg, sink).run(args.sim_s)
+        last = t0_ns
+        for topic, key, value in sink.msgs:
+            if topic.startswith("perfloop.telemetry.") and not topic.endswith(".job"):
+                b = decode_batch(value)
+                per_table[TABLE_OF_KIND[b.kind]] = per_table.get(TABLE_OF_KIND[b.kind], 0) + len(b)
+                last = int(b.columns["ts_ns"][0])
+            out.append((last, topic, key, value))
+    out.sort(key=lambda m: m[0])
+    return out, per_table
 
 
 def _count(ch: Any, sql: str, jobs: list[str]) -> tuple[Any, ...]:
@@ -128,74 +117,73 @@ def _count(ch: Any, sql: str, jobs: list[str]) -> tuple[Any, ...]:
 
 
 def _stream_crashes(home: Path) -> list[str]:
-    """Agent crashes the stream worker logged (Faust keeps the worker up without the agent)."""
+    """Agent crashes and internal errors the stream worker logged."""
     try:
         lines = (home / "logs" / "streams.log").read_text(errors="replace").splitlines()
     except OSError:
         return []
-    return [ln.strip()[:400] for ln in lines if "Crashed reason=" in ln]
+    bad = ("Crashed reason=", "internal error on", "tick failed")
+    return [ln.strip()[:400] for ln in lines if any(b in ln for b in bad)]
 
 
-def bench_engine(payloads: list[bytes]) -> dict[str, Any]:
-    """The stream tier's pure core (`WindowEngine`) in this process, on the same step batches."""
+def bench_engine(payloads: list[tuple[str, bytes]]) -> dict[str, Any]:
+    """The stream tier's pure core (`StreamEngine`) in this process, on the same messages."""
     from perfloop.settings import StreamsSettings
-    from perfloop.streams.app import WindowEngine
+    from perfloop.streams.engine import StreamEngine
 
-    engine = WindowEngine(StreamsSettings())
-    rows = 0
+    engine = StreamEngine(StreamsSettings())
+    rows = diagnoses = 0
+    wall = time.time_ns()
     t0 = time.perf_counter()
-    for data in payloads:
-        engine.add_step_batch(data)
-        rows += len(engine.tick()[0])
-    rows += len(engine.windows.advance(engine.windows.watermark_ns + 3600 * NS))
+    for i, (topic, data) in enumerate(payloads):
+        engine.ingest(topic, data, wall_ns=wall)
+        if i % 20 == 19:
+            o = engine.tick(wall)
+            rows += o.window_rows
+            diagnoses += len(o.diagnoses)
+    o = engine.tick(wall + 3600 * NS)
+    rows += o.window_rows
+    diagnoses += len(o.diagnoses)
     elapsed = time.perf_counter() - t0
+    n = engine.stats["samples"]
     say(
-        f"  stream core in-process (WindowEngine, no Kafka): {engine.samples / elapsed:,.0f} "
-        f"step samples/s ({elapsed:.2f} s), {rows:,} windows, "
-        f"{engine.windows.late_samples:,} late samples"
+        f"  stream core in-process (StreamEngine, no Kafka): {n / elapsed:,.0f} samples/s "
+        f"({1e6 * elapsed / n:.2f} µs/sample, {elapsed:.2f} s), {rows:,} window rows, "
+        f"{diagnoses} diagnosis events"
     )
     return {
-        "samples": engine.samples,
+        "samples": n,
         "elapsed_s": elapsed,
-        "samples_per_s": engine.samples / elapsed,
-        "windows": rows,
-        "late_samples": engine.windows.late_samples,
+        "samples_per_s": n / elapsed,
+        "us_per_sample": 1e6 * elapsed / n,
+        "window_rows": rows,
+        "diagnoses": diagnoses,
     }
 
 
 def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[str, Any]:
     from perfloop.producers import Publisher
-    from perfloop.schemas import encode_batch
     from perfloop.warehouse import client
 
     run_id = uuid.uuid4().hex[:6]
-    msgs, expected_windows = _synthetic_messages(args, run_id, time.time_ns())
-    jobs = sorted({m[3] for m in msgs})
-    n_step = sum(len(m[5]["ts_ns"]) for m in msgs if m[2] == "step")
-    n_gpu = sum(len(m[5]["ts_ns"]) for m in msgs if m[2] == "gpu")
-    n_all = n_step + n_gpu
+    tg = time.perf_counter()
+    msgs, per_table = _simulated_messages(args, run_id, time.time_ns())
+    gen_s = time.perf_counter() - tg
+    jobs = sorted({m[2] for m in msgs})
+    n_all = sum(per_table.values())
+    n_step = per_table.get("steps", 0)
     say(
-        f"\n[1] batched: {n_step:,} step + {n_gpu:,} GPU samples in {len(msgs)} messages of "
-        f"{args.batch:,}; {len(jobs)} jobs × {args.nodes} nodes × {args.ranks} ranks"
+        f"\n[1] batched: {len(jobs)} simulated jobs ({args.scenario}, {args.nodes} nodes × "
+        f"{args.ranks} ranks, {args.sim_s:g} s each): {n_all:,} samples in {len(msgs):,} messages "
+        f"(generated beforehand in {gen_s:.1f} s); per table "
+        + ", ".join(f"{t} {n:,}" for t, n in sorted(per_table.items()))
     )
     pub = Publisher(settings)
-    seqs: dict[tuple[str, str, str], int] = {}
     wire_bytes = 0
-    encode_s = 0.0
-    step_payloads: list[bytes] = []
     t0 = time.perf_counter()
-    for _, topic, kind, job_id, node, cols in msgs:
-        k = (kind, job_id, node)
-        seqs[k] = seqs.get(k, 0) + 1
-        te = time.perf_counter()
-        data = encode_batch(
-            kind, cols, job_id=job_id, node=node, producer_id=f"bench-{node}", seq=seqs[k]
-        )
-        encode_s += time.perf_counter() - te
-        wire_bytes += len(data)
-        if kind == "step":
-            step_payloads.append(data)
-        while not pub.publish(topic, job_id, data):  # local queue full: wait, do not drop
+    for _, topic, key, value in msgs:
+        wire_bytes += len(value)
+        while not pub.publish(topic, key, value):  # local queue full: wait, do not drop
             pub.flush(1.0)
     queued_s = time.perf_counter() - t0
     left = pub.flush(120)
@@ -203,102 +191,83 @@ def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[s
     stats = pub.stats
     say(
         f"  producer: {n_all / publish_s:,.0f} samples/s ({publish_s:.2f} s incl. broker acks; "
-        f"{n_all / queued_s:,.0f} samples/s handed to the client; encoding {encode_s:.2f} s), "
+        f"{n_all / queued_s:,.0f} samples/s handed to the client), "
         f"{wire_bytes / n_all:.1f} JSON bytes/sample, delivered {stats.delivered}/{len(msgs)}"
-        f", failed {stats.failed}, queue-full retries {stats.dropped}, outstanding {left}"
+        f", failed {stats.failed}, outstanding {left}"
     )
 
     ch = client(settings)
     landed: dict[str, float] = {}
+    progress: dict[str, Any] = {}
+    count_sql = ", ".join(
+        f"(SELECT count() FROM {t} WHERE job_id IN {{jobs:Array(String)}})" for t in per_table
+    )
     try:
 
         def all_landed() -> bool:
-            s, g = _count(
-                ch,
-                "SELECT (SELECT count() FROM steps WHERE job_id IN {jobs:Array(String)}), "
-                "(SELECT count() FROM gpu_samples WHERE job_id IN {jobs:Array(String)})",
-                jobs,
-            )
+            got = dict(zip(per_table, _count(ch, f"SELECT {count_sql}", jobs), strict=True))
             now = time.perf_counter() - t0
-            if s >= n_step and "steps" not in landed:
-                landed["steps"] = now
-            if g >= n_gpu and "gpu_samples" not in landed:
-                landed["gpu_samples"] = now
-            landed["_rows"] = s + g
-            return s >= n_step and g >= n_gpu
+            for t, n in per_table.items():
+                if got[t] >= n and t not in landed:
+                    landed[t] = now
+            progress["rows"] = sum(got.values())
+            return len(landed) == len(per_table)
 
         ok = wait_for(all_landed, args.land_timeout_s)
-        e2e_s = max(landed.get("steps", math.inf), landed.get("gpu_samples", math.inf))
-        if ok:
-            say(
-                f"  warehouse: all {n_all:,} rows landed {e2e_s:.2f} s after the first publish "
-                f"(steps {landed['steps']:.2f} s, gpu_samples {landed['gpu_samples']:.2f} s) "
-                f"→ end to end {n_all / e2e_s:,.0f} samples/s"
-            )
-        else:
-            say(
-                f"  warehouse: only {landed['_rows']:,}/{n_all:,} rows "
-                f"after {args.land_timeout_s} s"
-            )
-
-        n_expected = 2 * len(expected_windows)  # two metrics per rank and window
-        progress: dict[str, Any] = {"rows": -1, "since": time.perf_counter()}
+        rows_s = max(landed.values()) if ok else math.inf
 
         def windows_done() -> bool:
-            rows, distinct, covered = _count(
+            covered, rows, diag = _count(
                 ch,
-                "SELECT count(), uniqExact(job_id, rank, metric, ts), "
-                "sumIf(count, metric = 'step_time_ms') FROM windows "
-                "WHERE job_id IN {jobs:Array(String)}",
+                "SELECT (SELECT sum(count) FROM windows WHERE job_id IN {jobs:Array(String)} "
+                "AND metric = 'step_time_ms' AND window_s = 1 AND hop_s = 1), "
+                "(SELECT count() FROM windows WHERE job_id IN {jobs:Array(String)}), "
+                "(SELECT count() FROM diagnoses WHERE job_id IN {jobs:Array(String)})",
                 jobs,
             )
-            if rows != progress["rows"]:
-                progress.update(rows=rows, since=time.perf_counter())
-            progress.update(distinct=distinct, covered=covered, at=time.perf_counter() - t0)
-            stalled = time.perf_counter() - progress["since"] > args.windows_stall_s
-            return distinct >= n_expected or stalled
+            progress.update(covered=covered, windows=rows, diagnoses=diag)
+            progress["at"] = time.perf_counter() - t0
+            return covered >= n_step
 
-        wait_for(windows_done, args.windows_timeout_s, 0.5)
+        wdone = wait_for(windows_done, args.windows_timeout_s, 0.25)
+        e2e_s = max(rows_s, progress["at"]) if ok and wdone else math.inf
         say(
-            f"  stream: {progress['distinct']:,}/{n_expected:,} windows in the warehouse "
-            f"({progress['rows']:,} rows) {progress['at']:.1f} s after the first publish "
-            f"(the last windows close ~{args.window_s + 2:.0f} s after the data ends); they "
-            f"cover {progress['covered']:,}/{n_step:,} step samples "
-            f"({100 * progress['covered'] / n_step:.2f}%)"
+            f"  warehouse: {progress['rows']:,}/{n_all:,} raw rows landed "
+            f"{rows_s:.2f} s after the first publish; 1 s windows cover "
+            f"{progress['covered']:,}/{n_step:,} step samples at {progress['at']:.2f} s "
+            f"({progress['windows']:,} window rows, {progress['diagnoses']:,} diagnosis rows)"
         )
+        if ok and wdone:
+            say(f"  → end to end {n_all / e2e_s:,.0f} samples/s (producer → windows → warehouse)")
     finally:
         ch.close()
     crashes = _stream_crashes(home)
     if crashes:
-        say(f"  ! the stream agent crashed {len(crashes)}× (streams.log): {crashes[0][:300]}")
-    engine = bench_engine(step_payloads)
+        say(f"  ! the stream worker logged {len(crashes)} errors (streams.log): {crashes[0][:300]}")
+    engine = bench_engine([(t, v) for _, t, _, v in msgs])
     return {
-        "stream_agent_crashes": crashes,
+        "stream_errors": crashes,
         "engine_in_process": engine,
         "run_id": run_id,
         "jobs": len(jobs),
+        "scenario": args.scenario,
         "nodes_per_job": args.nodes,
         "ranks_per_node": args.ranks,
-        "batch_samples": args.batch,
         "messages": len(msgs),
-        "step_samples": n_step,
-        "gpu_samples": n_gpu,
+        "samples": n_all,
+        "samples_per_table": per_table,
         "json_bytes_per_sample": wire_bytes / n_all,
         "producer_publish_s": publish_s,
         "producer_samples_per_s": n_all / publish_s,
-        "producer_enqueue_samples_per_s": n_all / queued_s,
-        "producer_encode_s": encode_s,
         "publisher_stats": vars(stats),
         "landed": ok,
-        "steps_landed_s": landed.get("steps"),
-        "gpu_landed_s": landed.get("gpu_samples"),
-        "e2e_s": e2e_s if ok else None,
-        "e2e_samples_per_s": n_all / e2e_s if ok else None,
-        "windows_expected": n_expected,
-        "windows_distinct": progress["distinct"],
-        "windows_rows": progress["rows"],
-        "windows_done_s": progress["at"],
-        "windows_step_samples_covered": progress["covered"],
+        "rows_landed_s": rows_s if ok else None,
+        "windows_complete": wdone,
+        "windows_done_s": progress.get("at"),
+        "window_rows": progress.get("windows"),
+        "diagnosis_rows": progress.get("diagnoses"),
+        "e2e_s": e2e_s if ok and wdone else None,
+        "e2e_samples_per_s": n_all / e2e_s if ok and wdone else None,
     }
 
 
@@ -495,14 +464,11 @@ def bench_loop(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=2_000_000, help="step samples to publish")
-    p.add_argument("--gpu", type=int, default=1_000_000, help="GPU samples to publish")
-    p.add_argument("--batch", type=int, default=5000, help="samples per message")
-    p.add_argument("--jobs", type=int, default=8)
+    p.add_argument("--jobs", type=int, default=8, help="simulated jobs")
     p.add_argument("--nodes", type=int, default=2, help="nodes per job")
     p.add_argument("--ranks", type=int, default=8, help="ranks (GPUs) per node")
-    p.add_argument("--step-ms", type=float, default=100.0, help="synthetic step time")
-    p.add_argument("--window-s", type=float, default=10.0, help="the stream's window (default)")
+    p.add_argument("--sim-s", type=float, default=600.0, help="simulated seconds per job")
+    p.add_argument("--scenario", default="mixed", help="simulator scenario of every job")
     p.add_argument("--naive", type=int, default=20_000, help="events for the naive baseline")
     p.add_argument("--fault-at-s", type=float, default=12.0)
     p.add_argument("--land-timeout-s", type=float, default=240.0)

@@ -1,0 +1,205 @@
+"""Soak: the stream worker's and the sink's memory over a long run at a steady rate, and the
+latency from a window's close to its row in the warehouse.
+
+    python bench/soak.py                       # 10 minutes at 100k samples/s
+    python bench/soak.py --minutes 2 --rate 50000
+
+A private embedded stack (as in bench/e2e.py). ``--jobs`` simulated jobs (scenario
+``--scenario``, faults included) publish together at ``--rate`` samples/s for ``--minutes``.
+Every ``--every-s`` seconds the RSS of the stream worker and of the sink is read from /proc.
+Reported: RSS at each sample; the least-squares slope of RSS over the run after the first
+``--warmup-min`` minutes (MiB per minute) and the growth from the end of the warm-up to the
+end; the samples that reached the warehouse; and, from the ``windows`` table, the seconds from
+each window's close in the stream worker (``closed``) to its row being inserted
+(``inserted``) — p50/p99/max — and from the window's end plus the allowed lateness (the
+moment it may close) to its row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/soak.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+
+from bench._common import embedded_stack, raise_on_sigterm, rss_bytes, save_result, say
+
+NS = 1_000_000_000
+
+
+def _pids(settings: Any) -> dict[str, int]:
+    from perfloop.stack import read_state
+
+    state = read_state(settings)
+    assert state is not None, "the stack is not up"
+    return {n: int(s["pid"]) for n, s in state["services"].items() if n in ("streams", "sink")}
+
+
+def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
+    from perfloop.producers import Publisher
+    from perfloop.producers.scenarios import scenario_config
+    from perfloop.producers.simulator import SimConfig, SimulatedJob
+    from perfloop.settings import StreamsSettings
+    from perfloop.warehouse import client
+
+    run_id = uuid.uuid4().hex[:6]
+    duration = args.minutes * 60
+    pub = Publisher(settings, producer_id=f"soak-{run_id}")
+    jobs = []
+    for j in range(args.jobs):
+        shape = {"job_id": f"soak-{run_id}-j{j}", "nodes": args.nodes, "ranks_per_node": args.ranks}
+        pace = args.rate / args.jobs / SimConfig(**shape).natural_rate
+        sim_s = duration * pace  # simulated seconds the run covers: faults fall inside it
+        cfg = scenario_config(
+            args.scenario,
+            **shape,
+            duration_s=sim_s,
+            seed=j,
+            rate=args.rate / args.jobs,
+            # event time ends near the wall clock when the soak ends
+            t0_ns=time.time_ns() - int(max(0.0, sim_s - duration) * NS),
+        )
+        jobs.append(SimulatedJob(cfg, pub))
+    stop = threading.Event()
+    deadline = time.monotonic() + duration
+
+    def drive(job: Any) -> None:
+        job.run(1e9, stop=lambda: stop.is_set() or time.monotonic() > deadline)
+
+    threads = [threading.Thread(target=drive, args=(j,), daemon=True) for j in jobs]
+    say(
+        f"soak: {args.jobs} jobs × {args.nodes} nodes × {args.ranks} ranks ({args.scenario}) at "
+        f"{args.rate:,.0f} samples/s for {args.minutes:g} min; RSS every {args.every_s:g} s"
+    )
+    pids = _pids(settings)
+    series: dict[str, list[tuple[float, int]]] = {n: [] for n in pids}
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    try:
+        while time.monotonic() < deadline:
+            now = time.monotonic() - t0
+            for name, pid in _pids(settings).items():
+                if pid != pids[name]:
+                    say(f"  ! {name} restarted (pid {pids[name]} → {pid})")
+                    pids[name] = pid
+                series[name].append((now, rss_bytes(pid)))
+            if len(series["streams"]) % max(1, int(60 / args.every_s)) == 1:
+                samples = sum(j.samples for j in jobs)
+                say(
+                    f"  {now:6.0f} s: {samples / max(now, 1e-9):9,.0f} samples/s generated; RSS "
+                    + ", ".join(f"{n} {series[n][-1][1] / 2**20:.0f} MiB" for n in series)
+                )
+            time.sleep(args.every_s)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    pub.flush(60)
+    samples = sum(j.samples for j in jobs)
+    elapsed = time.monotonic() - t0
+    job_ids = [j.cfg.job_id for j in jobs]
+    lateness = StreamsSettings().allowed_lateness_s
+    time.sleep(lateness + 5)  # the last windows close and land
+    ch = client(settings)
+    try:
+        q = {"jobs": job_ids}
+        rows = ch.query(
+            "SELECT (SELECT count() FROM steps WHERE job_id IN {jobs:Array(String)}) + "
+            "(SELECT count() FROM gpu_samples WHERE job_id IN {jobs:Array(String)}) + "
+            "(SELECT count() FROM host_samples WHERE job_id IN {jobs:Array(String)}) + "
+            "(SELECT count() FROM spans WHERE job_id IN {jobs:Array(String)}) + "
+            "(SELECT count() FROM collectives WHERE job_id IN {jobs:Array(String)})",
+            parameters=q,
+        ).result_rows[0][0]
+        lat = ch.query(
+            "SELECT toUnixTimestamp64Nano(inserted) - toUnixTimestamp64Nano(closed), "
+            "toUnixTimestamp64Nano(inserted) - toUnixTimestamp64Nano(window_end) "
+            "FROM windows WHERE job_id IN {jobs:Array(String)} AND window_s = 1",
+            parameters=q,
+        ).result_rows
+    finally:
+        ch.close()
+    close_to_row = np.array([r[0] for r in lat], dtype=float) / NS
+    end_to_row = np.array([r[1] for r in lat], dtype=float) / NS - lateness
+    out: dict[str, Any] = {
+        "samples": samples,
+        "samples_per_s": samples / elapsed,
+        "rows_landed": rows,
+        "windows_1s": len(lat),
+    }
+
+    def q3(a: np.ndarray) -> dict[str, float]:
+        if not len(a):
+            return {}
+        p50, p99 = np.percentile(a, [50, 99])
+        return {"p50_s": float(p50), "p99_s": float(p99), "max_s": float(a.max())}
+
+    out["close_to_row"] = q3(close_to_row)
+    out["may_close_to_row"] = q3(end_to_row)
+    say(
+        f"  generated {samples:,} samples ({samples / elapsed:,.0f}/s), {rows:,} rows landed; "
+        f"{len(lat):,} 1 s window rows"
+    )
+    for name, s in series.items():
+        t = np.array([x[0] for x in s]) / 60
+        m = np.array([x[1] for x in s]) / 2**20
+        keep = t >= args.warmup_min
+        slope = float(np.polyfit(t[keep], m[keep], 1)[0]) if keep.sum() >= 3 else float("nan")
+        growth = float(m[keep][-1] - m[keep][0]) if keep.any() else float("nan")
+        out[f"rss_{name}"] = {
+            "mib": [round(float(v), 1) for v in m],
+            "minutes": [round(float(v), 2) for v in t],
+            "slope_mib_per_min_after_warmup": slope,
+            "growth_mib_after_warmup": growth,
+            "max_mib": float(m.max()),
+        }
+        say(
+            f"  {name}: RSS {m[0]:.0f} → {m[-1]:.0f} MiB (max {m.max():.0f}); after "
+            f"{args.warmup_min:g} min warm-up: slope {slope:+.2f} MiB/min, growth {growth:+.1f} MiB"
+        )
+    for what, key in (
+        ("window close", "close_to_row"),
+        ("window end + lateness", "may_close_to_row"),
+    ):
+        d = out[key]
+        if d:
+            say(
+                f"  {what} → row in the warehouse: p50 {d['p50_s']:.2f} s, p99 {d['p99_s']:.2f} s, "
+                f"max {d['max_s']:.2f} s"
+            )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--rate", type=float, default=100_000.0, help="samples/s, all jobs together")
+    p.add_argument("--jobs", type=int, default=4)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--scenario", default="mixed")
+    p.add_argument("--every-s", type=float, default=10.0)
+    p.add_argument("--warmup-min", type=float, default=2.0)
+    args = p.parse_args(argv)
+    raise_on_sigterm()
+    result: dict[str, Any] = {"bench": "soak", "args": vars(args), "cpus": os.cpu_count()}
+    with embedded_stack(say):
+        from perfloop.settings import StackSettings
+
+        result.update(run(args, StackSettings()))
+    save_result("soak", result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
