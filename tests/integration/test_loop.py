@@ -100,7 +100,7 @@ def test_telemetry_is_queryable_and_windowed(stack: StackSettings) -> None:
                 _count(
                     stack,
                     "SELECT count() FROM windows WHERE job_id = {j:String} "
-                    "AND metric = 'step_time_ms'",
+                    "AND metric = 'step_time_ms' AND window_s = 10 AND hop_s = 10",
                     j=job,
                 )
                 >= 4
@@ -110,8 +110,9 @@ def test_telemetry_is_queryable_and_windowed(stack: StackSettings) -> None:
         )
         w = ch.query(
             "SELECT rank, count, mean, p50, window_s FROM windows "
-            "WHERE job_id = {j:String} AND metric = 'step_time_ms' ORDER BY ts, rank "
-            "LIMIT 2",
+            "WHERE job_id = {j:String} AND metric = 'step_time_ms' "
+            "AND window_s = 10 AND hop_s = 10 "
+            "ORDER BY ts, rank LIMIT 2",
             parameters={"j": job},
         ).result_rows
         assert [row[0] for row in w] == [0, 1]
