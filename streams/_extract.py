@@ -84,27 +84,17 @@ AVAILABLE: dict[str, tuple[str, ...]] = {
 """Metric names each batch kind can window (``windows.metrics.<kind>`` picks among them)."""
 
 DEFAULT_METRICS: dict[str, tuple[str, ...]] = {
-    "gpu": ("sm_util_pct", "mem_util_pct", "mem_used_bytes", "power_w", "temp_c", "sm_clock_mhz"),
-    "host": (
-        "proc_cpu_pct",
-        "sys_cpu_pct",
-        "sys_iowait_pct",
-        "proc_rss_bytes",
-        "sys_mem_used_bytes",
-        "loader_cpu_pct",
-    ),
-    "step": (
-        "step_time_ms",
-        "data_wait_ms",
-        "data_wait_share",
-        "tokens_per_s",
-        "samples_per_s",
-        "mem_allocated_bytes",
-    ),
-    "span": ("duration_ms", "share"),
-    "collective": ("duration_ms", "busbw_gbps"),
+    # Lean by default: every metric costs one window row per rank (or device), per window,
+    # which at 1 s is as many rows as samples for a rich set. `windows.metrics.<kind>` adds
+    # any of `AVAILABLE` live.
+    "gpu": ("sm_util_pct", "mem_used_bytes", "power_w", "sm_clock_mhz"),
+    "host": ("proc_cpu_pct", "loader_cpu_pct"),
+    "step": ("step_time_ms", "data_wait_share"),
+    "span": ("share",),
+    "collective": ("duration_ms",),
     "kernel": ("busy_ms",),
 }
+"""The metrics windowed unless configured otherwise."""
 
 _INPUTS = {
     "data_wait_share": ("data_wait_ms", "step_time_ms"),

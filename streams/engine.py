@@ -49,6 +49,7 @@ from perfloop.schemas import (
     decode_event,
 )
 from perfloop.settings import StreamsSettings
+from perfloop.streams._phase_steps import DERIVED_METRICS
 from perfloop.streams.funnel import Funnel
 from perfloop.streams.phases import PhaseMachine
 from perfloop.streams.rules import DataWaitRule
@@ -60,6 +61,8 @@ __all__ = ["SNAPSHOT_VERSION", "TELEMETRY_TOPICS", "Outputs", "StreamEngine"]
 log = logging.getLogger("perfloop.streams")
 
 SNAPSHOT_VERSION = 1
+DEFAULT_DERIVED = ("gpu_idle_ms", "straggler_score")
+"""`StepAnalysis` metrics windowed by default (``windows.metrics.derived`` picks others)."""
 TELEMETRY_TOPICS = (Topics.GPU, Topics.HOST, Topics.STEP, Topics.SPAN)
 INPUT_TOPICS = (*TELEMETRY_TOPICS, Topics.JOB, Topics.CONTROL)
 _TOPIC_KINDS = {t: {k for k, kt in KIND_TOPICS.items() if kt == t} for t in INPUT_TOPICS}
@@ -98,6 +101,7 @@ class StreamEngine:
             cooldown_s=settings.recommendation_cooldown_s,
             max_workers=max(2, 2 * (os.cpu_count() or 2)),
         )
+        self.derived_metrics: tuple[str, ...] = DEFAULT_DERIVED
         self.max_skew_ns = int(settings.max_skew_s * NS)
         self.max_age_ns = int(settings.max_age_s * NS)
         self.stats: Counter[str] = Counter()
@@ -188,6 +192,16 @@ class StreamEngine:
 
     def configure(self, key: str, value: Any) -> tuple[Any, Any]:
         """Change one setting live; raise `ConfigError` naming the valid keys if unknown."""
+        if key == "windows.metrics.derived":
+            names = value.split(",") if isinstance(value, str) else list(value)
+            new = tuple(dict.fromkeys(str(n).strip() for n in names if str(n).strip()))
+            bad = [n for n in new if n not in DERIVED_METRICS]
+            if bad:
+                raise ConfigError(
+                    f"unknown derived metrics {bad}; valid: {', '.join(DERIVED_METRICS)}"
+                )
+            old_d, self.derived_metrics = self.derived_metrics, new
+            return ",".join(old_d), ",".join(new)
         head = key.split(".", 1)[0]
         target = {
             "windows": self.windows,
@@ -229,15 +243,19 @@ class StreamEngine:
         return out
 
     def _add_derived(self, d: dict[str, Any], wall_ns: int) -> None:
-        """Feed `StepAnalysis`' per-rank metrics (idle, busy, straggler score) to the windows."""
-        jobs, nodes, metrics = (
-            np.asarray(d[k], dtype=object) for k in ("job_id", "node", "metric")
-        )
-        ranks = np.asarray(d["rank"], dtype=np.int64)
-        ts = np.asarray(d["ts_ns"], dtype=np.int64)
-        values = np.asarray(d["value"], dtype=np.float64)
+        """Feed the chosen `StepAnalysis` metrics (idle, straggler score, …) to the windows."""
+        metrics = np.asarray(d["metric"], dtype=object)
+        keep = np.flatnonzero(np.isin(metrics, self.derived_metrics))
+        if not len(keep):
+            return
+        jobs = np.asarray(d["job_id"], dtype=object)[keep]
+        nodes = np.asarray(d["node"], dtype=object)[keep]
+        ranks = np.asarray(d["rank"], dtype=np.int64)[keep]
+        ts = np.asarray(d["ts_ns"], dtype=np.int64)[keep]
+        values = np.asarray(d["value"], dtype=np.float64)[keep]
         groups: dict[tuple[str, str, str], list[int]] = defaultdict(list)
-        for i, key in enumerate(zip(jobs.tolist(), nodes.tolist(), metrics.tolist(), strict=True)):
+        keys = zip(jobs.tolist(), nodes.tolist(), metrics[keep].tolist(), strict=True)
+        for i, key in enumerate(keys):
             groups[key].append(i)
         for (job, node, metric), idx in groups.items():
             sel = np.asarray(idx)
@@ -263,6 +281,7 @@ class StreamEngine:
             "phases": self.phases.snapshot(),
             "funnel": self.funnel.snapshot(),
             "rule": self.rule.snapshot(),
+            "derived_metrics": self.derived_metrics,
             "stats": dict(self.stats),
         }
 
@@ -277,6 +296,7 @@ class StreamEngine:
         self.phases.restore(state["phases"])
         self.funnel.restore(state["funnel"])
         self.rule.restore(state["rule"])
+        self.derived_metrics = tuple(state.get("derived_metrics", DEFAULT_DERIVED))
         self._offsets = dict(state["offsets"])
         self._resume = dict(state["offsets"])
         self.stats.update(state.get("stats", {}))
