@@ -164,6 +164,24 @@ def create_app(settings: StreamsSettings) -> faust.App:
             event.ack()
         held.clear()
 
+    @app.timer(10.0)
+    async def report() -> None:
+        st = engine.stats
+        log.info(
+            "stream stats: %d messages, %d samples, %d events, %d rejected, %d late samples, "
+            "%d window rows, %d phase events, %d diagnoses, %d recommendations; %d held",
+            st["messages"],
+            st["samples"],
+            st["events"],
+            sum(engine.rejected.values()),
+            engine.windows.late_samples,
+            st["window_rows"],
+            st["phase_events"],
+            st["diagnoses"],
+            st["recommendations"],
+            len(held),
+        )
+
     app.perfloop_engine = engine  # type: ignore[attr-defined]
     return app
 
