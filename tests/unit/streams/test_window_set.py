@@ -200,8 +200,17 @@ def test_empty_windows_are_not_emitted_and_rows_carry_their_series() -> None:
 
 
 # -- what each kind yields -------------------------------------------------------------------
+# Richer than the lean defaults: every metric these tests read.
+RICH = {
+    "step": "step_time_ms,data_wait_ms,data_wait_share,tokens_per_s,samples_per_s",
+    "span": "duration_ms,share",
+    "collective": "duration_ms,busbw_gbps",
+    "kernel": "busy_ms",
+}
+
+
 def test_step_batches_yield_times_shares_and_reported_throughput_only() -> None:
-    ws = WindowSet("10", lateness_s=0)
+    ws = WindowSet("10", lateness_s=0, metrics=RICH)
     b = steps(
         [1, 2],
         [100.0, 200.0],
@@ -225,7 +234,7 @@ def test_step_batches_yield_times_shares_and_reported_throughput_only() -> None:
 
 
 def test_phase_shares_are_per_step_even_when_its_spans_arrive_in_two_batches() -> None:
-    ws = WindowSet("10", lateness_s=1, metrics={"gpu": ""})
+    ws = WindowSet("10", lateness_s=1, metrics={**RICH, "gpu": ""})
     spans = [  # rank 0: step 0 from 1.0 s (data_wait 20, forward 30, backward 50 ms), step 1 after
         (1.00, 0, "data_wait", 20.0),
         (1.02, 0, "forward", 30.0),
@@ -261,7 +270,7 @@ def test_phase_shares_are_per_step_even_when_its_spans_arrive_in_two_batches() -
 
 
 def test_collectives_and_kernels_yield_per_op_times_bus_bandwidth_and_gpu_busy() -> None:
-    ws = WindowSet("10", lateness_s=0)
+    ws = WindowSet("10", lateness_s=0, metrics=RICH)
     ws.observe(
         batch(
             "collective",
