@@ -109,6 +109,7 @@ class StreamEngine:
         self.applied: list[tuple[ConfigChange, Any, Any]] = []  # recent live changes
         self._offsets: dict[tuple[str, int], int] = {}  # next offset to read, per partition
         self._resume: dict[tuple[str, int], int] = {}  # from a restored snapshot
+        self._restored = False  # until the first message after a restore
 
     # -- input -------------------------------------------------------------------------------
     def ingest(
@@ -126,6 +127,9 @@ class StreamEngine:
         then applied, and the engine's state is as if it had never arrived.
         """
         tp = (topic, partition)
+        if self._restored:  # the downtime is not the sources' silence
+            self.windows.resume(wall_ns)
+            self._restored = False
         if offset >= 0:
             if offset < self._resume.get(tp, -1):
                 self.stats["replayed"] += 1
@@ -301,6 +305,7 @@ class StreamEngine:
         self._resume = dict(state["offsets"])
         self.stats.update(state.get("stats", {}))
         self.stats["restored"] += 1
+        self._restored = True
 
     def save(self, path: Path) -> int:
         """Write a snapshot atomically (temporary file, fsync, rename); return its size."""

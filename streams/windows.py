@@ -246,6 +246,12 @@ class WindowSet(WindowCore):
         self._push(sample)
 
     # -- closing --------------------------------------------------------------------------
+    def resume(self, wall_ns: int) -> None:
+        """After a restart: the time the worker was down does not count as sources' silence
+        (it would move their watermarks on and close panes before the backlog is read)."""
+        for src in self._reg.sources.values():
+            src.seen = max(src.seen, int(wall_ns))
+
     def watermark_ns(self, job_id: str, wall_ns: int) -> int | None:
         """The job's watermark at ``wall_ns`` (None for an unknown job)."""
         job = self._reg.jobs.get(job_id)
