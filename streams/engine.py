@@ -307,9 +307,15 @@ class StreamEngine:
         self.stats["restored"] += 1
         self._restored = True
 
-    def save(self, path: Path) -> int:
-        """Write a snapshot atomically (temporary file, fsync, rename); return its size."""
-        data = pickle.dumps(self.snapshot(), protocol=pickle.HIGHEST_PROTOCOL)
+    def dumps(self) -> bytes:
+        """`snapshot` serialised, for `save` (taking it and writing it can then be apart)."""
+        return pickle.dumps(self.snapshot(), protocol=pickle.HIGHEST_PROTOCOL)
+
+    def save(self, path: Path, data: bytes | None = None) -> int:
+        """Write a snapshot (``data`` from `dumps`, or now) atomically: temporary file, fsync,
+        rename. Returns its size."""
+        if data is None:
+            data = self.dumps()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as f:

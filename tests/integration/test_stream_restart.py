@@ -113,11 +113,19 @@ def test_killed_stream_worker_resumes_from_its_snapshot(own_stack: StackSettings
 
     try:
         # the last full second closes once the lateness has passed; allow the restart's backlog
-        wait_for(
-            lambda: {(r, t // NS) for r, t, _, _ in rows()} >= set(sent),
-            90,
-            "a 1 s window for every second of every rank",
-        )
+        try:
+            wait_for(
+                lambda: {(r, t // NS) for r, t, _, _ in rows()} >= set(sent),
+                90,
+                "a 1 s window for every second of every rank",
+            )
+        except AssertionError as e:
+            have = {(r, t // NS) for r, t, _, _ in rows()}
+            missing = sorted(set(sent) - have)
+            raise AssertionError(
+                f"{e}: {len(missing)} missing, e.g. {missing[:8]}; killed at "
+                f"{killed_at // NS}, data {first_sec}..{last_sec}"
+            ) from None
         got = rows()
     finally:
         ch.close()
