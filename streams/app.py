@@ -107,34 +107,31 @@ def create_app(settings: StreamsSettings) -> faust.App:
             )
 
     async def ingest(stream: Any) -> None:
-        async for events in stream.noack().take_events(1000, within=0.05):
-            wall = time.time_ns()
-            for event in events:
-                msg = event.message
-                value = event.value if isinstance(event.value, bytes) else b""
-                try:
-                    engine.ingest(
-                        msg.topic, value, wall_ns=wall, partition=msg.partition, offset=msg.offset
-                    )
-                    reason = ""
-                except SchemaError as e:
-                    reason = str(e)
-                except Exception as e:  # a component's bug must not stop the worker
-                    log.exception(
-                        "internal error on %s[%s]@%s", msg.topic, msg.partition, msg.offset
-                    )
-                    reason = f"internal error: {type(e).__name__}: {e}".splitlines()[0]
-                if reason:
-                    engine.rejected[msg.topic] += 1
-                    log.warning(
-                        "rejected %s[%s]@%s: %s", msg.topic, msg.partition, msg.offset, reason
-                    )
-                    await dlq.send(
-                        key=msg.key,
-                        value=value,
-                        headers=dlq_headers(reason, msg.topic, msg.partition, msg.offset),
-                    )
-                held.append(event)
+        # One event at a time: Faust's take_events acknowledges what it yields, which would
+        # let committed offsets pass the snapshot; a message carries a whole batch anyway.
+        async for event in stream.noack().events():
+            msg = event.message
+            value = event.value if isinstance(event.value, bytes) else b""
+            try:
+                engine.ingest(
+                    msg.topic, value, wall_ns=time.time_ns(), partition=msg.partition,
+                    offset=msg.offset,
+                )  # fmt: skip
+                reason = ""
+            except SchemaError as e:
+                reason = str(e)
+            except Exception as e:  # a component's bug must not stop the worker
+                log.exception("internal error on %s[%s]@%s", msg.topic, msg.partition, msg.offset)
+                reason = f"internal error: {type(e).__name__}: {e}".splitlines()[0]
+            if reason:
+                engine.rejected[msg.topic] += 1
+                log.warning("rejected %s[%s]@%s: %s", msg.topic, msg.partition, msg.offset, reason)
+                await dlq.send(
+                    key=msg.key,
+                    value=value,
+                    headers=dlq_headers(reason, msg.topic, msg.partition, msg.offset),
+                )
+            held.append(event)
 
     for topic in INPUT_TOPICS:
         name = "ingest-" + topic.rsplit(".", 1)[-1]
