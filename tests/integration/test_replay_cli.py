@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 
 import pytest
 
 from perfloop.settings import StackSettings
 from perfloop.warehouse import client
+from tests.helpers import TRACES
 
 from .conftest import perfloop_cli, wait_for
 
 pytestmark = pytest.mark.integration
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
 RANKS = sorted((TRACES / "hta" / "trace_filter").glob("sampled_rank-*.json.gz"))
 
 

@@ -2,32 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 
 from perfloop import __version__
 from perfloop.cli import build_parser, main
+from tests.helpers import clean_env, closed_port, one_line  # noqa: F401 (fixture)
 
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("PERFLOOP_"):
-            monkeypatch.delenv(name)
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _one_line(text: str) -> str:
-    lines = text.strip("\n").splitlines()
-    assert len(lines) == 1, f"expected one line, got {text!r}"
-    return lines[0]
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 @pytest.mark.parametrize(
@@ -50,7 +31,7 @@ def test_misuse_exits_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: 
     assert info.value.code == 2
     out, err = capsys.readouterr()
     assert out == ""
-    line = _one_line(err)
+    line = one_line(err)
     assert line.startswith("perfloop") and "error" in line and "--help" in line
 
 
@@ -58,7 +39,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["--version"])
     assert info.value.code == 0
-    assert _one_line(capsys.readouterr().out) == f"perfloop {__version__}"
+    assert one_line(capsys.readouterr().out) == f"perfloop {__version__}"
 
 
 def test_parsed_options() -> None:
@@ -70,12 +51,12 @@ def test_parsed_options() -> None:
 def test_sql_against_a_closed_port_fails_with_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url = f"http://127.0.0.1:{_closed_port()}"
+    url = f"http://127.0.0.1:{closed_port()}"
     monkeypatch.setenv("PERFLOOP_CLICKHOUSE_URL", url)
     assert main(["sql", "SELECT 1"]) == 1
     out, err = capsys.readouterr()
     assert out == ""
-    line = _one_line(err)
+    line = one_line(err)
     assert line.startswith("perfloop: ") and url in line
 
 
@@ -84,7 +65,7 @@ def test_sql_with_a_non_http_url_fails_with_one_line(
 ) -> None:
     monkeypatch.setenv("PERFLOOP_CLICKHOUSE_URL", "ftp://warehouse:21")
     assert main(["sql", "SELECT 1"]) == 1
-    assert "PERFLOOP_CLICKHOUSE_URL" in _one_line(capsys.readouterr().err)
+    assert "PERFLOOP_CLICKHOUSE_URL" in one_line(capsys.readouterr().err)
 
 
 def test_invalid_setting_fails_with_one_line_naming_it(
@@ -92,5 +73,5 @@ def test_invalid_setting_fails_with_one_line_naming_it(
 ) -> None:
     monkeypatch.setenv("PERFLOOP_KAFKA_PORT", "0")
     assert main(["sql", "SELECT 1"]) == 1
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert line.startswith("perfloop: ") and "PERFLOOP_KAFKA_PORT" in line

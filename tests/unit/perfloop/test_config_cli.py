@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from typing import Any
 
 import pytest
@@ -12,25 +10,9 @@ from perfloop._config_cli import ISSUER_JOB_ID, build_change, default_target, pa
 from perfloop.cli import build_parser, main
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import ConfigChange, decode_event, encode_event
+from tests.helpers import clean_env, closed_port, one_line  # noqa: F401 (fixture)
 
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("PERFLOOP_"):
-            monkeypatch.delenv(name)
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _one_line(text: str) -> str:
-    lines = text.strip("\n").splitlines()
-    assert len(lines) == 1, f"expected one line, got {text!r}"
-    return lines[0]
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 @pytest.mark.parametrize(
@@ -122,7 +104,7 @@ def test_misuse_exits_2(capsys: pytest.CaptureFixture[str], argv: list[str]) -> 
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(argv)
     assert info.value.code == 2
-    assert "--help" in _one_line(capsys.readouterr().err)
+    assert "--help" in one_line(capsys.readouterr().err)
 
 
 def test_parsed_options() -> None:
@@ -143,33 +125,33 @@ def test_parsed_options() -> None:
 def test_set_with_a_bad_value_exits_1_before_touching_the_broker(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("PERFLOOP_KAFKA_BOOTSTRAP", f"127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("PERFLOOP_KAFKA_BOOTSTRAP", f"127.0.0.1:{closed_port()}")
     assert main(["config", "set", "sampling.overhead_budget_pct", "0"]) == 1
     out, err = capsys.readouterr()
     assert out == ""
-    assert _one_line(err) == "perfloop: sampling.overhead_budget_pct=0 is outside (0, 100]"
+    assert one_line(err) == "perfloop: sampling.overhead_budget_pct=0 is outside (0, 100]"
 
 
 def test_set_without_a_broker_exits_1_with_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    bootstrap = f"127.0.0.1:{_closed_port()}"
+    bootstrap = f"127.0.0.1:{closed_port()}"
     monkeypatch.setenv("PERFLOOP_KAFKA_BOOTSTRAP", bootstrap)
     assert main(["config", "set", "detect.hang.after_s", "30"]) == 1
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert line.startswith("perfloop: ") and bootstrap in line
 
 
 def test_history_without_a_warehouse_exits_1_with_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url = f"http://127.0.0.1:{_closed_port()}"
+    url = f"http://127.0.0.1:{closed_port()}"
     monkeypatch.setenv("PERFLOOP_CLICKHOUSE_URL", url)
     assert main(["config", "history", "--job", "j1"]) == 1
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert line.startswith("perfloop: ") and url in line
 
 
 def test_history_limit_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config", "history", "--limit", "0"]) == 1
-    assert "--limit 0" in _one_line(capsys.readouterr().err)
+    assert "--limit 0" in one_line(capsys.readouterr().err)

@@ -32,9 +32,9 @@ from perfloop.producers.replay import (
 )
 from perfloop.schemas import JobInfo, decode_batch, decode_event
 from perfloop.settings import ProducerSettings
+from tests.helpers import ALL_TRACES, TRACES, interval_union, load_trace
 
-TRACES = Path(__file__).resolve().parents[4] / "shared" / "data" / "traces"
-ALL = sorted(TRACES.rglob("*.json.gz")) + sorted(TRACES.rglob("*.json"))
+ALL = ALL_TRACES
 NS = next((p for p in ALL if "ns_resolution_trace" in str(p)), None)
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
@@ -77,27 +77,10 @@ def _py(v: Any) -> Any:
 # --- the independent computation ---------------------------------------------------------------
 
 
-def _load(path: Path) -> dict[str, Any]:
-    with gzip.open(path) if path.suffix == ".gz" else open(path, "rb") as f:
-        return json.load(f)
-
-
-def _sweep_union(intervals: list[tuple[float, float]]) -> float:
-    """Length of a union by sweeping sorted boundaries with a depth counter."""
-    points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
-    depth, last, total = 0, 0.0, 0.0
-    for t, d in points:
-        if depth > 0:
-            total += t - last
-        depth += d
-        last = t
-    return total
-
-
 @functools.cache
 def reference(path: Path) -> dict[str, Any]:
     """Steps, and per step the GPU activities' count and busy time, from the whole file."""
-    doc = _load(path)
+    doc = load_trace(path)
     events = doc["traceEvents"] if isinstance(doc, dict) else doc
     steps = {}
     for e in events:
@@ -137,8 +120,8 @@ def reference(path: Path) -> dict[str, Any]:
             by_stream[k["args"].get("stream", k.get("tid"))].append((k["ts"], k["ts"] + k["dur"]))
         gpu[n] = {
             "count": len(ks),
-            "busy_us": _sweep_union([(k["ts"], k["ts"] + k["dur"]) for k in ks]),
-            "streams": {s: (len(iv), _sweep_union(iv)) for s, iv in by_stream.items()},
+            "busy_us": interval_union([(k["ts"], k["ts"] + k["dur"]) for k in ks]),
+            "streams": {s: (len(iv), interval_union(iv)) for s, iv in by_stream.items()},
             "events": ks,
         }
     return {"doc": doc, "events": events, "steps": steps, "whole": whole, "gpu": gpu}

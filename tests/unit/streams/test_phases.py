@@ -16,17 +16,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from perfloop.catalog import Topics
 from perfloop.exceptions import ConfigError
 from perfloop.producers import simulator
-from perfloop.producers.scenarios import scenario_config
-from perfloop.producers.simulator import SimulatedJob
-from perfloop.schemas import JobLifecycle, PhaseChange, decode_batch, decode_event
+from perfloop.schemas import JobLifecycle, PhaseChange, decode_batch
 from perfloop.schemas.codec import Batch, encode_batch
 from perfloop.streams._phase_signatures import SignatureLibrary
 from perfloop.streams.phases import STEP_PHASES, PhaseMachine
+from tests.helpers import SIM_T0, simulate
 
-T0 = 1_700_000_000_000_000_000
+T0 = SIM_T0
 MS = 1_000_000
 S = 1_000_000_000
 TICK_NS = 250 * MS
@@ -47,35 +45,6 @@ OTHER_SIGNATURE = np.array(
     [[5.0, 3.0, 0.10, 0.0], [80.0, 70.0, 0.6, 0.0], [85.0, 75.0, 0.7, 0.3],
      [40.0, 30.0, 0.25, 1.0], [60.0, 92.0, 0.45, 0.0]]
 )  # fmt: skip
-
-
-class Collect:
-    def __init__(self) -> None:
-        self.messages: list[tuple[str, str, bytes]] = []
-
-    def publish(self, topic: str, key: str, value: bytes) -> bool:
-        self.messages.append((topic, key, value))
-        return True
-
-
-def simulate(scenario: str, duration_s: float, **kw: Any) -> tuple[Any, list[Any]]:
-    cfg = scenario_config(
-        scenario,
-        job_id=kw.pop("job_id", f"sim-{scenario}"),
-        nodes=kw.pop("nodes", 1),
-        ranks_per_node=kw.pop("ranks_per_node", 4),
-        duration_s=duration_s,
-        seed=kw.pop("seed", 3),
-        t0_ns=T0,
-        speed=1e6,
-        chunk_steps=2,
-        publish_interval_ms=1e-3,
-        **kw,
-    )
-    pub = Collect()
-    SimulatedJob(cfg, pub).run(duration_s)
-    out = [decode_event(v) if t == Topics.JOB else decode_batch(v) for t, _, v in pub.messages]
-    return cfg, out
 
 
 def feed(

@@ -8,48 +8,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from perfloop.catalog import Topics
 from perfloop.exceptions import ConfigError
-from perfloop.producers.scenarios import scenario_config
-from perfloop.producers.simulator import SimulatedJob
-from perfloop.schemas import JobLifecycle, decode_batch, decode_event
+from perfloop.schemas import JobLifecycle, decode_batch
 from perfloop.schemas.codec import Batch, encode_batch
 from perfloop.streams.steps import DERIVED_METRICS, METRIC_COLUMNS, StepAnalysis, StepRecord
+from tests.helpers import SIM_T0, simulate
 
-T0 = 1_700_000_000_000_000_000
+T0 = SIM_T0
 MS = 1_000_000
 TICK_NS = 250 * MS
 DELAY_NS = 50 * MS  # a message is received this long after its newest sample
-
-
-class Collect:
-    def __init__(self) -> None:
-        self.messages: list[tuple[str, str, bytes]] = []
-
-    def publish(self, topic: str, key: str, value: bytes) -> bool:
-        self.messages.append((topic, key, value))
-        return True
-
-
-def simulate(scenario: str, duration_s: float, **kw: Any) -> tuple[Any, list[Any]]:
-    """Run a scenario in-process; return its config and its messages decoded, in order."""
-    cfg = scenario_config(
-        scenario,
-        job_id=kw.pop("job_id", f"sim-{scenario}"),
-        nodes=kw.pop("nodes", 1),
-        ranks_per_node=kw.pop("ranks_per_node", 4),
-        duration_s=duration_s,
-        seed=kw.pop("seed", 3),
-        t0_ns=T0,
-        speed=1e6,
-        chunk_steps=2,  # about 250 ms of samples per message, as a live producer sends
-        publish_interval_ms=1e-3,
-        **kw,
-    )
-    pub = Collect()
-    SimulatedJob(cfg, pub).run(duration_s)
-    out = [decode_event(v) if t == Topics.JOB else decode_batch(v) for t, _, v in pub.messages]
-    return cfg, out
 
 
 def feed(component: Any, messages: list[Any], *, end_pad_ns: int = 30 * 10**9) -> list[Any]:

@@ -20,8 +20,6 @@ The multi-rank set is every folder holding traces of two or more ranks of one jo
 from __future__ import annotations
 
 import functools
-import gzip
-import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -35,9 +33,9 @@ from perfloop.producers.replay import TraceError, replay_trace
 from perfloop.schemas import decode_batch
 from perfloop.schemas.codec import Batch
 from perfloop.streams.steps import StepAnalysis, StepRecord
+from tests.helpers import ALL_TRACES, TRACES, interval_union, load_trace
 
-TRACES = Path(__file__).resolve().parents[4] / "shared" / "data" / "traces"
-ALL = sorted(TRACES.rglob("*.json.gz")) + sorted(TRACES.rglob("*.json"))
+ALL = ALL_TRACES
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
 HOST_CATS = {"cpu_op", "user_annotation"}
@@ -55,23 +53,6 @@ def _id(p: Path) -> str:
 # --- the independent computation ---------------------------------------------------------------
 
 
-def _load(path: Path) -> dict[str, Any]:
-    with gzip.open(path) if path.suffix == ".gz" else open(path, "rb") as f:
-        doc = json.load(f)
-    return doc if isinstance(doc, dict) else {"traceEvents": doc}
-
-
-def _union(intervals: list[tuple[float, float]]) -> float:
-    points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
-    depth, last, total = 0, 0.0, 0.0
-    for t, d in points:
-        if depth > 0:
-            total += t - last
-        depth += d
-        last = t
-    return total
-
-
 def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
     return [(max(s, lo), min(e, hi)) for s, e in intervals if min(e, hi) > max(s, lo)]
 
@@ -79,7 +60,7 @@ def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tu
 @functools.cache
 def reference(path: Path) -> dict[str, Any]:
     """Per step: window (µs), GPU busy by launch and clipped to the window, comm-blocked time."""
-    doc = _load(path)
+    doc = load_trace(path)
     events = [e for e in doc["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"]
     steps: dict[int, tuple[float, float]] = {}
     for e in events:
@@ -129,9 +110,10 @@ def reference(path: Path) -> dict[str, Any]:
             "start_us": s,
             "end_us": t,
             "step_ms": (t - s) / 1e3,
-            "busy_ms": _union(gpu[n]) / 1e3 if gpu[n] else None,
-            "window_busy_ms": _union(_clip(every_gpu, s, t)) / 1e3,
-            "comm_ms": (_union(c + w) - _union(w)) / 1e3,  # comm time not under a data load
+            "busy_ms": interval_union(gpu[n]) / 1e3 if gpu[n] else None,
+            "window_busy_ms": interval_union(_clip(every_gpu, s, t)) / 1e3,
+            # comm time not under a data load
+            "comm_ms": (interval_union(c + w) - interval_union(w)) / 1e3,
         }
     dist = doc.get("distributedInfo") or {}
     return {"rank": dist.get("rank", 0), "steps": out, "has_gpu": bool(every_gpu)}

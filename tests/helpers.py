@@ -1,0 +1,100 @@
+"""Helpers several test modules share: the shared traces and their independent reading, the
+simulator run in-process, and the CLI's one-line errors. Import as ``tests.helpers``."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perfloop.catalog import Topics
+from perfloop.producers.scenarios import scenario_config
+from perfloop.producers.simulator import SimulatedJob
+from perfloop.schemas import decode_batch, decode_event
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+"""The real PyTorch-profiler traces, beside the repository (``../shared/data/traces``)."""
+ALL_TRACES = sorted(TRACES.rglob("*.json.gz")) + sorted(TRACES.rglob("*.json"))
+SIM_T0 = 1_700_000_000_000_000_000
+
+
+# -- traces, read without the replay code -------------------------------------------------------
+def load_trace(path: Path) -> dict[str, Any]:
+    """A trace file as JSON (a bare event list becomes ``{"traceEvents": [...]}``)."""
+    with gzip.open(path) if path.suffix == ".gz" else open(path, "rb") as f:
+        doc = json.load(f)
+    return doc if isinstance(doc, dict) else {"traceEvents": doc}
+
+
+def interval_union(intervals: list[tuple[float, float]]) -> float:
+    """Length of a union of intervals, by sweeping sorted boundaries with a depth counter."""
+    points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    depth, last, total = 0, 0.0, 0.0
+    for t, d in points:
+        if depth > 0:
+            total += t - last
+        depth += d
+        last = t
+    return total
+
+
+# -- the simulator, in-process ------------------------------------------------------------------
+class Collect:
+    """A publisher that keeps every message."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[str, str, bytes]] = []
+
+    def publish(self, topic: str, key: str, value: bytes) -> bool:
+        self.messages.append((topic, key, value))
+        return True
+
+
+def simulate(scenario: str, duration_s: float, **kw: Any) -> tuple[Any, list[Any]]:
+    """Run a scenario in-process, about 250 ms of samples per message as a live producer
+    sends; return its config and its messages decoded, in order."""
+    cfg = scenario_config(
+        scenario,
+        job_id=kw.pop("job_id", f"sim-{scenario}"),
+        nodes=kw.pop("nodes", 1),
+        ranks_per_node=kw.pop("ranks_per_node", 4),
+        duration_s=duration_s,
+        seed=kw.pop("seed", 3),
+        t0_ns=SIM_T0,
+        speed=1e6,
+        chunk_steps=2,
+        publish_interval_ms=1e-3,
+        **kw,
+    )
+    pub = Collect()
+    SimulatedJob(cfg, pub).run(duration_s)
+    out = [decode_event(v) if t == Topics.JOB else decode_batch(v) for t, _, v in pub.messages]
+    return cfg, out
+
+
+# -- the CLI --------------------------------------------------------------------------------------
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No inherited ``PERFLOOP_*`` variable reaches the test (use with ``usefixtures``)."""
+    for name in list(os.environ):
+        if name.startswith("PERFLOOP_"):
+            monkeypatch.delenv(name)
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def one_line(text: str) -> str:
+    """The only line of ``text`` (fails the test if there are more)."""
+    lines = text.strip("\n").splitlines()
+    assert len(lines) == 1, f"expected one line, got {text!r}"
+    return lines[0]
