@@ -195,6 +195,8 @@ def test_a_lower_power_limit_lowers_clocks_and_slows_compute() -> None:
     assert gpu["power_w"][capped].max() <= 350.0
     fwd = spans["phase"] == "forward"
     t_cap = gpu["ts_ns"][capped].min()
+    # simulated durations (the model's output, not a wall-clock measurement): a lower cap
+    # lowers the clock, so the same forward pass takes longer
     slow = spans["duration_ms"][fwd & (spans["ts_ns"] > t_cap)].mean()
     assert slow > 1.1 * spans["duration_ms"][fwd & (spans["ts_ns"] < t_cap)].mean()
     with pytest.raises(ValueError, match="power_limit_w"):
@@ -228,4 +230,5 @@ def test_a_single_rank_job_has_no_collectives() -> None:
     pub = FakePublisher()
     _job(pub, ranks_per_node=1).run(2.0)
     assert not pub.batches("collective")
+    # every 5th span is the comm phase; its simulated duration is zero without peers
     assert (pub.columns("span")["duration_ms"][3::5] < 1e-9).all(), "no comm phase"
