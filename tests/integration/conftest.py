@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -73,19 +74,30 @@ def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackSettings]:
-    env = stack_env(tmp_path_factory.mktemp("perfloop-home"))
-    up = perfloop_cli("up", "--detach", env=env)
+@contextlib.contextmanager
+def private_stack(home: Path, **env: str) -> Iterator[StackSettings]:
+    """`perfloop up --detach` on ``home`` and free ports (plus ``env``); on exit `down`, and
+    wait until every process of the stack (restarted ones included) has exited."""
+    full = stack_env(home) | env
+    up = perfloop_cli("up", "--detach", env=full)
     assert up.returncode == 0, f"perfloop up failed: {up.stdout}{up.stderr}"
-    settings = settings_for(env)
+    settings = settings_for(full)
     state = read_state(settings)
     assert state is not None
-    yield settings
-    down = perfloop_cli("down", env=env)
-    assert down.returncode == 0, down.stderr
-    pids = [state["supervisor_pid"]] + [s["pid"] for s in state["services"].values()]
-    wait_for(lambda: not any(pid_alive(p) for p in pids), 20, "the stack's processes to exit")
+    try:
+        yield settings
+    finally:
+        state = read_state(settings) or state
+        down = perfloop_cli("down", env=full)
+        assert down.returncode == 0, down.stderr
+        pids = [state["supervisor_pid"]] + [s["pid"] for s in state["services"].values()]
+        wait_for(lambda: not any(pid_alive(p) for p in pids), 30, "the stack's processes to exit")
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackSettings]:
+    with private_stack(tmp_path_factory.mktemp("perfloop-home")) as settings:
+        yield settings
 
 
 @pytest.fixture(scope="session")

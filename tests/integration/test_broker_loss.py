@@ -28,7 +28,7 @@ from perfloop.settings import ProducerSettings, StackSettings
 from perfloop.stack import read_state
 from perfloop.warehouse import client
 
-from .conftest import perfloop_cli, pid_alive, settings_for, stack_env, wait_for
+from .conftest import pid_alive, private_stack, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -37,17 +37,8 @@ BATCH = 100  # samples per batch, one batch every 50 ms
 
 @pytest.fixture(scope="module")
 def own_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackSettings]:
-    env = stack_env(tmp_path_factory.mktemp("perfloop-broker-loss"))
-    up = perfloop_cli("up", "--detach", env=env)
-    assert up.returncode == 0, f"perfloop up failed: {up.stdout}{up.stderr}"
-    settings = settings_for(env)
-    yield settings
-    state = read_state(settings)
-    down = perfloop_cli("down", env=env)
-    assert down.returncode == 0, down.stderr
-    if state:
-        pids = [state["supervisor_pid"]] + [s["pid"] for s in state["services"].values()]
-        wait_for(lambda: not any(pid_alive(p) for p in pids), 20, "the stack's processes to exit")
+    with private_stack(tmp_path_factory.mktemp("perfloop-broker-loss")) as settings:
+        yield settings
 
 
 class Ledger:

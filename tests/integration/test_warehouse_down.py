@@ -31,7 +31,7 @@ from perfloop.stack import read_state
 from perfloop.streams.sink import PREFETCH_KIB, rows_from_message
 from perfloop.warehouse import client
 
-from .conftest import perfloop_cli, pid_alive, settings_for, stack_env, wait_for
+from .conftest import pid_alive, private_stack, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -43,21 +43,12 @@ PERIOD_S = 0.1  # one message every PERIOD_S: 10,000 samples/s, 600,000 during t
 
 @pytest.fixture(scope="module")
 def down_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackSettings]:
-    env = stack_env(tmp_path_factory.mktemp("perfloop-warehouse-down"))
-    env.update(
+    with private_stack(
+        tmp_path_factory.mktemp("perfloop-warehouse-down"),
         PERFLOOP_RESTART_BACKOFF_S=str(OUTAGE_S),  # a killed warehouse is back after 60 s
         PERFLOOP_MAX_BATCH_ROWS=str(MAX_BATCH_ROWS),
-    )
-    up = perfloop_cli("up", "--detach", env=env)
-    assert up.returncode == 0, f"perfloop up failed: {up.stdout}{up.stderr}"
-    settings = settings_for(env)
-    yield settings
-    state = read_state(settings)
-    down = perfloop_cli("down", env=env)
-    assert down.returncode == 0, down.stderr
-    if state:
-        pids = [state["supervisor_pid"]] + [s["pid"] for s in state["services"].values()]
-        wait_for(lambda: not any(pid_alive(p) for p in pids), 30, "the stack's processes to exit")
+    ) as settings:
+        yield settings
 
 
 def _service(stack: StackSettings, name: str) -> dict[str, Any]:
