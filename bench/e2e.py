@@ -1,18 +1,19 @@
 """End-to-end benchmark on a private embedded stack: throughput, a naive baseline, loop latency.
 
-    python bench/e2e.py                 # 2M step + 1M GPU samples, 20k naive events, the loop
-    python bench/e2e.py --steps 200000 --gpu 100000 --naive 5000   # a quick run
+    python bench/e2e.py                 # 8 simulated jobs (~3.9M samples), 20k naive events, loop
+    python bench/e2e.py --jobs 2 --sim-s 200 --naive 5000 --skip-loop   # a quick run
 
 It brings up its own stack (a temporary ``PERFLOOP_HOME``, Kafka on 29092 and ClickHouse on
 28123, or ``PERFLOOP_BENCH_KAFKA_PORT`` / ``PERFLOOP_BENCH_CLICKHOUSE_PORT``) and takes it down
 at the end, also on error or SIGTERM. Three measurements, in this order:
 
-1. **Batched throughput.** Synthetic jobs (``--jobs`` × ``--nodes`` × ``--ranks``) publish
-   columnar step and GPU batches of ``--batch`` samples through the real `Publisher`, with
-   event times in the recent past, interleaved in event-time order. Reported: the producer's
-   rate (encoding included), the time until every row is in ``steps`` and ``gpu_samples``
-   (the end-to-end rate), and the ``windows`` rows the stream worker produced for those jobs
-   against the number expected from the data (and the samples they cover).
+1. **Batched throughput.** Simulated jobs (``--jobs`` × ``--nodes`` × ``--ranks``, scenario
+   ``--scenario``, ``--sim-s`` seconds each, generated beforehand with event times ending 30 s
+   ago) publish every message — GPU, host, step, span and collective batches and job events —
+   through the real `Publisher`, interleaved in event-time order. Reported: the producer's
+   rate, the time until every raw table holds every row and until the 1 s ``step_time_ms``
+   windows cover every step sample (the end-to-end rate), window and diagnosis rows, and the
+   stream tier's pure core (`StreamEngine`) in-process on the same messages.
 2. **Naive baseline.** One JSON message per step sample, consumed by a plain per-event Faust
    agent (`bench.naive_app`) that decodes each message and updates one dict. Reported: its
    events/s (publish start → last event handled) and the ratio batched / naive.

@@ -56,7 +56,14 @@ from perfloop.streams.rules import DataWaitRule
 from perfloop.streams.steps import StepAnalysis
 from perfloop.streams.windows import NS, WindowSet, parse_specs
 
-__all__ = ["SNAPSHOT_VERSION", "TELEMETRY_TOPICS", "Outputs", "StreamEngine"]
+__all__ = [
+    "DEFAULT_DERIVED",
+    "INPUT_TOPICS",
+    "SNAPSHOT_VERSION",
+    "TELEMETRY_TOPICS",
+    "Outputs",
+    "StreamEngine",
+]
 
 log = logging.getLogger("perfloop.streams")
 
