@@ -302,25 +302,26 @@ _NULLABLE_TYPES = frozenset({int, float, type(None)})
 _CONTROL = re.compile(r"[\x00-\x1f]")
 
 
-def _check_strings(kind: str, c: _Column, raw: list[Any]) -> np.ndarray:
-    if not all(type(v) is str for v in raw):
+def _check_strings(kind: str, c: _Column, raw: list[Any], types: set[type]) -> np.ndarray:
+    if types - {str}:
         bad = next(v for v in raw if type(v) is not str)
         i = raw.index(bad)
         raise SchemaError(f"{kind} batch: column {c.name!r} sample {i} = {bad!r} is not a string")
-    lengths = list(map(len, raw))
-    if lengths and max(lengths) > c.max_len:
-        i = int(np.argmax(lengths))
-        raise SchemaError(
-            f"{kind} batch: column {c.name!r} sample {i} is {lengths[i]} characters long; "
-            f"the limit is {c.max_len}"
-        )
-    if lengths and min(lengths) < c.min_len:
-        i = int(np.argmin(lengths))
-        raise SchemaError(f"{kind} batch: column {c.name!r} sample {i} is empty")
-    for i, v in enumerate(raw):
+    # String columns are low-cardinality (phase, span and op names): check each distinct value
+    # once, and look for the first sample holding a bad one only to name it.
+    for v in set(raw):
+        if len(v) > c.max_len:
+            i = raw.index(v)
+            raise SchemaError(
+                f"{kind} batch: column {c.name!r} sample {i} is {len(v)} characters long; "
+                f"the limit is {c.max_len}"
+            )
+        if len(v) < c.min_len:
+            raise SchemaError(f"{kind} batch: column {c.name!r} sample {raw.index(v)} is empty")
         if _CONTROL.search(v):
             raise SchemaError(
-                f"{kind} batch: column {c.name!r} sample {i} = {v[:64]!r} holds control characters"
+                f"{kind} batch: column {c.name!r} sample {raw.index(v)} = {v[:64]!r} "
+                "holds control characters"
             )
     arr = np.empty(len(raw), dtype=object)
     arr[:] = raw
@@ -339,7 +340,7 @@ def _check_column(kind: str, c: _Column, raw: Any, n: int) -> np.ndarray:
     if list in types or dict in types:
         raise SchemaError(f"{kind} batch: column {c.name!r} must be flat (one value per sample)")
     if c.dtype is str:
-        return _check_strings(kind, c, raw)
+        return _check_strings(kind, c, raw, types)
     if c.dtype is np.int64 and not types <= _INT_TYPES:
         bad = sorted(t.__name__ for t in types - _INT_TYPES)
         if types <= _FLOAT_TYPES:
