@@ -2,7 +2,9 @@
 
 A source is one kind of telemetry of one node of a job (job, node, kind): the kinds of a node
 come from different producers (the node sampler, the training processes) with their own
-publishing delays, so each has its own event-time watermark.
+publishing delays, so each has its own event-time watermark. It remembers the input (channel)
+its batches came by, whose state says whether its silence is real (`WindowSet.set_channel`),
+and a source whose time another component sets (`WindowSet.set_clock`) keeps that clock.
 
 A series is (job, node, rank, device, metric) and gets a small int id (``sid``), reused after
 its source is forgotten, so per-series arrays stay dense and bounded. Ids are looked up in
@@ -39,15 +41,18 @@ class Job:
 
 
 class Source:
-    """One (job, node, kind): event-time watermark, wall time last seen, batches not read."""
+    """One (job, node, kind): event-time watermark, wall time last seen, batches not read,
+    the channel it came by (None: unknown) and its set clock (-1: none, its time is its own)."""
 
-    __slots__ = ("idx", "job", "kind", "node", "raw", "seen", "wm")
+    __slots__ = ("channel", "clock", "idx", "job", "kind", "node", "raw", "seen", "wm")
 
     def __init__(self, idx: int, job: int, node: str, kind: str) -> None:
         self.idx, self.job, self.node, self.kind = idx, job, node, kind
         self.wm = -1
         self.seen = 0
         self.raw: list[Raw] = []  # batches waiting for a pane of theirs to close
+        self.channel: Any = None
+        self.clock = -1
 
     def state(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__slots__}
@@ -58,6 +63,7 @@ class Source:
     def from_state(cls, d: dict[str, Any]) -> Source:
         s = cls(d["idx"], d["job"], d["node"], d["kind"])
         s.wm, s.seen, s.raw = d["wm"], d["seen"], list(d["raw"])
+        s.channel, s.clock = d.get("channel"), d.get("clock", -1)
         return s
 
 

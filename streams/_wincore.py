@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Any
 
 import numpy as np
 
@@ -184,6 +185,7 @@ class WindowCore:
         self._pending: list[Chunk] = []
         self._spans: SpanRows | None = None
         self._next_forget = 0
+        self._channels: dict[Any, list[Any]] = {}  # input → [held, since, newest read, group]
         self._reset_caches()
         self.late_samples = 0
         """Samples dropped because their pane had already closed."""

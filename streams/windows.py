@@ -15,15 +15,36 @@ job (`WindowColumns`, the columns of the ``windows`` message): count, mean, min,
 p50/p95/p99 (each within ``alpha`` relative error of ``np.quantile(x, q, method="lower")``),
 rate (count / window size) and slope (least squares, units per second).
 
-Time: each source — one kind of telemetry of one node, (job, node, kind), as the kinds of a
+Time: each source — one kind of telemetry of one node of a job, (job, node, kind), as the kinds of a
 node come from different producers with their own delays; `add` feeds the node's ``derived``
-source — has an event-time watermark, the newest ``ts_ns`` it sent; a source that sends
-nothing moves on with the wall clock (``wall_ns``), so windows close on time with no new
-events. A job's watermark is the minimum over its sources active in the last
-``source_idle_s`` (a node whose clock lags, or a kind published later, delays the job's
-windows instead of making its own samples late). Panes up to the job's watermark minus
-``lateness_s`` close; a sample older than a closed pane is counted in `WindowSet.late_samples`
-and dropped (spans are stamped at their start, so the lateness should cover the longest span).
+source — has an event-time watermark, the newest ``ts_ns`` it sent. A job's watermark is the
+minimum over its sources active in the last ``source_idle_s`` of their *effective* times (a node
+whose clock lags, or a kind published later, delays the job's windows instead of making its own
+samples late). A source's effective time is its watermark moved on by how long it has been
+silent, and silence is only counted when it is real:
+
+* a source whose input (``channel``: the engine passes the topic partition) has been read to
+  its end (`set_channel` ``caught_up=True``; the default for a source of unknown channel) moves
+  on with the wall clock (``wall_ns``) from its last batch or from when its channel caught up,
+  whichever is later — so windows close on time, with no new events, when a job stops;
+* a source whose channel still has input to read (a backlog being drained, a restart) does not
+  move with the wall clock: it is silent only as far as the event time read on its channel (the
+  newest oldest-sample of its batches) has passed its watermark, less ``input_skew_s`` (how much
+  older than the batches read before it a batch may still be). Draining a backlog at any speed
+  therefore drops nothing as late;
+* a source whose time another component keeps (`set_clock`; the engine clocks the ``derived``
+  sources with the step analysis's progress) has that time.
+
+Sources not seen yet are covered too: a channel belongs to a ``group`` (the engine's topic), and
+while a group has channels with input left to read, a job with no source in that group yet
+(its first batch there may still be unread) is held at the event time read on them, less
+``input_skew_s``; while any channel has input left, a group of ``groups`` (the groups expected)
+that no channel was read from yet holds every job at the event time read on the channels
+that have input left, less ``input_skew_s`` (a backlog starts at the same time on every topic).
+
+Panes up to the job's watermark minus ``lateness_s`` close; a sample older than a closed pane is
+counted in `WindowSet.late_samples` and dropped (spans are stamped at their start, so the lateness
+should cover the longest span).
 Sources silent for ``forget_after_s`` are forgotten and their series ids reused, so finished
 jobs free their memory. `WindowSet.snapshot` / `WindowSet.restore` carry everything, open
 panes included, across a restart.
@@ -33,7 +54,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,7 +64,7 @@ from perfloop.schemas.codec import Batch
 from perfloop.streams._aggregates import Agg
 from perfloop.streams._extract import AVAILABLE, DEFAULT_METRICS
 from perfloop.streams._levels import Level
-from perfloop.streams._series import Registry
+from perfloop.streams._series import Job, Registry, Source
 from perfloop.streams._wincore import (
     COLUMNS,
     DEFAULT_SPECS,
@@ -111,6 +132,8 @@ class WindowSet(WindowCore):
         pane_s: float = 1.0,
         source_idle_s: float = 30.0,
         forget_after_s: float = 600.0,
+        input_skew_s: float = 2.0,
+        groups: Iterable[Hashable] = (),
         alpha: float = 0.01,
     ) -> None:
         if not (math.isfinite(pane_s) and pane_s > 0):
@@ -118,7 +141,11 @@ class WindowSet(WindowCore):
         for name, v in (("source_idle_s", source_idle_s), ("forget_after_s", forget_after_s)):
             if not (v > 0):
                 raise ConfigError(f"{name} must be > 0 seconds, got {v!r}")
+        if not (math.isfinite(input_skew_s) and input_skew_s >= 0):
+            raise ConfigError(f"input_skew_s must be >= 0 seconds, got {input_skew_s!r}")
         self._init_state(round(pane_s * NS), alpha)
+        self._skew_ns = round(input_skew_s * NS)
+        self._groups = tuple(groups)
         self._idle_ns = round(source_idle_s * NS)
         self._forget_ns = round(forget_after_s * NS)
         self._lateness_ns = self._lateness(lateness_s)
@@ -188,11 +215,12 @@ class WindowSet(WindowCore):
         )
 
     # -- input ----------------------------------------------------------------------------
-    def observe(self, batch: Batch, wall_ns: int) -> None:
+    def observe(self, batch: Batch, wall_ns: int, channel: Hashable | None = None) -> None:
         """Add a decoded telemetry batch (any kind; kinds with no metrics only move time).
 
-        Cheap: the batch's columns wait (by reference) until a pane of theirs closes; then
-        the due batches of every source are read at once.
+        ``channel`` names the input it came by (see `set_channel`). Cheap: the batch's columns
+        wait (by reference) until a pane of theirs closes; then the due batches of every source
+        are read at once.
         """
         cols = batch.columns
         ts = cols["ts_ns"]
@@ -202,6 +230,10 @@ class WindowSet(WindowCore):
         src = self._reg.source(batch.job_id, batch.node, batch.kind)
         src.wm = max(src.wm, tmax)
         src.seen = max(src.seen, int(wall_ns))
+        if channel is not None:
+            src.channel = channel
+            ch = self._channels.setdefault(channel, [0, int(wall_ns), -1, None])
+            ch[2] = max(ch[2], tmin)
         if not self._metrics.get(batch.kind):
             return
         cu = int(self._reg.job_cu[src.job])
@@ -245,25 +277,95 @@ class WindowSet(WindowCore):
         sample = (ts[keep], np.full(n, src.idx), rank[keep], dev[keep], np.repeat(mid, n), v[keep])
         self._push(sample)
 
-    # -- closing --------------------------------------------------------------------------
+    # -- time -----------------------------------------------------------------------------
+    def set_channel(
+        self, channel: Hashable, *, caught_up: bool, wall_ns: int, group: Hashable = None
+    ) -> None:
+        """Say whether ``channel`` (an input: the engine's topic partition, in ``group``, its
+        topic) has been read to its end. While it has not, its sources' silence is not counted
+        in wall time (see the module docstring); once it has, their silence counts from now."""
+        ch = self._channels.get(channel)
+        if ch is None:
+            self._channels[channel] = [int(not caught_up), int(wall_ns), -1, group]
+            return
+        ch[3] = group if group is not None else ch[3]
+        if caught_up and ch[0]:
+            ch[0], ch[1] = 0, int(wall_ns)
+        elif not caught_up:
+            ch[0] = 1
+
+    @property
+    def held_channels(self) -> list[Hashable]:
+        """The channels that have input left to read (their sources' silence is held)."""
+        return [k for k, ch in self._channels.items() if ch[0]]
+
+    def clock_source(self, job_id: str, node: str, kind: str, clock_ns: int, wall_ns: int) -> None:
+        """Make (job, node, kind) a source whose effective time its producer keeps (the engine
+        clocks the ``derived`` sources: no derived sample older than their clock will come),
+        starting at ``clock_ns``; it stays active while this is called."""
+        src = self._reg.source(job_id, node, kind)
+        src.clock = int(clock_ns) if src.clock < 0 else src.clock
+        src.seen = max(src.seen, int(wall_ns))
+
+    def set_clock(self, job_id: str, kind: str, clock_ns: int) -> None:
+        """Move on the clock of the job's clocked sources of ``kind`` (`clock_source`)."""
+        job = self._reg.jobs.get(job_id)
+        for src in job.sources if job is not None else ():
+            if src.kind == kind and src.clock >= 0:
+                src.clock = max(src.clock, int(clock_ns))
+
     def resume(self, wall_ns: int) -> None:
         """After a restart: the time the worker was down does not count as sources' silence
         (it would move their watermarks on and close panes before the backlog is read)."""
         for src in self._reg.sources.values():
             src.seen = max(src.seen, int(wall_ns))
+        for ch in self._channels.values():
+            ch[1] = max(ch[1], int(wall_ns))
 
-    def watermark_ns(self, job_id: str, wall_ns: int) -> int | None:
-        """The job's watermark at ``wall_ns`` (None for an unknown job)."""
+    def _effective(self, src: Source, wall_ns: int) -> tuple[int, bool]:
+        """A source's effective time at ``wall_ns`` and whether it is active."""
+        if src.clock >= 0:
+            return src.clock, wall_ns - src.seen <= self._idle_ns
+        ch = self._channels.get(src.channel) if src.channel is not None else None
+        if ch is not None and ch[0]:  # input left to read: silent only in event time
+            idle = max(0, ch[2] - self._skew_ns - src.wm)
+        else:
+            idle = max(0, wall_ns - max(src.seen, ch[1] if ch is not None else 0))
+        return src.wm + idle, idle <= self._idle_ns
+
+    def watermark_ns(self, job_id: str, wall_ns: int, *, derived: bool = True) -> int | None:
+        """The job's watermark at ``wall_ns`` (None for an unknown job); without ``derived``,
+        over its telemetry sources only (None if it has none)."""
         job = self._reg.jobs.get(job_id)
         if job is None:
             return None
         effective, active = [], []
         for src in job.sources:
-            idle = wall_ns - src.seen
-            effective.append(src.wm + max(0, idle))
-            if idle <= self._idle_ns:
-                active.append(effective[-1])
-        return min(active) if active else max(effective)
+            if not derived and src.kind == "derived":
+                continue
+            t, on = self._effective(src, wall_ns)
+            effective.append(t)
+            if on:
+                active.append(t)
+        if not effective:
+            return None
+        wm = min(active) if active else max(effective)
+        return self._unseen_bound(job, wm)
+
+    def _unseen_bound(self, job: Job, wm: int) -> int:
+        """``wm`` held back for the job's sources not seen yet (see the module docstring)."""
+        chans = self._channels
+        held = [ch for ch in chans.values() if ch[0] and ch[3] is not None and ch[2] >= 0]
+        if not held:
+            return wm
+        mine = {chans[s.channel][3] for s in job.sources if s.channel in chans}
+        bound = [ch[2] for ch in held if ch[3] not in mine]
+        known = {ch[3] for ch in chans.values()}
+        if any(g not in known for g in self._groups):  # not read from at all yet
+            bound.append(min(ch[2] for ch in held))
+        return min([wm, *(b - self._skew_ns for b in bound)])
+
+    # -- closing --------------------------------------------------------------------------
 
     def closed_until_ns(self, job_id: str) -> int | None:
         """Panes of the job that end at or before this time have closed."""
@@ -325,6 +427,8 @@ class WindowSet(WindowCore):
                 "metrics": {k: list(v) for k, v in self._metrics.items()},
                 "pane_ns": self._pane_ns,
                 "idle_ns": self._idle_ns,
+                "skew_ns": self._skew_ns,
+                "groups": list(self._groups),
                 "forget_ns": self._forget_ns,
                 "alpha": self._mapping.alpha,
             },
@@ -334,6 +438,7 @@ class WindowSet(WindowCore):
             "spans": None if self._spans is None else dict(self._spans),
             "late_samples": self.late_samples,
             "next_forget": self._next_forget,
+            "channels": {k: list(v) for k, v in self._channels.items()},
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -345,6 +450,8 @@ class WindowSet(WindowCore):
         cfg = state["config"]
         self._init_state(cfg["pane_ns"], cfg["alpha"])
         self._idle_ns, self._forget_ns = cfg["idle_ns"], cfg["forget_ns"]
+        self._skew_ns = cfg.get("skew_ns", 2 * NS)
+        self._groups = tuple(cfg.get("groups", ()))
         self._lateness_ns = cfg["lateness_ns"]
         self._metrics = {k: tuple(v) for k, v in cfg["metrics"].items()}
         self._reg = Registry.from_state(state["registry"])
@@ -360,3 +467,4 @@ class WindowSet(WindowCore):
         self._spans = None if state["spans"] is None else dict(state["spans"])
         self.late_samples = state["late_samples"]
         self._next_forget = state["next_forget"]
+        self._channels = {k: list(v) for k, v in state.get("channels", {}).items()}

@@ -175,6 +175,58 @@ def test_a_source_idle_past_source_idle_s_no_longer_holds_the_job_back() -> None
     assert ws.watermark_ns("nope", T0) is None
 
 
+# -- silence is real only on an input read to its end -------------------------------------------
+def test_a_source_whose_input_has_more_to_read_is_not_silent() -> None:
+    ws = only_step_time(specs="1", lateness_s=1)
+    ws.set_channel("p0", caught_up=False, wall_ns=T0)
+    ws.observe(steps([0.5, 4.5], [1.0, 2.0]), wall_ns=T0, channel="p0")
+    assert ws.held_channels == ["p0"]
+    assert ws.watermark_ns("j", T0 + 100 * NS) == T0 + int(4.5 * NS), "100 s of reading"
+    assert [r["ts_ns"] for r in rows(ws.advance(T0 + 100 * NS))] == [T0], "only [0, 1) closed"
+    ws.set_channel("p0", caught_up=True, wall_ns=T0 + 100 * NS)  # its silence counts from now
+    assert ws.watermark_ns("j", T0 + 102 * NS) == T0 + int(6.5 * NS)
+    assert [r["ts_ns"] for r in rows(ws.advance(T0 + 102 * NS))] == [T0 + 4 * NS]
+    assert ws.held_channels == [] and ws.late_samples == 0
+
+
+def test_an_input_read_past_a_source_makes_it_silent_in_event_time() -> None:
+    ws = only_step_time(specs="1", lateness_s=0, input_skew_s=2)
+    ws.set_channel("p0", caught_up=False, wall_ns=T0)
+    ws.observe(steps([0.5], [1.0]), wall_ns=T0, channel="p0")  # job j stops at 0.5 s
+    ws.observe(batch("step", job="k", ts_ns=[T0 + 9 * NS], rank=[0], step=[0], step_time_ms=[1.0]),
+               wall_ns=T0, channel="p0")  # fmt: skip
+    # k's data at 9 s is read on the same input: j's next batch cannot be older than 7 s
+    assert ws.watermark_ns("j", T0 + 50 * NS) == T0 + 7 * NS
+
+
+def test_a_job_waits_for_an_input_group_it_has_sent_nothing_on_yet() -> None:
+    ws = WindowSet("1", lateness_s=0, input_skew_s=1, groups=("gpu", "step"))
+    gpu = batch("gpu", ts_ns=[T0 + 30 * NS], rank=[0], device=[0], power_w=[300.0])
+    ws.set_channel(("gpu", 0), caught_up=False, wall_ns=T0, group="gpu")
+    ws.observe(gpu, wall_ns=T0, channel=("gpu", 0))
+    # nothing read on the step topic yet: the job's step batches may all be to come
+    assert ws.watermark_ns("j", T0) == T0 + 29 * NS
+    ws.set_channel(("step", 1), caught_up=False, wall_ns=T0, group="step")
+    ws.observe(batch("step", job="k", ts_ns=[T0 + 5 * NS], rank=[0], step=[0],
+                     step_time_ms=[1.0]), wall_ns=T0, channel=("step", 1))  # fmt: skip
+    assert ws.watermark_ns("j", T0) == T0 + 4 * NS, "the step input is read up to 5 s"
+    ws.set_channel(("step", 1), caught_up=True, wall_ns=T0, group="step")
+    assert ws.watermark_ns("j", T0) == T0 + 30 * NS
+
+
+def test_a_clocked_source_holds_its_job_at_its_clock() -> None:
+    ws = only_step_time(specs="1", lateness_s=0)
+    ws.observe(steps([0.5, 9.5], [1.0, 1.0]), wall_ns=T0 + 10 * NS)
+    ws.clock_source("j", "n0", "derived", T0 + 2 * NS, wall_ns=T0 + 10 * NS)
+    assert ws.watermark_ns("j", T0 + 10 * NS) == T0 + 2 * NS
+    assert ws.watermark_ns("j", T0 + 10 * NS, derived=False) == T0 + int(9.5 * NS)
+    ws.set_clock("j", "derived", T0 + 6 * NS)
+    ws.set_clock("j", "derived", T0 + 3 * NS)  # a clock never goes back
+    assert ws.watermark_ns("j", T0 + 10 * NS) == T0 + 6 * NS
+    ws.add("j", "n0", 0, -1, np.array([T0 + 6 * NS]), "idle_ms", np.array([1.0]), T0 + 10 * NS)
+    assert ws.late_samples == 0
+
+
 def test_empty_windows_are_not_emitted_and_rows_carry_their_series() -> None:
     ws = WindowSet("1,10", lateness_s=0, metrics={"gpu": "power_w,temp_c"})
     b = batch(
