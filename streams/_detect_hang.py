@@ -4,8 +4,8 @@ A job hangs when no step completes for ``max(floor_s, k × p99 step time)`` whil
 (the median SM utilisation of the samples since the last step is at least ``spin_util_pct``:
 ranks blocked in a collective keep an NCCL kernel resident), or for the longer
 ``max(slow_floor_s, slow_k × p99)`` without that evidence (a checkpoint or an evaluation
-pause idles every GPU; a job that sends nothing at all is judged by the wall clock less its
-usual transport lag). The p99 is over the job's recent complete steps, so the timeout adapts
+pause idles every GPU; a job that sends nothing at all is judged by its event-time clock,
+which then moves on with the receive clock less its usual transport lag, `JobState.now`). The p99 is over the job's recent complete steps, so the timeout adapts
 to each job. The culprit is the rank whose GPU idles (``idle_util_pct``) while the others spin,
 else the rank(s) whose progress stopped first; the diagnosis resolves when a step completes.
 """
@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 __all__ = ["hang_detector"]
 
 
-def hang_detector(job: JobState, cfg: DetectConfig, wall_ns: int) -> None:
-    """The watchdog: called every tick (it needs time to pass, not new data)."""
+def hang_detector(job: JobState, cfg: DetectConfig, now_ns: int) -> None:
+    """The watchdog: called every tick with the job's event-time clock (`JobState.now`): it
+    needs time to pass, not new data."""
     h = cfg.hang
     st = job.det.setdefault("hang", {"active": False, "at_ns": 0})
     if job.ended or not h.enabled:
@@ -39,8 +40,7 @@ def hang_detector(job: JobState, cfg: DetectConfig, wall_ns: int) -> None:
     if job.det.get("steps_seen", 0) < h.min_steps or p99 <= 0:
         _replace(job, "hang", {})
         return
-    now = max(job.watermark_ns, wall_ns - int(job.lag_ns))
-    gap_s = (now - job.last_step_ns) / NS
+    gap_s = (now_ns - job.last_step_ns) / NS
     dev = job.dev
     recent = dev["ts"] > job.last_step_ns
     util = dev["util"][recent]

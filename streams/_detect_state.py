@@ -182,9 +182,17 @@ class JobState:
         self.last_step_ns = 0
         self.lag_ns = -1.0
         self.last_wall_ns = 0
+        self.clock_ns = 0  # the job's event-time clock (`now`)
         self.ended = False
         self.findings: dict[str, Finding] = {}
         self.det: dict[str, Any] = {}  # detectors' own state (baselines, hysteresis)
+
+    def now(self, wall_ns: int) -> int:
+        """The job's event-time clock at receive time ``wall_ns`` (never going back): its newest
+        event time, moved on by the receive clock less the job's usual transport lag."""
+        lag = max(0, int(self.lag_ns))
+        self.clock_ns = max(self.clock_ns, self.watermark_ns, wall_ns - lag)
+        return self.clock_ns
 
     # -- shape -------------------------------------------------------------------------------
     @property
@@ -444,6 +452,7 @@ class JobState:
         "last_step_ns",
         "lag_ns",
         "last_wall_ns",
+        "clock_ns",
         "gpu_batches",
         "ended",
     )
@@ -470,7 +479,7 @@ class JobState:
     def from_state(cls, doc: dict[str, Any]) -> JobState:
         job = cls(doc["job_id"])
         for k in cls._SCALARS:
-            setattr(job, k, doc[k])
+            setattr(job, k, doc.get(k, getattr(job, k)))  # (clock_ns is newer than some snapshots)
         for k in cls._ARRAYS:
             setattr(job, k, {n: a.copy() for n, a in doc[k].items()})
         job.nodes = list(doc["nodes"])

@@ -16,11 +16,21 @@ costs at least ``funnel.min_step_share`` of the step, or threatens the job itsel
 never are. A new symptom whose cause is still pending (a throttle episode not yet long enough)
 is held up to ``funnel.hold_s``, so it opens already explained.
 
-Each condition becomes one diagnosis with a stable ``diagnosis_id``: "open" when first held
-(``ts_ns`` = the tick's wall time, ``onset_ns`` = estimated event-time start), "update" at most
-every ``funnel.update_s`` (and at once when ``explained_by`` or ``critical_path`` changes),
-"resolved" when it clears or the job ends. `actionable` picks what may lead to a
-recommendation: open or updated, root, on the critical path.
+Each condition becomes one diagnosis with a stable ``diagnosis_id``: "open" when first held,
+"update" at most every ``funnel.update_s`` (and at once when ``explained_by`` or
+``critical_path`` changes), "resolved" when it clears or the job ends. `actionable` picks what
+may lead to a recommendation: open or updated, root, on the critical path.
+
+Time: every duration the funnel measures (holds, update cadence, hang stalls) and every
+diagnosis's ``ts_ns`` is in the job's **event time**: its clock is the newest event time of its
+telemetry, moved on by the receive clock (``wall_ns``) less the job's usual transport lag while
+nothing arrives (`JobState.now`); ``onset_ns`` is the estimated event-time start. So
+``ts_ns - onset_ns`` is the detection latency in event time, and the same messages give the
+same diagnoses however fast they are read, as long as the receive clock the funnel is given
+follows them (the stream engine gives each job its event time, see
+`perfloop.streams.engine`). Only "the job went quiet" (``funnel.idle_job_s``) and forgetting
+ended jobs are measured on the receive clock itself. ``tick(wall_ns, jobs)`` evaluates only the
+named jobs (the engine ticks each job at its own event time).
 
 Settings are `DetectConfig` fields, changed live with ``configure("detect.<detector>.<param>",
 value)``.
@@ -197,18 +207,23 @@ class Funnel:
         )
 
     # -- detection ---------------------------------------------------------------------------
-    def tick(self, wall_ns: int) -> list[Diagnosis]:
-        """Run the detectors and return the diagnoses that opened, updated or resolved."""
+    def tick(self, wall_ns: int, jobs: Iterable[str] | None = None) -> list[Diagnosis]:
+        """Run the detectors and return the diagnoses that opened, updated or resolved.
+
+        ``jobs``: only these jobs are evaluated; None: every job.
+        """
         out: list[Diagnosis] = []
         idle_ns = int(self.config.funnel.idle_job_s * NS)
-        for job_id in list(self._jobs):
+        names = list(self._jobs) if jobs is None else [j for j in jobs if j in self._jobs]
+        for job_id in names:
             job = self._jobs[job_id]
             ended = job.ended or (job.last_wall_ns and wall_ns - job.last_wall_ns > idle_ns)
+            now = job.now(wall_ns)
             if not ended:
                 step_detectors(job, self.config)
                 device_detectors(job, self.config)
-            hang_detector(job, self.config, wall_ns)
-            out.extend(self._reconcile(job, wall_ns, final=bool(ended)))
+            hang_detector(job, self.config, now)
+            out.extend(self._reconcile(job, now, final=bool(ended)))
             if ended:
                 del self._jobs[job_id]
                 self._open.pop(job_id, None)
@@ -230,7 +245,7 @@ class Funnel:
                 best, best_level = c.bottleneck, level
         return best
 
-    def _reconcile(self, job: JobState, wall_ns: int, *, final: bool) -> list[Diagnosis]:
+    def _reconcile(self, job: JobState, now_ns: int, *, final: bool) -> list[Diagnosis]:
         cfg = self.config.funnel
         opened = self._open.setdefault(job.job_id, {})
         held = self._held.setdefault(job.job_id, {})
@@ -242,8 +257,8 @@ class Funnel:
             cause = self._cause(f, active)
             rec = opened.get(f.key)
             if rec is None and not cause and self._waits_for_cause(f, pending):
-                first = held.setdefault(f.key, wall_ns)
-                if wall_ns - first < cfg.hold_s * NS:
+                first = held.setdefault(f.key, now_ns)
+                if now_ns - first < cfg.hold_s * NS:
                     continue
             held.pop(f.key, None)
             level = BOTTLENECKS[f.bottleneck]
@@ -254,8 +269,8 @@ class Funnel:
                 and (loop == "product" or f.step_share >= cfg.min_step_share)
             )
             if rec is None:
-                rec = opened[f.key] = _Open(_diag_id(job.job_id, f), cause, critical, wall_ns, f)
-                out.append(self._diagnosis(job, f, rec, "open", wall_ns))
+                rec = opened[f.key] = _Open(_diag_id(job.job_id, f), cause, critical, now_ns, f)
+                out.append(self._diagnosis(job, f, rec, "open", now_ns))
                 continue
             rec.finding = f
             if final:  # the job ended: everything resolves below, no last updates
@@ -263,14 +278,14 @@ class Funnel:
             if (
                 cause != rec.explained_by
                 or critical != rec.critical
-                or wall_ns - rec.last_emit_ns >= cfg.update_s * NS
+                or now_ns - rec.last_emit_ns >= cfg.update_s * NS
             ):
-                rec.explained_by, rec.critical, rec.last_emit_ns = cause, critical, wall_ns
-                out.append(self._diagnosis(job, f, rec, "update", wall_ns))
+                rec.explained_by, rec.critical, rec.last_emit_ns = cause, critical, now_ns
+                out.append(self._diagnosis(job, f, rec, "update", now_ns))
         live = set() if final else {f.key for f in active}
         for key in [k for k in opened if k not in live]:
             rec = opened.pop(key)
-            out.append(self._diagnosis(job, rec.finding, rec, "resolved", wall_ns))
+            out.append(self._diagnosis(job, rec.finding, rec, "resolved", now_ns))
         for key in [k for k in held if k not in live]:
             del held[key]
         return out
@@ -285,11 +300,11 @@ class Funnel:
         return False
 
     def _diagnosis(
-        self, job: JobState, f: Finding, rec: _Open, state: str, wall_ns: int
+        self, job: JobState, f: Finding, rec: _Open, state: str, now_ns: int
     ) -> Diagnosis:
         node = f.nodes[0] if f.nodes else (job.nodes[0] if job.nodes else "unknown")
         return Diagnosis(
-            ts_ns=wall_ns,
+            ts_ns=now_ns,
             job_id=job.job_id,
             node=node,
             rank=f.rank,

@@ -40,6 +40,7 @@ offset and length of each phase within a step (jobs with spans).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -190,11 +191,15 @@ class PhaseMachine:
         elif event.state == "started" and job is not None and job.ended_wall:
             del self._jobs[event.job_id]  # the job runs again: start afresh
 
-    def tick(self, wall_ns: int) -> list[PhaseChange]:
-        """Apply what was observed; return the phase changes that became due."""
+    def tick(self, wall_ns: int, jobs: Iterable[str] | None = None) -> list[PhaseChange]:
+        """Apply what was observed; return the phase changes that became due.
+
+        ``jobs``: only these jobs are evaluated (the engine ticks each job at its own event
+        time); None: every job.
+        """
         self._apply()
         p = self._param
-        for job_id in list(self._jobs):
+        for job_id in list(self._jobs) if jobs is None else [j for j in jobs if j in self._jobs]:
             job = self._jobs[job_id]
             if job.dirty or wall_ns - job.eval_wall >= _IDLE_EVAL_NS:
                 self._label(job)

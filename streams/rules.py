@@ -5,7 +5,8 @@ updated) with ``critical_path`` set and no higher-level cause (``explained_by`` 
 data-wait share in its evidence passes the threshold, it emits one `Recommendation` per job
 and cooldown: more loader workers, as many as the data-pipeline model says hide the loading
 behind compute. Every other bottleneck is reported by its diagnosis alone until the
-optimization tier adds its own rules.
+optimization tier adds its own rules. The cooldown is measured in the diagnoses' event time
+(their ``ts_ns``), so a backlog read fast is answered as the same data read live.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class DataWaitRule:
     ...               critical_path=True, ranks=[0, 1], evidence={"data_wait_share": 0.5})
     >>> [(r.knob, r.from_value, r.to_value) for r in rule.evaluate([d], now_ns=10 * NS)]
     [('dataloader.num_workers', 2, 5)]
-    >>> rule.evaluate([d], now_ns=11 * NS)  # within the cooldown
+    >>> rule.evaluate([d.model_copy(update={"ts_ns": 11 * NS})])  # within the cooldown
     []
     """
 
@@ -49,21 +50,26 @@ class DataWaitRule:
     def observe_workers(self, job_id: str, num_workers: int) -> None:
         self._workers[job_id] = num_workers
 
-    def evaluate(self, diagnoses: Iterable[Diagnosis], *, now_ns: int) -> list[Recommendation]:
+    def evaluate(
+        self, diagnoses: Iterable[Diagnosis], *, now_ns: int | None = None
+    ) -> list[Recommendation]:
+        """Recommendations for these diagnoses; the cooldown runs on ``now_ns``, by default
+        each diagnosis's own ``ts_ns`` (event time)."""
         recs = []
         for d in actionable(diagnoses):
             if d.bottleneck != "dataloader_starvation":
                 continue
             share = float(d.evidence.get("data_wait_share", d.step_share))
             last = self._last_emit.get(d.job_id)
-            if share < self.threshold or (last is not None and now_ns - last < self.cooldown_ns):
+            now = d.ts_ns if now_ns is None else now_ns
+            if share < self.threshold or (last is not None and now - last < self.cooldown_ns):
                 continue
             current = self._workers.get(d.job_id, 0)
             target = loader_workers_needed(min(share, 0.95), current, max_workers=self.max_workers)
             if target <= current:
                 continue
             gain = expected_step_gain(share, current, target)
-            self._last_emit[d.job_id] = now_ns
+            self._last_emit[d.job_id] = now
             where = f"{len(d.ranks)} ranks" if d.ranks else "the job"
             recs.append(
                 Recommendation(

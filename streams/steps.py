@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -93,6 +94,7 @@ _COLUMNS = {
 }
 _KINDS = frozenset(_COLUMNS)
 _ENDED = frozenset({"finished", "failed", "killed"})
+_NO_METRICS = metric_columns([])
 
 _PARAMS: dict[str, tuple[type, float, float]] = {
     "settle_s": (float, 0.0, 3600.0),
@@ -235,10 +237,14 @@ class StepAnalysis:
             if job is not None:
                 job.ended_wall = max(wall_ns, 1)
 
-    def tick(self, wall_ns: int) -> dict[str, np.ndarray]:
-        """Apply what was observed, complete due steps; return their metrics (`METRIC_COLUMNS`)."""
+    def tick(self, wall_ns: int, jobs: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """Apply what was observed, complete due steps; return their metrics (`METRIC_COLUMNS`).
+
+        ``jobs``: only these jobs' steps are completed (the engine ticks each job at its own
+        event time); None: every job's.
+        """
         self._apply()
-        for job_id in list(self._jobs):
+        for job_id in list(self._jobs) if jobs is None else [j for j in jobs if j in self._jobs]:
             job = self._jobs[job_id]
             self._complete_due(job, wall_ns)
             idle = wall_ns - job.last_wall > self.forget_s * NS
@@ -246,7 +252,7 @@ class StepAnalysis:
             if (idle or ended) and not (job.slot_step[~job.slot_done] >= 0).any():
                 del self._jobs[job_id]
         done, self._done = self._done, []
-        return metric_columns(done)
+        return metric_columns(done) if done else _NO_METRICS
 
     def configure(self, key: str, value: Any) -> tuple[Any, Any]:
         """Change one parameter live (``steps.<name>``); return ``(old, new)``."""
@@ -317,6 +323,20 @@ class StepAnalysis:
         self.dropped_steps = state["dropped_steps"]
 
     # -- queries -----------------------------------------------------------------------------
+    def open_since(self, job_id: str) -> int | None:
+        """The oldest end (event time) of a step event the job's open steps hold; None when
+        they hold none. `tick` will return no metric of theirs older than that (a metric's
+        time is its step event's)."""
+        self._apply()
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        open_ = (job.slot_step >= 0) & ~job.slot_done
+        if not open_.any():
+            return None
+        has = (job.flags[open_] & _STEP) != 0
+        return int(job.end_ns[open_][has].min()) if has.any() else None
+
     def recent(self, job_id: str) -> list[StepRecord]:
         """The job's most recently completed steps, oldest first."""
         job = self._jobs.get(job_id)
