@@ -5,6 +5,13 @@ into the columns of its table; `rows_from_dead_letter` turns a message of ``perf
 into a ``dead_letters`` row. Both raise `SchemaError` with a one-line reason for bad input,
 and never anything else for any bytes.
 
+The high-rate messages — telemetry batches and windows — become an Arrow record batch
+(`pyarrow.RecordBatch`: numpy columns without copies, time as ``timestamp[ns, UTC]``, a
+message's constant strings as one-entry dictionaries), inserted as ``FORMAT Arrow``, so no
+per-sample Python object is made on their way to the warehouse. The rare ones — events and
+dead letters — stay Python lists (`Rows`), whose maps and nullable fields the client types by
+the table. Every table gets its parts from one of the two.
+
 Windows messages (``perfloop.windows``) are the v2 columnar format only (``{"kind":
 "windows", "v": 2, "columns": {...}}``, `WINDOW_COLUMNS`); anything else on that topic is
 rejected with the reason.
@@ -20,6 +27,8 @@ from typing import Any
 
 import numpy as np
 import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from perfloop.catalog import DEAD_LETTER_PAYLOAD_BYTES, KIND_TABLES, KIND_TOPICS, TABLES, Topics
 from perfloop.kafka import _reason_class
@@ -28,6 +37,7 @@ from perfloop.schemas.base import JOB_ID_PATTERN
 
 __all__ = [
     "WINDOW_COLUMNS",
+    "Part",
     "Rows",
     "message_id",
     "rows_from_dead_letter",
@@ -35,6 +45,8 @@ __all__ = [
 ]
 
 Rows = dict[str, list[Any]]
+Part = Rows | pa.RecordBatch
+"""What one message adds to its table: Arrow columns (batches, windows) or lists (events)."""
 
 WINDOW_COLUMNS: dict[str, str] = {
     "ts_ns": "int",
@@ -78,29 +90,48 @@ def _str(v: Any) -> str:
     return "" if v is None else str(v)
 
 
+def part_rows(part: Part) -> int:
+    """The number of rows of a part."""
+    return part.num_rows if isinstance(part, pa.RecordBatch) else len(part["ts"])
+
+
+_TS = pa.timestamp("ns", tz="UTC")
+
+
+def _time(ns: np.ndarray) -> pa.Array:
+    return pa.array(ns, type=pa.int64()).cast(_TS)
+
+
+def _repeat(value: str, n: int) -> pa.DictionaryArray:
+    """``value`` ``n`` times, as a one-entry dictionary (no string is copied per row)."""
+    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([value]))
+
+
 # -- telemetry batches ---------------------------------------------------------------------
 
 
-def _telemetry(data: bytes, topic: str) -> tuple[str, Rows, str]:
+def _telemetry(data: bytes, topic: str) -> tuple[str, pa.RecordBatch, str]:
     batch = decode_batch(data)
     table = KIND_TABLES[batch.kind]
     if table not in TABLES[topic]:
         raise SchemaError(f"a {table} batch does not belong on {topic}")
     n = len(batch)
-    cols: Rows = {
-        "ts": batch.columns["ts_ns"].tolist(),
-        "event_id": batch.event_ids(),
-        "job_id": [batch.job_id] * n,
-        "node": [batch.node] * n,
+    seq = pc.cast(pa.array(np.arange(n, dtype=np.int64)), pa.string())
+    cols: dict[str, pa.Array] = {
+        "ts": _time(batch.columns["ts_ns"]),
+        # the ids `Batch.event_ids` names: "<batch id>-<index>"
+        "event_id": pc.binary_join_element_wise(f"{batch.batch_id}-", seq, ""),
+        "job_id": _repeat(batch.job_id, n),
+        "node": _repeat(batch.node, n),
     }
     for name, arr in batch.columns.items():
         if name == "ts_ns":
             continue
-        values = arr.tolist()
-        if name in _NULLABLE:  # NaN stands for "not reported": store NULL
-            values = [None if v != v else v for v in values]
-        cols[name] = values
-    return table, cols, batch.batch_id
+        if arr.dtype == object:
+            cols[name] = pa.array(arr, type=pa.string())
+        else:  # NaN in a nullable column stands for "not reported": store NULL
+            cols[name] = pa.array(arr, from_pandas=name in _NULLABLE)
+    return table, pa.RecordBatch.from_pydict(cols), batch.batch_id
 
 
 # -- windows v2 ----------------------------------------------------------------------------
@@ -164,7 +195,7 @@ def _check_windows(c: dict[str, np.ndarray]) -> None:
                 raise _bad(f"job_id {v[:64]!r} must be 1-128 characters of [A-Za-z0-9._:/@+-]")
 
 
-def _windows(data: bytes) -> tuple[str, Rows, str]:
+def _windows(data: bytes) -> tuple[str, pa.RecordBatch, str]:
     if len(data) > _MAX_WINDOWS_BYTES:
         raise _bad(f"{len(data)} bytes exceed the {_MAX_WINDOWS_BYTES}-byte limit")
     try:
@@ -194,10 +225,15 @@ def _windows(data: bytes) -> tuple[str, Rows, str]:
     arrays = {k: _window_column(k, kind, cols[k], n) for k, kind in WINDOW_COLUMNS.items()}
     _check_windows(arrays)
     msg = message_id(data)
-    rows: Rows = {"event_id": [msg] * n}
+    cols: dict[str, pa.Array] = {"event_id": _repeat(msg, n)}
     for k, arr in arrays.items():
-        rows[_WINDOW_RENAMES.get(k, k)] = arr.tolist()
-    return "windows", rows, msg
+        if k.endswith("_ns"):
+            cols[_WINDOW_RENAMES[k]] = _time(arr)
+        elif arr.dtype == object:
+            cols[k] = pa.array(arr, type=pa.string())
+        else:
+            cols[k] = pa.array(arr)
+    return "windows", pa.RecordBatch.from_pydict(cols), msg
 
 
 # -- events --------------------------------------------------------------------------------
@@ -263,7 +299,7 @@ def _event(data: bytes, topic: str) -> tuple[str, Rows, str]:
     return KIND_TABLES[ev.KIND], {k: [v] for k, v in row.items()}, ev.event_id
 
 
-def rows_from_message(topic: str, data: bytes) -> tuple[str, Rows, str]:
+def rows_from_message(topic: str, data: bytes) -> tuple[str, Part, str]:
     """The table, its columns and the message's dedup id for one message of ``topic``.
 
     Raise `SchemaError` if the message is bad or does not belong on ``topic``. The dedup id

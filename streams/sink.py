@@ -1,21 +1,26 @@
 """The warehouse sink: every topic in `TABLES`, batched into its table, at least once.
 
-Rows accumulate in memory per table and are inserted column by column every
-``flush_interval_s`` (thousands of rows per insert under load), or at once when
-``max_batch_rows`` rows or ``max_batch_bytes`` message bytes are waiting. Each insert carries
-a deduplication token built from the ids of the messages it holds (batch, event or content
-ids), so a retried insert lands once; offsets are committed only after every insert they
-cover succeeded, and after the dead letters produced for them were delivered.
+Rows accumulate in memory per table (`perfloop.streams._sink_rows`: Arrow columns for
+telemetry and windows, lists for events) and are inserted every ``flush_interval_s``
+(thousands of rows per insert under load), or at once when half of ``max_batch_rows`` rows or
+of ``max_batch_bytes`` message bytes are waiting. Inserts run in a thread of their own while
+the next batch is read and decoded (one round of inserts — a *flight* — in the air at a time,
+so batches land in the order they were read). Each insert carries a deduplication token built
+from the ids of the messages it holds (batch, event or content ids), so a retried insert lands
+once; offsets are committed only after every insert they cover succeeded, and after the dead
+letters produced for them were delivered.
 
 When the warehouse is down (unreachable, or answering with a transient error) the sink pauses
 consumption of every assigned partition and retries the same inserts with backoff
 (``RETRY_FIRST_S`` doubling to ``RETRY_MAX_S``); once they land it commits and resumes.
 Nothing is lost, and memory stays bounded, during the outage and while the backlog drains
 after it: while paused nothing is read, and otherwise the sink stops taking messages as soon
-as the batch is full, inserts it, and reads the rest again (it seeks back to them). So the
-rows held stay under ``max_batch_rows`` plus one message, and the message bytes under
-``max_batch_bytes`` plus one message (at most 4 MiB); librdkafka's prefetch adds at most
-``PREFETCH_KIB`` KiB (plus one fetch).
+as the batch being filled is full, waits for the flight in the air, launches the batch, and
+only then takes the rest of what it had read. So the rows held — the batch in the air and the
+one being filled — stay under ``max_batch_rows`` plus two messages, and the message bytes
+under ``max_batch_bytes`` plus two messages (at most 4 MiB each); the messages read and not
+yet taken, and librdkafka's prefetch, add at most twice ``PREFETCH_KIB`` KiB (plus one
+fetch).
 
 Bad input never stops the sink. A message that does not decode goes to ``perfloop.dlq`` with
 the reason and the source in its headers and is committed past. A batch the warehouse refuses
@@ -27,21 +32,18 @@ dropped, never dead-lettered again.
 A message that arrives twice (a producer resending what a restarted broker lost) carries the
 same id; the sink remembers the last ``dedup_window_messages`` ids and drops a repeat. The
 memory is per sink process: after a sink restart, a repeat can land once more, and so can the
-rows read since the last commit (at most about one flush interval of data).
+rows read since the last commit (at most about two flush intervals of data).
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import logging
 import struct
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import pyarrow as pa
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError, OperationalError
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
@@ -51,7 +53,8 @@ from perfloop.exceptions import PerfloopError
 from perfloop.kafka import consumer, dlq_headers, producer
 from perfloop.schemas import SchemaError
 from perfloop.settings import SinkSettings
-from perfloop.streams._sink_rows import Rows, rows_from_dead_letter, rows_from_message
+from perfloop.streams._sink_batch import Flight, Pending, RecentIds, Source, libc_trim
+from perfloop.streams._sink_rows import part_rows, rows_from_dead_letter, rows_from_message
 from perfloop.warehouse import client
 
 __all__ = ["Sink", "SinkStats", "rows_from_dead_letter", "rows_from_message"]
@@ -63,10 +66,10 @@ CONSUME_MESSAGES = 500
 PREFETCH_KIB = 4 << 10
 """librdkafka's bound on prefetched messages (``queued.max.messages.kbytes``)."""
 MAX_BATCH_BYTES = 64 << 20
-"""Default bound on the message bytes waiting for an insert."""
+"""Default bound on the message bytes held (the batch in the air and the one being filled)."""
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 5.0
-STATS_EVERY_S = 30.0
+STATS_EVERY_S = 10.0
 
 # ClickHouse error codes that say "not now" rather than "not this data": the insert is
 # retried. Unknown table/database/column means the warehouse is not migrated yet: retried too.
@@ -74,7 +77,7 @@ _TRANSIENT_CODES = frozenset(
     {3, 16, 47, 60, 81, 159, 164, 202, 203, 209, 210, 236, 241, 242, 252, 319, 394, 425, 999}
 )
 # Raised by the client while encoding rows it cannot send (besides its DataError).
-_ENCODING_ERRORS = (TypeError, ValueError, OverflowError, struct.error)
+_ENCODING_ERRORS = (TypeError, ValueError, OverflowError, struct.error, pa.ArrowException)
 
 
 class _Rejected(Exception):
@@ -99,84 +102,15 @@ class SinkStats:
     pauses: int = 0
     paused_s: float = 0.0
     failed_inserts: int = 0
-    max_pending_rows: int = 0
+    max_pending_rows: int = 0  # rows held: the batch in the air and the one being filled
     max_pending_bytes: int = 0
-
-
-@dataclass
-class _Source:
-    """Where one message's rows sit in a pending batch, and the message (to dead-letter it)."""
-
-    start: int
-    stop: int
-    message_id: str
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes
-
-
-@dataclass
-class _Pending:
-    """Rows waiting for one table's next insert, and the messages they came from."""
-
-    columns: Rows = field(default_factory=dict)
-    rows: int = 0
-    bytes: int = 0
-    sources: list[_Source] = field(default_factory=list)
-
-    def extend(self, cols: Rows, source: _Source) -> None:
-        # Every builder of one table yields the same columns (defaults are filled at decode).
-        n = len(cols["ts"])
-        for k, v in cols.items():
-            self.columns.setdefault(k, []).extend(v)
-        source.start, source.stop = self.rows, self.rows + n
-        self.rows += n
-        self.bytes += len(source.value)
-        self.sources.append(source)
-
-    def token(self, table: str) -> str:
-        """The insert's deduplication token: a hash of the messages it holds, by their own ids.
-
-        Offsets would not do: a broker that restarts empty numbers its log from 0 again, so a
-        new insert could repeat an old token and be dropped by the warehouse as a retry.
-        """
-        ids = sorted(s.message_id for s in self.sources)
-        return hashlib.sha256("\n".join([table, *ids]).encode()).hexdigest()[:32]
-
-    def only(self, source: _Source) -> _Pending:
-        """The rows of one message, as a batch of their own."""
-        one = _Pending()
-        one.extend({k: v[source.start : source.stop] for k, v in self.columns.items()}, source)
-        return one
-
-
-class _RecentIds:
-    """The ids of the last ``capacity`` messages taken, to drop a message sent twice."""
-
-    def __init__(self, capacity: int) -> None:
-        self._ids: OrderedDict[str, None] = OrderedDict()
-        self._capacity = capacity
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._ids
-
-    def add(self, key: str) -> None:
-        self._ids[key] = None
-        if len(self._ids) > self._capacity:
-            self._ids.popitem(last=False)
-
-    def discard(self, key: str) -> None:
-        self._ids.pop(key, None)
-
-
-def _libc_trim() -> Callable[[], object] | None:
-    """glibc's ``malloc_trim(0)``, where there is one."""
-    try:
-        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return None
+    # where the time goes (seconds): waiting for messages, decoding them, inserting (in the
+    # insert thread, alongside the others), waiting for a flight to land, committing
+    read_s: float = 0.0
+    decode_s: float = 0.0
+    insert_s: float = 0.0
+    wait_s: float = 0.0
+    commit_s: float = 0.0
 
 
 def _first_line(e: BaseException) -> str:
@@ -189,6 +123,8 @@ class Sink:
 
     ``consumer_``, ``dlq_producer`` and ``warehouse`` replace the clients built from
     ``settings`` (tests and embedding); the sink closes whatever it holds when ``run`` ends.
+    The warehouse client is used by one thread at a time: the insert thread while a flight is
+    in the air, the reading thread otherwise.
 
     >>> from perfloop.settings import SinkSettings
     >>> sink = Sink(SinkSettings())  # doctest: +SKIP
@@ -219,15 +155,18 @@ class Sink:
         )
         self._dlq = dlq_producer or producer(settings)
         self._ch = warehouse or client(settings)
-        self._pending: dict[str, _Pending] = {}
-        self._offsets: dict[tuple[str, int], int] = {}
-        self._seen = _RecentIds(settings.dedup_window_messages)
+        self._pending: dict[str, Pending] = {}  # the batch being filled, by table
+        self._offsets: dict[tuple[str, int], int] = {}  # ... and the offsets it completes
+        self._flight: Flight | None = None  # the batch in the air (or failed, while paused)
+        self._uncommitted: dict[tuple[str, int], int] = {}  # landed, commit still to do
+        self._carry: list[Message] = []  # read after the batch was full: taken next
+        self._seen = RecentIds(settings.dedup_window_messages)
         self._paused_since: float | None = None
         self._retry_at = 0.0
         self._retry_s = RETRY_FIRST_S
         self._next_flush = 0.0
         self._stats_at = 0.0
-        self._trim = _libc_trim()
+        self._trim = libc_trim()
         self._trimmed_at = 0.0
 
     @property
@@ -237,11 +176,14 @@ class Sink:
 
     @property
     def pending_rows(self) -> int:
-        return sum(p.rows for p in self._pending.values())
+        """Rows held: the batch being filled and the one in the air."""
+        flying = self._flight.rows if self._flight is not None else 0
+        return flying + sum(p.rows for p in self._pending.values())
 
     @property
     def pending_bytes(self) -> int:
-        return sum(p.bytes for p in self._pending.values())
+        flying = self._flight.bytes if self._flight is not None else 0
+        return flying + sum(p.bytes for p in self._pending.values())
 
     # -- service ---------------------------------------------------------------------------
 
@@ -277,23 +219,18 @@ class Sink:
             for msg in self._consumer.consume(1, min(0.2, self._until(now))):
                 self._take(msg)
             if time.monotonic() >= self._retry_at:
-                self._flush()
+                self._retry()
         else:
-            timeout = max(0.01, min(0.2, self._next_flush - now))
-            msgs = self._consumer.consume(CONSUME_MESSAGES, timeout)
-            for i, msg in enumerate(msgs):
-                if self._full():  # the rest is read again after the insert
-                    self._rewind(msgs[i:])
-                    break
-                self._take(msg)
-            rows, size = self.pending_rows, self.pending_bytes
-            self.stats.max_pending_rows = max(self.stats.max_pending_rows, rows)
-            self.stats.max_pending_bytes = max(self.stats.max_pending_bytes, size)
+            self._read(now)
+            self._land(wait=False)
             now = time.monotonic()
-            full = rows >= self.settings.max_batch_rows or size >= self.max_batch_bytes
-            if full or (now >= self._next_flush and (rows or self._offsets)):
-                self._flush()
-                self._next_flush = time.monotonic() + self.settings.flush_interval_s
+            full = self._full()
+            if full or (now >= self._next_flush and (self._pending or self._offsets)):
+                if full or self._flight is None:  # a full batch waits for the one in the air
+                    self._land(wait=True)
+                if self._flight is None and not self.paused:
+                    self._launch()
+                    self._next_flush = time.monotonic() + self.settings.flush_interval_s
             elif now >= self._next_flush:
                 self._next_flush = now + self.settings.flush_interval_s
         if time.monotonic() >= self._stats_at:
@@ -303,22 +240,32 @@ class Sink:
         return max(0.01, self._retry_at - now)
 
     def _full(self) -> bool:
+        """The batch being filled holds half the rows or bytes the sink may hold."""
         return (
-            self.pending_rows >= self.settings.max_batch_rows
-            or self.pending_bytes >= self.max_batch_bytes
+            sum(p.rows for p in self._pending.values()) >= self.settings.max_batch_rows / 2
+            or sum(p.bytes for p in self._pending.values()) >= self.max_batch_bytes / 2
         )
 
-    def _rewind(self, untaken: list[Message]) -> None:
-        """Seek each partition back to its first message not taken (it is read again)."""
-        first: dict[tuple[str, int], int] = {}
-        for msg in untaken:
-            if not msg.error():
-                key = (msg.topic(), msg.partition())
-                first[key] = min(first.get(key, msg.offset()), msg.offset())
-        for (topic, part), off in first.items():
-            self._consumer.seek(TopicPartition(topic, part, off))
-
     # -- reading ---------------------------------------------------------------------------
+
+    def _read(self, now: float) -> None:
+        timeout = max(0.01, min(0.2, self._next_flush - now))
+        # What is there now, else wait for the first message only: `consume` waits its whole
+        # timeout for a full count, which throttled the sink to one prefetch per timeout.
+        msgs = self._carry or (
+            self._consumer.consume(CONSUME_MESSAGES, 0) or self._consumer.consume(1, timeout)
+        )
+        self._carry = []
+        t = time.perf_counter()
+        self.stats.read_s += time.monotonic() - now
+        for i, msg in enumerate(msgs):
+            if self._full():  # the rest waits for the next batch (read, not taken)
+                self._carry = msgs[i:]
+                break
+            self._take(msg)
+        self.stats.decode_s += time.perf_counter() - t
+        self.stats.max_pending_rows = max(self.stats.max_pending_rows, self.pending_rows)
+        self.stats.max_pending_bytes = max(self.stats.max_pending_bytes, self.pending_bytes)
 
     def _take(self, msg: Message) -> None:
         err = msg.error()
@@ -326,26 +273,31 @@ class Sink:
             if err.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer error: %s", err)
             return
-        topic, part, off = msg.topic(), msg.partition(), msg.offset()
+        topic, partition, off = msg.topic(), msg.partition(), msg.offset()
         value = msg.value() or b""
         try:
             if topic == Topics.DLQ:
                 _, ts_ms = msg.timestamp()
-                table, cols, dedup = rows_from_dead_letter(
-                    value, msg.key(), msg.headers(), timestamp_ms=ts_ms, partition=part, offset=off
+                table, part, dedup = rows_from_dead_letter(
+                    value,
+                    msg.key(),
+                    msg.headers(),
+                    timestamp_ms=ts_ms,
+                    partition=partition,
+                    offset=off,
                 )
             else:
-                table, cols, dedup = rows_from_message(topic, value)
+                table, part, dedup = rows_from_message(topic, value)
         except SchemaError as e:
-            self._dead_letter(str(e), topic, part, off, msg.key(), value)
+            self._dead_letter(str(e), topic, partition, off, msg.key(), value)
         else:
             if dedup in self._seen:  # sent twice (a producer's resend): drop
                 self.stats.duplicates += 1
-            elif cols["ts"]:
+            elif part_rows(part):
                 self._seen.add(dedup)
-                source = _Source(0, 0, dedup, topic, part, off, msg.key(), value)
-                self._pending.setdefault(table, _Pending()).extend(cols, source)
-        self._offsets[(topic, part)] = off + 1
+                source = Source(dedup, topic, partition, off, msg.key(), value)
+                self._pending.setdefault(table, Pending()).extend(part, source)
+        self._offsets[(topic, partition)] = off + 1
 
     def _dead_letter(
         self, reason: str, topic: str, part: int, off: int, key: bytes | None, value: bytes
@@ -361,23 +313,130 @@ class Sink:
         self._dlq.poll(0)
         self.stats.dead_letters += 1
 
-    # -- writing ---------------------------------------------------------------------------
+    # -- flights: inserting in the insert thread, landing in the reading thread ---------------
 
-    def _insert(self, table: str, pending: _Pending) -> None:
-        """Insert one batch; raise `_Unavailable` (retry later) or `_Rejected` (bad rows)."""
+    def _launch(self) -> None:
+        """Seal the batch being filled into a flight and insert it in the insert thread."""
+        flight = Flight(self._pending, self._offsets)
+        self._pending, self._offsets = {}, {}
+        self._flight = flight
+        if flight.batches:
+            threading.Thread(
+                target=self._fly, args=(flight,), name="perfloop-sink-insert", daemon=True
+            ).start()
+        else:  # only offsets to commit (duplicates, dead letters)
+            flight.done.set()
+
+    def _fly(self, flight: Flight) -> None:
+        """Insert every batch of a flight (the insert thread; never raises)."""
+        t0 = time.perf_counter()
         try:
-            self._ch.insert(
-                table,
-                list(pending.columns.values()),
-                column_names=list(pending.columns),
-                column_oriented=True,
-                settings={
-                    "insert_deduplication_token": pending.token(table),
-                    # ... and in the rollups its materialized views feed (ClickHouse 24.8
-                    # does not deduplicate them by default).
-                    "deduplicate_blocks_in_dependent_materialized_views": 1,
-                },
+            for table in list(flight.batches):
+                try:
+                    self._insert(table, flight.batches[table])
+                    del flight.batches[table]
+                except _Rejected as e:
+                    self._split(flight, table, str(e))
+        except _Unavailable as e:
+            flight.error = e
+        except Exception as e:  # a defect: keep the rows, retry as if the warehouse were down
+            log.exception("unexpected error inserting a batch")
+            flight.error = e
+        finally:
+            self.stats.insert_s += time.perf_counter() - t0
+            flight.done.set()
+
+    def _land(self, *, wait: bool) -> bool:
+        """Take the flight in the air when it is done (waiting for it if ``wait``); commit
+        what it completes. Return True if no flight is left (none, or it landed)."""
+        flight = self._flight
+        if flight is None:
+            return True
+        t0 = time.perf_counter()
+        if not flight.done.wait(None if wait else 0):
+            return False
+        self.stats.wait_s += time.perf_counter() - t0
+        for message_id in flight.rejected:  # dead-lettered: the same id may come back fixed
+            self._seen.discard(message_id)
+        flight.rejected.clear()
+        if flight.error is not None:
+            self._down(flight.error)  # it stays, to be retried as it is
+            return False
+        self._flight = None
+        self._uncommitted.update(flight.offsets)
+        self._release_memory()
+        self._commit()
+        self._up()
+        return True
+
+    def _retry(self) -> None:
+        """While paused: insert the flight that failed again, here, then resume."""
+        flight = self._flight
+        if flight is None:  # nothing failed (paused by a revoke that forgot its rows)
+            self._up()
+            return
+        flight.error = None
+        flight.done.clear()
+        self._fly(flight)
+        self._land(wait=True)
+
+    def _flush(self) -> bool:
+        """Insert and commit everything read so far, here and now (stop, revoke).
+
+        Return True if it is all in the warehouse and committed.
+        """
+        if self.paused:
+            self._retry()
+        if not self._land(wait=True):
+            return False
+        if self._pending or self._offsets:
+            self._launch()
+            if not self._land(wait=True):
+                return False
+        return not self._uncommitted
+
+    def _commit(self) -> None:
+        """Commit the offsets of what landed, once the dead letters made for it are sent."""
+        if not self._uncommitted:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self._dlq.flush(5):
+                log.warning("dead letters not yet delivered; offsets are committed later")
+                return
+            self._consumer.commit(
+                offsets=[TopicPartition(t, p, o) for (t, p), o in self._uncommitted.items()],
+                asynchronous=False,
             )
+        except KafkaException as e:  # e.g. a rebalance: the next landing commits again
+            log.warning("offset commit failed, will retry: %s", e)
+        else:
+            self._uncommitted.clear()
+        finally:
+            self.stats.commit_s += time.perf_counter() - t0
+
+    # -- writing (the insert thread) ---------------------------------------------------------
+
+    def _insert(self, table: str, pending: Pending) -> None:
+        """Insert one batch; raise `_Unavailable` (retry later) or `_Rejected` (bad rows)."""
+        settings = {
+            "insert_deduplication_token": pending.token(table),
+            # ... and in the rollups its materialized views feed (ClickHouse 24.8 does not
+            # deduplicate them by default).
+            "deduplicate_blocks_in_dependent_materialized_views": 1,
+        }
+        try:
+            if isinstance(pending.parts[0], pa.RecordBatch):
+                self._ch.insert_arrow(table, pending.arrow(), settings=settings)
+            else:
+                cols = pending.lists()
+                self._ch.insert(
+                    table,
+                    list(cols.values()),
+                    column_names=list(cols),
+                    column_oriented=True,
+                    settings=settings,
+                )
         except (ClickHouseError, PerfloopError, OSError, *_ENCODING_ERRORS) as e:
             self.stats.failed_inserts += 1
             code = getattr(e, "code", None)
@@ -399,18 +458,19 @@ class Sink:
         except Exception:
             return False
 
-    def _split(self, table: str, pending: _Pending, reason: str) -> None:
+    def _split(self, flight: Flight, table: str, reason: str) -> None:
         """Insert a refused batch message by message; dead-letter the messages still refused."""
+        pending = flight.batches[table]
         log.warning("%s; inserting its %d messages one by one", reason, len(pending.sources))
-        left = list(pending.sources)
+        left = list(range(len(pending.sources)))
         try:
             while left:
-                source = left[0]
+                source = pending.sources[left[0]]
                 try:
-                    self._insert(table, pending.only(source))
+                    self._insert(table, pending.only(left[0]))
                 except _Rejected as e:
                     self.stats.rejected += 1
-                    self._seen.discard(source.message_id)
+                    flight.rejected.append(source.message_id)
                     self._dead_letter(
                         str(e),
                         source.topic,
@@ -422,48 +482,14 @@ class Sink:
                 left.pop(0)
         finally:
             if left:  # the warehouse went away meanwhile: the rest waits as one batch
-                rest = _Pending()
-                for s in left:
-                    rest.extend({k: v[s.start : s.stop] for k, v in pending.columns.items()}, s)
-                self._pending[table] = rest
+                rest = Pending()
+                for i in left:
+                    rest.extend(pending.parts[i], pending.sources[i])
+                flight.batches[table] = rest
             else:
-                del self._pending[table]
+                del flight.batches[table]
 
-    def _flush(self) -> bool:
-        """Insert every pending batch, then commit; pause and back off if the warehouse is down.
-
-        Return True if everything read so far is in the warehouse and committed.
-        """
-        for table in list(self._pending):
-            try:
-                self._insert(table, self._pending[table])
-                del self._pending[table]
-            except _Rejected as e:
-                try:
-                    self._split(table, self._pending[table], str(e))
-                except _Unavailable as down:
-                    self._down(down)
-                    return False
-            except _Unavailable as e:
-                self._down(e)
-                return False
-        self._release_memory()
-        if self._offsets:
-            if self._dlq.flush(5):
-                log.warning("dead letters not yet delivered; offsets are committed later")
-                self._up()
-                return False
-            try:
-                self._consumer.commit(
-                    offsets=[TopicPartition(t, p, o) for (t, p), o in self._offsets.items()],
-                    asynchronous=False,
-                )
-            except KafkaException as e:  # e.g. a rebalance: the next flush commits again
-                log.warning("offset commit failed, will retry: %s", e)
-            else:
-                self._offsets.clear()
-        self._up()
-        return not self._offsets
+    # -- pausing -------------------------------------------------------------------------------
 
     def _release_memory(self) -> None:
         """Give the heap's free pages back to the system, at most once a second.
@@ -507,24 +533,32 @@ class Sink:
         )
 
     def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._carry = []  # not taken: read again from the committed offsets
         if self._flush():
             return
         # The partitions go to another sink (or come back to this one) from their committed
         # offsets: forget what was read past them, or it would land twice or be skipped as
         # a duplicate when read again.
-        for pending in self._pending.values():
+        batches = list(self._pending.values())
+        if self._flight is not None:
+            batches += self._flight.batches.values()
+        for pending in batches:
             for s in pending.sources:
                 self._seen.discard(s.message_id)
         log.warning("partitions revoked with %d rows not inserted (read again)", self.pending_rows)
         self._pending.clear()
         self._offsets.clear()
+        self._flight = None
+        self._uncommitted.clear()
 
     def _log_stats(self) -> None:
         st = self.stats
         self._stats_at = time.monotonic() + STATS_EVERY_S
         log.info(
             "sink stats: %d inserts, %d rows (%.0f rows/insert, max %d), %d dead letters, "
-            "%d refused, %d duplicates, paused %d times for %.1f s, max pending %d rows",
+            "%d refused, %d duplicates, paused %d times for %.1f s, max pending %d rows; "
+            "seconds reading %.1f, decoding %.1f, inserting %.1f (in its thread), waiting for "
+            "it %.1f, committing %.1f",
             st.inserts,
             st.inserted_rows,
             st.inserted_rows / st.inserts if st.inserts else 0.0,
@@ -535,4 +569,9 @@ class Sink:
             st.pauses,
             st.paused_s,
             st.max_pending_rows,
+            st.read_s,
+            st.decode_s,
+            st.insert_s,
+            st.wait_s,
+            st.commit_s,
         )

@@ -17,12 +17,13 @@ from typing import Any
 
 import numpy as np
 import orjson
+import pyarrow as pa
 import pytest
 from clickhouse_connect.driver.client import Client
 
 from perfloop.catalog import ROLLUP_RESOLUTIONS, ROLLUPS, Topics
 from perfloop.kafka import dlq_headers
-from perfloop.schemas import ConfigChange, Diagnosis, PhaseChange, encode_event
+from perfloop.schemas import ConfigChange, Diagnosis, PhaseChange, encode_batch, encode_event
 from perfloop.settings import SinkSettings
 from perfloop.streams.sink import rows_from_dead_letter, rows_from_message
 from perfloop.warehouse import client, migrate
@@ -80,16 +81,21 @@ def ch(settings: SinkSettings) -> Iterator[Client]:
     c.close()
 
 
-def _insert(ch: Client, table: str, cols: dict[str, Any], token: str | None = None) -> None:
+def _insert(ch: Client, table: str, cols: Any, token: str | None = None) -> None:
+    """Insert as the sink does: Arrow parts as FORMAT Arrow, lists column by column."""
+    settings = {
+        "insert_deduplication_token": token or uuid.uuid4().hex,
+        "deduplicate_blocks_in_dependent_materialized_views": 1,
+    }
+    if isinstance(cols, pa.RecordBatch):
+        ch.insert_arrow(table, pa.Table.from_batches([cols]), settings=settings)
+        return
     ch.insert(
         table,
         [list(v) for v in cols.values()],
         column_names=list(cols),
         column_oriented=True,
-        settings={
-            "insert_deduplication_token": token or uuid.uuid4().hex,
-            "deduplicate_blocks_in_dependent_materialized_views": 1,  # as the sink inserts
-        },
+        settings=settings,
     )
 
 
@@ -220,6 +226,35 @@ def _windows_message(job: str, t: int, mean: float, hop_s: float = 10.0) -> byte
         "closed_ns": [time.time_ns()],
     }
     return orjson.dumps({"kind": "windows", "v": 2, "columns": cols})
+
+
+def test_a_telemetry_batch_lands_with_exact_times_nulls_and_ids(ch: Client) -> None:
+    job = f"tb-{uuid.uuid4().hex[:6]}"
+    t = time.time_ns()
+    data = encode_batch(
+        "step",
+        {
+            "ts_ns": [t, t + 1],  # one nanosecond apart
+            "rank": [0, 1],
+            "step": [3, 3],
+            "step_time_ms": [100.25, 99.5],
+            "loss": [1.5, None],
+        },
+        job_id=job,
+        node="n7",
+        batch_id="tb1",
+    )
+    table, part, dedup = rows_from_message(Topics.STEP, data)
+    _insert(ch, table, part, token=dedup)
+    rows = ch.query(
+        "SELECT toUnixTimestamp64Nano(ts), event_id, node, rank, step_time_ms, loss, "
+        "grad_accum_steps FROM steps WHERE job_id = {j:String} ORDER BY ts",
+        {"j": job},
+    ).result_rows
+    assert rows == [
+        (t, "tb1-0", "n7", 0, 100.25, 1.5, 1),
+        (t + 1, "tb1-1", "n7", 1, 99.5, None, 1),
+    ]
 
 
 def test_windows_re_emitted_after_a_restart_collapse_in_windows_latest(ch: Client) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
@@ -95,10 +96,11 @@ def _insert_overhead(stack: StackSettings, message: bytes, inserts: int = 20) ->
     """How far the resident size of a process grows inserting batches of MAX_BATCH_ROWS rows
     back to back as the sink does while it drains a backlog (the allocator keeps some of
     what encoding them churned through; the sink trims the heap once a second, so do we)."""
-    _, rows, _ = rows_from_message(Topics.STEP, message)
-    reps = -(-MAX_BATCH_ROWS // len(rows["ts"]))
-    cols = {k: (v * reps)[:MAX_BATCH_ROWS] for k, v in rows.items()}
-    cols["job_id"] = [f"overhead-{uuid.uuid4().hex[:6]}"] * MAX_BATCH_ROWS
+    _, part, _ = rows_from_message(Topics.STEP, message)
+    reps = -(-MAX_BATCH_ROWS // part.num_rows)
+    table = pa.Table.from_batches([part] * reps).slice(0, MAX_BATCH_ROWS).unify_dictionaries()
+    job = pa.array([f"overhead-{uuid.uuid4().hex[:6]}"] * MAX_BATCH_ROWS)
+    table = table.set_column(table.schema.get_field_index("job_id"), "job_id", job)
     trim = ctypes.CDLL(None).malloc_trim
     ch = client(stack)
     try:
@@ -106,8 +108,7 @@ def _insert_overhead(stack: StackSettings, message: bytes, inserts: int = 20) ->
         trimmed = time.monotonic()
         for i in range(inserts):
             token = {"insert_deduplication_token": f"o{i}"}
-            ch.insert("steps", list(cols.values()), column_names=list(cols), settings=token,
-                      column_oriented=True)  # fmt: skip
+            ch.insert_arrow("steps", table, settings=token)
             peak = max(peak, _rss_bytes(os.getpid()))
             if time.monotonic() - trimmed >= 1.0:
                 trim(0)
@@ -118,15 +119,18 @@ def _insert_overhead(stack: StackSettings, message: bytes, inserts: int = 20) ->
 
 
 def _bytes_per_row(message: bytes) -> float:
-    """What one decoded row costs the sink while it waits for an insert (Python objects)."""
+    """What one decoded row costs the sink while it waits for an insert (its Arrow columns,
+    their numpy buffers and Python objects)."""
+    rows_from_message(Topics.STEP, message)  # once first: lazy imports and caches are not rows
     tracemalloc.start()
     try:
-        before = tracemalloc.get_traced_memory()[0]
-        _, rows, _ = rows_from_message(Topics.STEP, message)
+        before, arrow_before = tracemalloc.get_traced_memory()[0], pa.total_allocated_bytes()
+        _, part, _ = rows_from_message(Topics.STEP, message)
         held = tracemalloc.get_traced_memory()[0] - before
+        held += pa.total_allocated_bytes() - arrow_before
     finally:
         tracemalloc.stop()
-    return held / len(rows["ts"])
+    return held / part.num_rows
 
 
 class RssSampler:

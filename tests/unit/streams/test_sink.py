@@ -3,6 +3,7 @@ broker and the warehouse (the real ones run in tests/integration/test_warehouse_
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -193,6 +194,10 @@ class Warehouse:
             self.lose_reply = False
             raise OperationalError("Connection reset by peer")
 
+    def insert_arrow(self, table: str, arrow_table: Any, settings: dict[str, str]) -> None:
+        cols = arrow_table.to_pydict()
+        self.insert(table, list(cols.values()), list(cols), True, settings)
+
     def ping(self) -> bool:
         return not self.down
 
@@ -239,20 +244,21 @@ def test_rows_are_batched_into_large_inserts_and_committed_after() -> None:
     sink, broker, wh, _ = make_sink(flush_interval_s=60.0, max_batch_rows=4 * ROWS)
     for i in range(8):
         broker.add(Topics.STEP, step_batch(i))
-    run_until(sink, lambda: len(wh.ids()) == 8 * ROWS)
-    # Full batches, inserted as soon as they reached max_batch_rows (long before the 60 s
-    # interval); what one read returned past that is read again for the next batch.
-    assert [n for _, n, _ in wh.inserts] == [4 * ROWS, 4 * ROWS]
-    assert len(set(wh.ids())) == 8 * ROWS
-    assert broker.committed(Topics.STEP) == 8
-    assert sink.stats.inserts == 2 and sink.stats.max_insert_rows == 4 * ROWS
+    run_until(sink, lambda: broker.committed(Topics.STEP) == 8)
+    # Full batches — half of max_batch_rows, as one batch is in the air while the next one
+    # fills — inserted as soon as they were full (long before the 60 s interval); what one
+    # read returned past that is read again for the next batch.
+    assert [n for _, n, _ in wh.inserts] == [2 * ROWS] * 4
+    assert len(wh.ids()) == len(set(wh.ids())) == 8 * ROWS
+    assert sink.stats.inserts == 4 and sink.stats.max_insert_rows == 2 * ROWS
+    assert sink.stats.max_pending_rows <= 4 * ROWS + 2 * ROWS
 
 
 def test_a_due_flush_inserts_what_is_there() -> None:
     sink, broker, wh, _ = make_sink(flush_interval_s=0.01)
     broker.add(Topics.STEP, step_batch(0, n=3))
-    run_until(sink, lambda: len(wh.ids()) == 3)
-    assert broker.committed(Topics.STEP) == 1
+    run_until(sink, lambda: broker.committed(Topics.STEP) == 1)
+    assert len(wh.ids()) == 3
 
 
 def test_warehouse_down_pauses_bounds_memory_and_loses_nothing() -> None:
@@ -263,18 +269,19 @@ def test_warehouse_down_pauses_bounds_memory_and_loses_nothing() -> None:
         sink.step()
         sink.step()
     assert sink.paused and broker.paused == {(Topics.STEP, 0)}
-    # Held: at most max_batch_rows plus what one consume call returned (one message here).
-    assert 0 < sink.pending_rows <= 3 * ROWS + ROWS
-    assert sink.stats.max_pending_rows <= 3 * ROWS + ROWS
+    # Held — the failed batch and the one filling behind it — at most max_batch_rows plus
+    # the message that filled each (one message per consume call here).
+    assert 0 < sink.pending_rows <= 3 * ROWS + 2 * ROWS
+    assert sink.stats.max_pending_rows <= 3 * ROWS + 2 * ROWS
     assert broker.position < len(broker.log)  # the backlog waits in the broker
     assert broker.commits == [] and wh.calls > 3  # retried; nothing committed
     for i in range(40, 80):  # a backlog builds up in the broker
         broker.add(Topics.STEP, step_batch(i))
     wh.down = False
-    run_until(sink, lambda: len(wh.ids()) == 80 * ROWS)
-    # Draining the backlog holds no more than a batch either.
-    assert sink.stats.max_pending_rows <= 3 * ROWS + ROWS
-    assert sink.stats.max_insert_rows <= 3 * ROWS + ROWS
+    run_until(sink, lambda: broker.committed(Topics.STEP) == 80)
+    # Draining the backlog holds no more either, and inserts half of it at a time.
+    assert sink.stats.max_pending_rows <= 3 * ROWS + 2 * ROWS
+    assert sink.stats.max_insert_rows <= 3 * ROWS // 2 + ROWS
     assert not sink.paused and broker.paused == set()
     assert sorted(wh.ids()) == sorted(set(wh.ids()))  # each once
     assert broker.committed(Topics.STEP) == 80
@@ -429,5 +436,31 @@ def test_small_messages_do_not_make_a_read_overshoot_the_batch() -> None:
     for i in range(30):
         broker.add(Topics.STEP, step_batch(i))
     run_until(sink, lambda: len(wh.ids()) == 30 * ROWS)
-    assert sink.stats.max_pending_rows <= 3 * ROWS + ROWS
+    assert sink.stats.max_pending_rows <= 3 * ROWS + 2 * ROWS
     assert len(wh.tables["job_lifecycle"]) == 50
+
+
+def test_the_next_batch_is_read_while_one_is_being_inserted() -> None:
+    sink, broker, wh, _ = make_sink(flush_interval_s=0.01, max_batch_rows=20 * ROWS)
+    release = threading.Event()
+    entered = threading.Event()
+    insert = wh.insert
+
+    def slow_insert(*args: Any, **kwargs: Any) -> None:
+        entered.set()
+        assert release.wait(10), "the test never released the insert"
+        insert(*args, **kwargs)
+
+    wh.insert = slow_insert  # type: ignore[method-assign]
+    broker.add(Topics.STEP, step_batch(0))
+    run_until(sink, entered.is_set)
+    for i in range(1, 4):  # arrive while the first batch is in the air
+        broker.add(Topics.STEP, step_batch(i))
+    for _ in range(20):
+        sink.step()
+    assert broker.position == 4 and wh.ids() == []  # read and decoded, not yet inserted
+    assert sink.pending_rows == 4 * ROWS and broker.commits == []
+    release.set()
+    run_until(sink, lambda: broker.committed(Topics.STEP) == 4)
+    assert [n for _, n, _ in wh.inserts] == [ROWS, 3 * ROWS]  # in the order they were read
+    assert len(set(wh.ids())) == 4 * ROWS

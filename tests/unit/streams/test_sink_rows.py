@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 import orjson
+import pyarrow as pa
 import pytest
 
 from perfloop.catalog import DEAD_LETTER_PAYLOAD_BYTES, MIGRATIONS, Topics
@@ -16,6 +17,7 @@ from perfloop.schemas import (
     Diagnosis,
     PhaseChange,
     SchemaError,
+    decode_batch,
     encode_batch,
     encode_event,
 )
@@ -26,6 +28,16 @@ from perfloop.streams._sink_rows import (
 )
 
 T = 1_700_000_000_000_000_000
+
+
+def lists(part: Any) -> dict[str, list[Any]]:
+    """An Arrow part as Python lists, times as integer nanoseconds."""
+    out = {}
+    for name, col in zip(part.schema.names, part.columns, strict=True):
+        if pa.types.is_timestamp(col.type):
+            col = col.cast(pa.int64())
+        out[name] = col.to_pylist()
+    return out
 
 
 def _table_columns(table: str) -> set[str]:
@@ -68,8 +80,9 @@ def windows_doc(n: int = 3, **override: Any) -> dict[str, Any]:
 
 
 def test_windows_v2_rows_fill_the_windows_table() -> None:
-    table, rows, msg_id = rows_from_message(Topics.WINDOWS, orjson.dumps(windows_doc()))
+    table, part, msg_id = rows_from_message(Topics.WINDOWS, orjson.dumps(windows_doc()))
     assert table == "windows"
+    rows = lists(part)
     assert set(rows) <= _table_columns("windows")
     assert rows["ts"] == [T, T + 10**9, T + 2 * 10**9]
     assert rows["window_end"][0] == T + 10**9 and rows["closed"][2] == T + 4 * 10**9
@@ -80,6 +93,43 @@ def test_windows_v2_rows_fill_the_windows_table() -> None:
     assert "inserted" not in rows  # the warehouse stamps it at insert time
 
 
+def test_a_telemetry_batch_becomes_arrow_columns_of_its_table() -> None:
+    data = encode_batch(
+        "step",
+        {
+            "ts_ns": [T, T + 5],
+            "rank": [0, 1],
+            "step": [7, 7],
+            "step_time_ms": [100.0, 101.5],
+            "loss": [2.5, None],  # not reported on rank 1
+        },
+        job_id="job-1",
+        node="n0",
+        batch_id="b1",
+    )
+    table, part, dedup = rows_from_message(Topics.STEP, data)
+    assert (table, dedup) == ("steps", "b1")
+    rows = lists(part)
+    assert set(rows) <= _table_columns("steps"), set(rows) - _table_columns("steps")
+    assert rows["ts"] == [T, T + 5] and rows["step"] == [7, 7]
+    assert rows["event_id"] == decode_batch(data).event_ids() == ["b1-0", "b1-1"]
+    assert rows["job_id"] == ["job-1", "job-1"] and rows["node"] == ["n0", "n0"]
+    assert rows["loss"] == [2.5, None]  # NULL, not NaN, in the warehouse
+    assert rows["step_time_ms"] == [100.0, 101.5] and rows["grad_accum_steps"] == [1, 1]
+
+
+def test_string_columns_of_a_batch_keep_their_values() -> None:
+    cols = {"ts_ns": [T, T], "rank": [0, 0], "step": [1, 1], "duration_ms": [1.0, 2.0]}
+    data = encode_batch(
+        "span", cols | {"phase": ["forward", "backward"], "name": ["fwd", "bwd"]},
+        job_id="j", node="n",
+    )  # fmt: skip
+    table, part, _ = rows_from_message(Topics.SPAN, data)
+    rows = lists(part)
+    assert table == "spans" and rows["phase"] == ["forward", "backward"]
+    assert rows["name"] == ["fwd", "bwd"]
+
+
 def test_windows_message_id_is_its_content() -> None:
     a = orjson.dumps(windows_doc())
     assert rows_from_message(Topics.WINDOWS, a)[2] == rows_from_message(Topics.WINDOWS, a)[2]
@@ -88,8 +138,8 @@ def test_windows_message_id_is_its_content() -> None:
 
 
 def test_an_empty_windows_message_has_no_rows() -> None:
-    _, rows, _ = rows_from_message(Topics.WINDOWS, orjson.dumps(windows_doc(0)))
-    assert rows["ts"] == []
+    _, part, _ = rows_from_message(Topics.WINDOWS, orjson.dumps(windows_doc(0)))
+    assert part.num_rows == 0
 
 
 BAD_WINDOWS: dict[str, tuple[bytes, str]] = {
