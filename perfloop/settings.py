@@ -147,7 +147,7 @@ class SinkSettings(BaseServiceSettings):
 
     group_id: str = "perfloop-sink"
     flush_interval_s: float = Field(1.0, gt=0)
-    max_batch_rows: int = Field(50_000, gt=0)
+    max_batch_rows: int = Field(200_000, gt=0)
     dedup_window_messages: int = Field(200_000, gt=0)
     session_timeout_ms: int = Field(6000, ge=1000)
 
