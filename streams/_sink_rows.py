@@ -12,9 +12,10 @@ per-sample Python object is made on their way to the warehouse. The rare ones �
 dead letters — stay Python lists (`Rows`), whose maps and nullable fields the client types by
 the table. Every table gets its parts from one of the two.
 
-Windows messages (``perfloop.windows``) are the v2 columnar format only (``{"kind":
-"windows", "v": 2, "columns": {...}}``, `WINDOW_COLUMNS`); anything else on that topic is
-rejected with the reason.
+Windows messages (``perfloop.windows``) are Arrow IPC streams (v3,
+`perfloop.streams._windows_wire`) or the older JSON columns (``{"kind": "windows", "v": 2,
+"columns": {...}}``, `WINDOW_COLUMNS`); anything else on that topic is rejected with the
+reason.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ from perfloop.catalog import DEAD_LETTER_PAYLOAD_BYTES, KIND_TABLES, KIND_TOPICS
 from perfloop.kafka import _reason_class
 from perfloop.schemas import SchemaError, decode_batch, decode_event
 from perfloop.schemas.base import JOB_ID_PATTERN
+from perfloop.streams._windows_wire import (
+    MAX_WINDOWS_BYTES,
+    WINDOW_COLUMNS,
+    check_windows,
+    decode_windows,
+    is_arrow,
+)
 
 __all__ = [
     "WINDOW_COLUMNS",
@@ -48,36 +56,12 @@ Rows = dict[str, list[Any]]
 Part = Rows | pa.RecordBatch
 """What one message adds to its table: Arrow columns (batches, windows) or lists (events)."""
 
-WINDOW_COLUMNS: dict[str, str] = {
-    "ts_ns": "int",
-    "window_end_ns": "int",
-    "window_s": "float",
-    "hop_s": "float",
-    "job_id": "str",
-    "node": "str",
-    "rank": "int",
-    "device": "int",
-    "metric": "str",
-    "count": "int",
-    "mean": "float",
-    "min": "float",
-    "max": "float",
-    "p50": "float",
-    "p95": "float",
-    "p99": "float",
-    "rate_per_s": "float",
-    "slope_per_s": "float",
-    "closed_ns": "int",
-}
-"""The v2 windows columns and their types (interfaces.md); floats may be null (NaN)."""
 
 # windows column -> table column, where they differ
 _WINDOW_RENAMES = {"ts_ns": "ts", "window_end_ns": "window_end", "closed_ns": "closed"}
 _JOB_ID = re.compile(JOB_ID_PATTERN)
-_CONTROL = re.compile(r"[\x00-\x1f]")
 _NULLABLE = frozenset({"loss", "grad_norm", "lr"})
 _BATCH_TOPICS = frozenset({Topics.GPU, Topics.HOST, Topics.STEP, Topics.SPAN})
-_MAX_WINDOWS_BYTES = 8 << 20
 _INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -172,32 +156,11 @@ def _window_column(name: str, kind: str, values: Any, n: int) -> np.ndarray:
     return arr.astype(np.float64)
 
 
-def _check_windows(c: dict[str, np.ndarray]) -> None:
-    checks = (
-        ("ts_ns", c["ts_ns"] >= 0, "must be ≥ 0"),
-        ("closed_ns", c["closed_ns"] >= 0, "must be ≥ 0"),
-        ("window_end_ns", c["window_end_ns"] > c["ts_ns"], "must be after ts_ns"),
-        ("window_s", np.isfinite(c["window_s"]) & (c["window_s"] > 0), "must be > 0"),
-        ("hop_s", np.isfinite(c["hop_s"]) & (c["hop_s"] > 0), "must be > 0"),
-        ("rank", c["rank"] >= -1, "must be ≥ -1"),
-        ("device", (c["device"] >= -1) & (c["device"] < 1 << 31), "must be -1 or a device"),
-        ("count", c["count"] >= 0, "must be ≥ 0"),
-    )
-    for name, ok, rule in checks:
-        if not ok.all():
-            i = int(np.argmin(ok))
-            raise _bad(f"column {name!r} row {i} = {c[name][i].item()!r} {rule}")
-    for name, limit in (("job_id", 128), ("node", 255), ("metric", 128)):
-        for v in set(c[name].tolist()):
-            if not v or len(v) > limit or _CONTROL.search(v):
-                raise _bad(f"column {name!r} value {v[:64]!r} must be 1-{limit} printable chars")
-            if name == "job_id" and not _JOB_ID.fullmatch(v):
-                raise _bad(f"job_id {v[:64]!r} must be 1-128 characters of [A-Za-z0-9._:/@+-]")
-
-
 def _windows(data: bytes) -> tuple[str, pa.RecordBatch, str]:
-    if len(data) > _MAX_WINDOWS_BYTES:
-        raise _bad(f"{len(data)} bytes exceed the {_MAX_WINDOWS_BYTES}-byte limit")
+    if is_arrow(data):
+        return _windows_v3(data)
+    if len(data) > MAX_WINDOWS_BYTES:
+        raise _bad(f"{len(data)} bytes exceed the {MAX_WINDOWS_BYTES}-byte limit")
     try:
         doc = orjson.loads(data)
     except orjson.JSONDecodeError as e:
@@ -223,17 +186,32 @@ def _windows(data: bytes) -> tuple[str, pa.RecordBatch, str]:
     ts = cols["ts_ns"]
     n = len(ts) if isinstance(ts, list) else -1
     arrays = {k: _window_column(k, kind, cols[k], n) for k, kind in WINDOW_COLUMNS.items()}
-    _check_windows(arrays)
+    strings = {
+        k: list(set(arrays[k].tolist())) for k, kind in WINDOW_COLUMNS.items() if kind == "str"
+    }
+    check_windows(arrays, strings)
     msg = message_id(data)
-    cols: dict[str, pa.Array] = {"event_id": _repeat(msg, n)}
+    out: dict[str, pa.Array] = {"event_id": _repeat(msg, n)}
     for k, arr in arrays.items():
         if k.endswith("_ns"):
-            cols[_WINDOW_RENAMES[k]] = _time(arr)
+            out[_WINDOW_RENAMES[k]] = _time(arr)
         elif arr.dtype == object:
-            cols[k] = pa.array(arr, type=pa.string())
+            out[k] = pa.array(arr, type=pa.string())
         else:
-            cols[k] = pa.array(arr)
-    return "windows", pa.RecordBatch.from_pydict(cols), msg
+            out[k] = pa.array(arr)
+    return "windows", pa.RecordBatch.from_pydict(out), msg
+
+
+def _windows_v3(data: bytes) -> tuple[str, pa.RecordBatch, str]:
+    batch = decode_windows(data)
+    msg = message_id(data)
+    out: dict[str, pa.Array] = {"event_id": _repeat(msg, batch.num_rows)}
+    for name, col in zip(batch.schema.names, batch.columns, strict=True):
+        if name.endswith("_ns"):
+            out[_WINDOW_RENAMES[name]] = col.cast(pa.timestamp("ns", tz="UTC"))
+        else:
+            out[name] = col
+    return "windows", pa.RecordBatch.from_pydict(out), msg
 
 
 # -- events --------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from perfloop.catalog import ROLLUP_RESOLUTIONS, ROLLUPS, Topics
 from perfloop.kafka import dlq_headers
 from perfloop.schemas import ConfigChange, Diagnosis, PhaseChange, encode_batch, encode_event
 from perfloop.settings import SinkSettings
+from perfloop.streams._windows_wire import encode_windows
 from perfloop.streams.sink import rows_from_dead_letter, rows_from_message
 from perfloop.warehouse import client, migrate
 
@@ -255,6 +256,42 @@ def test_a_telemetry_batch_lands_with_exact_times_nulls_and_ids(ch: Client) -> N
         (t, "tb1-0", "n7", 0, 100.25, 1.5, 1),
         (t + 1, "tb1-1", "n7", 1, 99.5, None, 1),
     ]
+
+
+def test_windows_v3_arrow_messages_land_as_they_were_closed(ch: Client) -> None:
+    job = f"w3-{uuid.uuid4().hex[:6]}"
+    t = (time.time_ns() // NS) * NS
+    cols = {
+        "ts_ns": np.array([t, t + NS]),
+        "window_end_ns": np.array([t + NS, t + 2 * NS]),
+        "window_s": np.array([1.0, 1.0]),
+        "hop_s": np.array([1.0, 1.0]),
+        "job_id": np.array([job, job], dtype=object),
+        "node": np.array(["n0", "n1"], dtype=object),
+        "rank": np.array([0, 9]),
+        "device": np.array([-1, 3]),
+        "metric": np.array(["step_time_ms", "sm_util"], dtype=object),
+        "count": np.array([10, 20]),
+        **{k: np.array([1.5, 2.5]) for k in ("mean", "min", "max", "p50", "p95", "p99")},
+        "rate_per_s": np.array([10.0, 20.0]),
+        "slope_per_s": np.array([np.nan, 0.25]),
+        "closed_ns": np.array([t + 2 * NS, t + 3 * NS]),
+    }
+    ((_, value),) = encode_windows(cols, job.encode())
+    table, part, msg = rows_from_message(Topics.WINDOWS, value)
+    _insert(ch, table, part, token=msg)
+    rows = ch.query(
+        "SELECT toUnixTimestamp64Nano(ts), toUnixTimestamp64Nano(window_end), node, rank, "
+        "device, metric, count, mean, slope_per_s, toUnixTimestamp64Nano(closed), event_id "
+        "FROM windows WHERE job_id = {j:String} ORDER BY ts",
+        {"j": job},
+    ).result_rows
+    assert [r[:8] for r in rows] == [
+        (t, t + NS, "n0", 0, -1, "step_time_ms", 10, 1.5),
+        (t + NS, t + 2 * NS, "n1", 9, 3, "sm_util", 20, 2.5),
+    ]
+    assert math.isnan(rows[0][8]) and rows[1][8] == 0.25
+    assert [r[9] for r in rows] == [t + 2 * NS, t + 3 * NS] and {r[10] for r in rows} == {msg}
 
 
 def test_windows_re_emitted_after_a_restart_collapse_in_windows_latest(ch: Client) -> None:

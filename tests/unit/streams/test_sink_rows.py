@@ -6,6 +6,7 @@ import math
 import re
 from typing import Any
 
+import numpy as np
 import orjson
 import pyarrow as pa
 import pytest
@@ -26,6 +27,7 @@ from perfloop.streams._sink_rows import (
     rows_from_dead_letter,
     rows_from_message,
 )
+from perfloop.streams._windows_wire import encode_windows
 
 T = 1_700_000_000_000_000_000
 
@@ -371,3 +373,100 @@ def test_dead_letters_are_not_decoded_as_messages() -> None:
 def test_window_columns_are_the_documented_contract() -> None:
     assert list(WINDOW_COLUMNS)[:2] == ["ts_ns", "window_end_ns"]
     assert {"closed_ns", "hop_s", "device"} <= set(WINDOW_COLUMNS)
+
+
+# -- windows v3: Arrow IPC ------------------------------------------------------------------
+
+
+def windows_columns(n: int = 3) -> dict[str, np.ndarray]:
+    doc = windows_doc(n)["columns"]
+    out = {}
+    for name, kind in WINDOW_COLUMNS.items():
+        if kind == "str":
+            out[name] = np.array(doc[name], dtype=object)
+        elif kind == "float":
+            out[name] = np.array([np.nan if v is None else v for v in doc[name]], dtype=float)
+        else:
+            out[name] = np.array(doc[name], dtype=np.int64)
+    return out
+
+
+def arrow_message(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def test_windows_v3_round_trip_the_same_rows_as_v2() -> None:
+    cols = windows_columns()
+    ((key, value),) = encode_windows(cols, b"job-1")
+    assert key == b"job-1" and value[:4] == b"\xff\xff\xff\xff"
+    table, part, msg_id = rows_from_message(Topics.WINDOWS, value)
+    _, v2, _ = rows_from_message(Topics.WINDOWS, orjson.dumps(windows_doc()))
+    rows, rows_v2 = lists(part), lists(v2)
+    assert table == "windows" and set(rows) == set(rows_v2)
+    for name in rows:
+        if name == "event_id":
+            assert rows[name] == [msg_id] * 3
+        elif name == "slope_per_s":
+            assert math.isnan(rows[name][0]) and rows[name][1:] == rows_v2[name][1:]
+        else:
+            assert rows[name] == rows_v2[name], name
+
+
+def test_windows_v3_splits_a_large_job_into_messages() -> None:
+    cols = {k: np.concatenate([v] * 1000) for k, v in windows_columns().items()}
+    msgs = encode_windows(cols, b"job-1")
+    sizes = [rows_from_message(Topics.WINDOWS, v)[1].num_rows for _, v in msgs]
+    assert sizes == [2000, 1000]
+
+
+def _v3(**change: Any) -> bytes:
+    """A valid v3 message with columns replaced (name → pyarrow array, or None to drop)."""
+    ((_, value),) = encode_windows(windows_columns(), b"k")
+    table = pa.ipc.open_stream(value).read_all()
+    for name, col in change.items():
+        i = table.schema.get_field_index(name)
+        table = table.remove_column(i) if col is None else table.set_column(i, name, col)
+    return arrow_message(table.replace_schema_metadata(table.schema.metadata))
+
+
+def _dict(values: list[Any]) -> pa.Array:
+    return pa.array(values).dictionary_encode()
+
+
+BAD_V3: dict[str, tuple[bytes, str]] = {
+    "junk": (b"\xff\xff\xff\xff" + b"junk" * 10, "not a valid Arrow stream"),
+    "no metadata": (
+        arrow_message(pa.ipc.open_stream(_v3()).read_all().replace_schema_metadata(None)),
+        "perfloop.kind = windows",
+    ),
+    "missing column": (_v3(mean=None), "missing ['mean']"),
+    "float rank": (_v3(rank=pa.array([0.5, 1.0, 2.0])), "'rank' must be int64"),
+    "null count": (_v3(count=pa.array([None, 1, 2], pa.int64())), "'count' holds nulls"),
+    "negative count": (_v3(count=pa.array([1, -1, 1])), "'count' row 1 = -1"),
+    "end before start": (_v3(window_end_ns=pa.array([T, T, T])), "'window_end_ns' row 0"),
+    "plain strings": (_v3(node=pa.array(["n0"] * 3)), "'node' must be dictionary"),
+    "empty metric": (_v3(metric=_dict(["m", "", "m"])), "'metric' value ''"),
+    "control chars": (_v3(node=_dict(["a\nb"] * 3)), "'node' value 'a\\nb'"),
+    "bad job id": (_v3(job_id=_dict(["a b"] * 3)), "job_id 'a b' must be"),
+    "oversized": (b"\xff\xff\xff\xff" + b"\0" * (9 << 20), "byte limit"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_V3))
+def test_bad_v3_windows_messages_are_rejected_with_their_reason(case: str) -> None:
+    data, reason = BAD_V3[case]
+    with pytest.raises(SchemaError) as e:
+        rows_from_message(Topics.WINDOWS, data)
+    assert reason in str(e.value), str(e.value)
+    assert str(e.value).startswith("windows message: ") and "\n" not in str(e.value)
+
+
+def test_null_statistics_in_v3_are_stored_as_nan() -> None:
+    _, part, _ = rows_from_message(
+        Topics.WINDOWS, _v3(p99=pa.array([None, 2.0, 3.0], pa.float64()))
+    )
+    p99 = lists(part)["p99"]
+    assert math.isnan(p99[0]) and p99[1:] == [2.0, 3.0]
