@@ -114,6 +114,25 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def service_cpu_s(home: Path) -> dict[str, float]:
+    """CPU seconds (user + system, children included) each stack service has used so far."""
+    try:
+        services = json.loads((home / "stack.json").read_text()).get("services", {})
+    except (OSError, ValueError):
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for name, svc in services.items():
+        try:
+            with open(f"/proc/{svc['pid']}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, KeyError, TypeError):
+            continue
+        # fields[11:15] are utime, stime, cutime, cstime (stat fields 14-17)
+        out[name] = sum(int(v) for v in fields[11:15]) / tick
+    return out
+
+
 def save_result(name: str, doc: dict[str, Any], note: str = "") -> Path:
     """Write ``bench/results/<name>-<utc time>.json``, say where, and end stdout with the
     result as one JSON line (so ``… | tail -n 1`` is the result)."""

@@ -32,6 +32,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -49,6 +50,7 @@ from bench._common import (
     raise_on_sigterm,
     save_result,
     say,
+    service_cpu_s,
     wait_for,
 )
 
@@ -68,11 +70,11 @@ TABLE_OF_KIND = {
 
 def _simulated_messages(
     args: argparse.Namespace, run_id: str, now_ns: int
-) -> tuple[list[tuple[int, str, str, bytes]], dict[str, int]]:
+) -> tuple[list[tuple[int, str, str, bytes, int]], dict[str, int]]:
     """Every message of ``--jobs`` simulated jobs (scenario ``--scenario``), in event-time order.
 
     The jobs ran ``--sim-s`` seconds ending 30 s ago, so their windows can all close. Returns
-    ``(first ts, topic, key, value)`` per message and the samples per table.
+    ``(first ts, topic, key, value, samples)`` per message and the samples per table.
     """
     from perfloop.producers.scenarios import scenario_config
     from perfloop.producers.simulator import SimulatedJob
@@ -86,7 +88,7 @@ def _simulated_messages(
             self.msgs.append((topic, key, value))
             return True
 
-    out: list[tuple[int, str, str, bytes]] = []
+    out: list[tuple[int, str, str, bytes, int]] = []
     per_table: dict[str, int] = {}
     t0_ns = now_ns - int((args.sim_s + 30) * NS)
     for j in range(args.jobs):
@@ -104,11 +106,13 @@ def _simulated_messages(
         SimulatedJob(cfg, sink).run(args.sim_s)
         last = t0_ns
         for topic, key, value in sink.msgs:
+            n = 0
             if topic.startswith("perfloop.telemetry.") and not topic.endswith(".job"):
                 b = decode_batch(value)
-                per_table[TABLE_OF_KIND[b.kind]] = per_table.get(TABLE_OF_KIND[b.kind], 0) + len(b)
+                n = len(b)
+                per_table[TABLE_OF_KIND[b.kind]] = per_table.get(TABLE_OF_KIND[b.kind], 0) + n
                 last = int(b.columns["ts_ns"][0])
-            out.append((last, topic, key, value))
+            out.append((last, topic, key, value, n))
     out.sort(key=lambda m: m[0])
     return out, per_table
 
@@ -125,6 +129,56 @@ def _stream_crashes(home: Path) -> list[str]:
         return []
     bad = ("Crashed reason=", "internal error on", "tick failed")
     return [ln.strip()[:400] for ln in lines if any(b in ln for b in bad)]
+
+
+class _Progress:
+    """Polls the warehouse every ``EVERY_S`` while the bench publishes: how many of the samples
+    published so far have landed (raw rows of the bench's jobs), to show the tiers keep up."""
+
+    EVERY_S = 2.0
+
+    def __init__(self, settings: Any, jobs: list[str], tables: list[str], published: Any) -> None:
+        self._settings, self._jobs, self._published = settings, jobs, published
+        self._sql = "SELECT " + " + ".join(
+            f"(SELECT count() FROM {t} WHERE job_id IN {{jobs:Array(String)}})" for t in tables
+        )
+        self.trace: list[tuple[float, int, int]] = []  # (seconds, published, landed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-progress", daemon=True)
+        self._t0 = 0.0
+
+    def start(self, t0: float) -> None:
+        self._t0 = t0
+        self._thread.start()
+
+    def _run(self) -> None:
+        from perfloop.warehouse import client
+
+        ch = client(self._settings)  # one client per thread
+        try:
+            while not self._stop.wait(self.EVERY_S):
+                published = self._published()
+                landed = _count(ch, self._sql, self._jobs)[0]
+                self.trace.append((time.perf_counter() - self._t0, published, int(landed)))
+        finally:
+            ch.close()
+
+    def stop(self) -> list[tuple[float, int, int]]:
+        self._stop.set()
+        self._thread.join(30)
+        return self.trace
+
+
+def _window_latency(ch: Any, jobs: list[str]) -> dict[str, float]:
+    """Seconds from each window's close in the stream worker to its row being inserted."""
+    rows = ch.query(
+        "SELECT quantiles(0.5, 0.99)(d), max(d) FROM (SELECT "
+        "(toUnixTimestamp64Nano(inserted) - toUnixTimestamp64Nano(closed)) / 1e9 AS d "
+        "FROM windows WHERE job_id IN {jobs:Array(String)})",
+        parameters={"jobs": jobs},
+    ).result_rows
+    (p50, p99), top = rows[0]
+    return {"p50": float(p50), "p99": float(p99), "max": float(top)} if top else {}
 
 
 def bench_engine(payloads: list[tuple[str, bytes]]) -> dict[str, Any]:
@@ -171,6 +225,8 @@ def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[s
     msgs, per_table = _simulated_messages(args, run_id, time.time_ns())
     gen_s = time.perf_counter() - tg
     jobs = sorted({m[2] for m in msgs})
+    if args.rate and not args.sim_s:
+        raise SystemExit("--rate needs --sim-s")
     n_all = sum(per_table.values())
     n_step = per_table.get("steps", 0)
     say(
@@ -180,21 +236,30 @@ def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[s
         + ", ".join(f"{t} {n:,}" for t, n in sorted(per_table.items()))
     )
     pub = Publisher(settings)
-    wire_bytes = 0
+    wire_bytes = published = 0
+    watch = _Progress(settings, jobs, list(per_table), lambda: published)
+    cpu0 = service_cpu_s(home)
     t0 = time.perf_counter()
-    for _, topic, key, value in msgs:
+    watch.start(t0)
+    for _, topic, key, value, n in msgs:
+        if args.rate:  # paced: no sample leaves before its time at --rate
+            ahead = published / args.rate - (time.perf_counter() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
         wire_bytes += len(value)
         while not pub.publish(topic, key, value):  # local queue full: wait, do not drop
             pub.flush(1.0)
+        published += n
     queued_s = time.perf_counter() - t0
     left = pub.flush(120)
     publish_s = time.perf_counter() - t0
     stats = pub.stats
     say(
         f"  producer: {n_all / publish_s:,.0f} samples/s ({publish_s:.2f} s incl. broker acks; "
-        f"{n_all / queued_s:,.0f} samples/s handed to the client), "
-        f"{wire_bytes / n_all:.1f} JSON bytes/sample, delivered {stats.delivered}/{len(msgs)}"
-        f", failed {stats.failed}, outstanding {left}"
+        f"{n_all / queued_s:,.0f} samples/s handed to the client"
+        + (f", paced at {args.rate:,.0f}" if args.rate else "")
+        + f"), {wire_bytes / n_all:.1f} JSON bytes/sample, delivered {stats.delivered}/"
+        f"{len(msgs)}, failed {stats.failed}, outstanding {left}"
     )
 
     ch = client(settings)
@@ -232,6 +297,10 @@ def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[s
 
         wdone = wait_for(windows_done, args.windows_timeout_s, 0.25)
         e2e_s = max(rows_s, progress["at"]) if ok and wdone else math.inf
+        trace = watch.stop()
+        cpu1 = service_cpu_s(home)
+        cpu = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
+        cpu["producer"] = stats.cpu_time_s
         say(
             f"  warehouse: {progress['rows']:,}/{n_all:,} raw rows landed "
             f"{rows_s:.2f} s after the first publish; 1 s windows cover "
@@ -239,13 +308,34 @@ def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[s
             f"({progress['windows']:,} window rows, {progress['diagnoses']:,} diagnosis rows)"
         )
         if ok and wdone:
-            say(f"  → end to end {n_all / e2e_s:,.0f} samples/s (producer → windows → warehouse)")
+            say(
+                f"  → end to end {n_all / e2e_s:,.0f} samples/s (producer → windows → warehouse)"
+                f"; done {e2e_s - publish_s:.2f} s after the last publish"
+            )
+        lag = max((p - r for _, p, r in trace), default=0)
+        say(
+            f"  keeping up: at most {lag:,} published samples not yet in the warehouse "
+            f"(polled every {_Progress.EVERY_S:g} s: "
+            + ", ".join(f"{t:.0f} s {p - r:,}" for t, p, r in trace[:: max(1, len(trace) // 8)])
+            + ")"
+        )
+        latency = _window_latency(ch, jobs)
+        if latency:
+            say(
+                "  window closed → its row in the warehouse: "
+                + ", ".join(f"{k} {v:.2f} s" for k, v in latency.items())
+            )
+        say(
+            "  CPU seconds until then: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]))
+            + f" (µs/sample: {1e6 * sum(cpu.values()) / n_all:.1f} in all)"
+        )
     finally:
         ch.close()
     crashes = _stream_crashes(home)
     if crashes:
         say(f"  ! the stream worker logged {len(crashes)} errors (streams.log): {crashes[0][:300]}")
-    engine = bench_engine([(t, v) for _, t, _, v in msgs])
+    engine = bench_engine([(m[1], m[3]) for m in msgs])
     return {
         "stream_errors": crashes,
         "engine_in_process": engine,
@@ -268,6 +358,12 @@ def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[s
         "window_rows": progress.get("windows"),
         "diagnosis_rows": progress.get("diagnoses"),
         "e2e_s": e2e_s if ok and wdone else None,
+        "rate": args.rate or None,
+        "done_after_last_publish_s": e2e_s - publish_s if ok and wdone else None,
+        "max_unlanded_samples": lag,
+        "progress": trace,
+        "window_close_to_row_s": latency,
+        "cpu_s": cpu,
         "e2e_samples_per_s": n_all / e2e_s if ok and wdone else None,
     }
 
@@ -470,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=8, help="ranks (GPUs) per node")
     p.add_argument("--sim-s", type=float, default=600.0, help="simulated seconds per job")
     p.add_argument("--scenario", default="mixed", help="simulator scenario of every job")
+    p.add_argument(
+        "--rate", type=float, default=0.0, help="publish at this many samples/s (0: at once)"
+    )
     p.add_argument("--naive", type=int, default=20_000, help="events for the naive baseline")
     p.add_argument("--fault-at-s", type=float, default=12.0)
     p.add_argument("--land-timeout-s", type=float, default=240.0)
