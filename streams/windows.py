@@ -28,19 +28,18 @@ silent, and silence is only counted when it is real:
   on with the wall clock (``wall_ns``) from its last batch or from when its channel caught up,
   whichever is later — so windows close on time, with no new events, when a job stops;
 * a source whose channel still has input to read (a backlog being drained, a restart) does not
-  move with the wall clock: it is silent only as far as the event time read on its channel (the
-  newest oldest-sample of its batches) has passed its watermark, less ``input_skew_s`` (how much
-  older than the batches read before it a batch may still be). Draining a backlog at any speed
-  therefore drops nothing as late;
+  move on at all: the input may still hold its next batch, however far other sources read on
+  it have got (a partition need not be in event-time order: a replay, a producer's spool).
+  Draining a backlog at any speed therefore drops nothing as late;
 * a source whose time another component keeps (`set_clock`; the engine clocks the ``derived``
   sources with the step analysis's progress) has that time.
 
-Sources not seen yet are covered too: a channel belongs to a ``group`` (the engine's topic), and
-while a group has channels with input left to read, a job with no source in that group yet
-(its first batch there may still be unread) is held at the event time read on them, less
-``input_skew_s``; while any channel has input left, a group of ``groups`` (the groups expected)
-that no channel was read from yet holds every job at the event time read on the channels
-that have input left, less ``input_skew_s`` (a backlog starts at the same time on every topic).
+Sources not seen yet are covered too: a channel belongs to a ``group`` (the engine's topic). A
+job with no source in a group waits while a channel of that group has input left to read (its
+first batch there may be in it); and while any channel has input left, a group of ``groups``
+(the groups expected) that nothing was read from yet holds every job at the oldest event time
+read on the channels with input left, less ``input_skew_s`` (a backlog starts at about the
+same time on every topic; the first read there then decides).
 
 Panes up to the job's watermark minus ``lateness_s`` close; a sample older than a closed pane is
 counted in `WindowSet.late_samples` and dropped (spans are stamped at their start, so the lateness
@@ -327,10 +326,9 @@ class WindowSet(WindowCore):
         if src.clock >= 0:
             return src.clock, wall_ns - src.seen <= self._idle_ns
         ch = self._channels.get(src.channel) if src.channel is not None else None
-        if ch is not None and ch[0]:  # input left to read: silent only in event time
-            idle = max(0, ch[2] - self._skew_ns - src.wm)
-        else:
-            idle = max(0, wall_ns - max(src.seen, ch[1] if ch is not None else 0))
+        if ch is not None and ch[0]:  # input left to read: not silent
+            return src.wm, True
+        idle = max(0, wall_ns - max(src.seen, ch[1] if ch is not None else 0))
         return src.wm + idle, idle <= self._idle_ns
 
     def watermark_ns(self, job_id: str, wall_ns: int, *, derived: bool = True) -> int | None:
@@ -355,15 +353,17 @@ class WindowSet(WindowCore):
     def _unseen_bound(self, job: Job, wm: int) -> int:
         """``wm`` held back for the job's sources not seen yet (see the module docstring)."""
         chans = self._channels
-        held = [ch for ch in chans.values() if ch[0] and ch[3] is not None and ch[2] >= 0]
+        held = [ch for ch in chans.values() if ch[0] and ch[3] is not None]
         if not held:
             return wm
         mine = {chans[s.channel][3] for s in job.sources if s.channel in chans}
-        bound = [ch[2] for ch in held if ch[3] not in mine]
+        if any(ch[3] not in mine for ch in held):
+            return min(wm, -1)  # its first batch there may still be unread: wait
         known = {ch[3] for ch in chans.values()}
-        if any(g not in known for g in self._groups):  # not read from at all yet
-            bound.append(min(ch[2] for ch in held))
-        return min([wm, *(b - self._skew_ns for b in bound)])
+        read = [ch[2] for ch in held if ch[2] >= 0]
+        if read and any(g not in known for g in self._groups):  # not read from at all yet
+            return min(wm, min(read) - self._skew_ns)
+        return wm
 
     # -- closing --------------------------------------------------------------------------
 

@@ -189,14 +189,16 @@ def test_a_source_whose_input_has_more_to_read_is_not_silent() -> None:
     assert ws.held_channels == [] and ws.late_samples == 0
 
 
-def test_an_input_read_past_a_source_makes_it_silent_in_event_time() -> None:
-    ws = only_step_time(specs="1", lateness_s=0, input_skew_s=2)
+def test_a_source_waits_for_its_input_however_far_other_sources_read_on_it_got() -> None:
+    ws = only_step_time(specs="1", lateness_s=0)
     ws.set_channel("p0", caught_up=False, wall_ns=T0)
-    ws.observe(steps([0.5], [1.0]), wall_ns=T0, channel="p0")  # job j stops at 0.5 s
-    ws.observe(batch("step", job="k", ts_ns=[T0 + 9 * NS], rank=[0], step=[0], step_time_ms=[1.0]),
-               wall_ns=T0, channel="p0")  # fmt: skip
-    # k's data at 9 s is read on the same input: j's next batch cannot be older than 7 s
-    assert ws.watermark_ns("j", T0 + 50 * NS) == T0 + 7 * NS
+    ws.observe(steps([0.5], [1.0]), wall_ns=T0, channel="p0")  # j's first batch
+    k = batch("step", job="k", ts_ns=[T0 + 90 * NS], rank=[0], step=[0], step_time_ms=[1.0])
+    ws.observe(k, wall_ns=T0, channel="p0")  # another job's, much newer, on the same input
+    assert ws.watermark_ns("j", T0 + 50 * NS) == T0 + NS // 2
+    ws.observe(steps([1.5], [1.0]), wall_ns=T0 + 50 * NS, channel="p0")  # j's next, behind k's
+    ws.advance(T0 + 50 * NS)
+    assert ws.late_samples == 0
 
 
 def test_a_job_waits_for_an_input_group_it_has_sent_nothing_on_yet() -> None:
@@ -204,14 +206,18 @@ def test_a_job_waits_for_an_input_group_it_has_sent_nothing_on_yet() -> None:
     gpu = batch("gpu", ts_ns=[T0 + 30 * NS], rank=[0], device=[0], power_w=[300.0])
     ws.set_channel(("gpu", 0), caught_up=False, wall_ns=T0, group="gpu")
     ws.observe(gpu, wall_ns=T0, channel=("gpu", 0))
-    # nothing read on the step topic yet: the job's step batches may all be to come
+    # nothing read on the step topic yet: it starts about where the others were read
     assert ws.watermark_ns("j", T0) == T0 + 29 * NS
     ws.set_channel(("step", 1), caught_up=False, wall_ns=T0, group="step")
-    ws.observe(batch("step", job="k", ts_ns=[T0 + 5 * NS], rank=[0], step=[0],
-                     step_time_ms=[1.0]), wall_ns=T0, channel=("step", 1))  # fmt: skip
-    assert ws.watermark_ns("j", T0) == T0 + 4 * NS, "the step input is read up to 5 s"
+    k = batch("step", job="k", ts_ns=[T0 + 5 * NS], rank=[0], step=[0], step_time_ms=[1.0])
+    ws.observe(k, wall_ns=T0, channel=("step", 1))
+    assert ws.watermark_ns("j", T0) < T0, "j's first step batch may be on the step input"
+    assert ws.watermark_ns("k", T0) < T0, "and k's first GPU batch on the GPU input"
     ws.set_channel(("step", 1), caught_up=True, wall_ns=T0, group="step")
     assert ws.watermark_ns("j", T0) == T0 + 30 * NS
+    ws.set_channel(("gpu", 0), caught_up=True, wall_ns=T0, group="gpu")
+    assert ws.watermark_ns("k", T0) == T0 + 5 * NS
+    assert not ws.advance(T0)["count"].sum() and ws.late_samples == 0
 
 
 def test_a_clocked_source_holds_its_job_at_its_clock() -> None:
