@@ -5,9 +5,10 @@ A job hangs when no step completes for ``max(floor_s, k × p99 step time)`` whil
 ranks blocked in a collective keep an NCCL kernel resident), or for the longer
 ``max(slow_floor_s, slow_k × p99)`` without that evidence (a checkpoint or an evaluation
 pause idles every GPU; a job that sends nothing at all is judged by its event-time clock,
-which then moves on with the receive clock less its usual transport lag, `JobState.now`). The p99 is over the job's recent complete steps, so the timeout adapts
-to each job. The culprit is the rank whose GPU idles (``idle_util_pct``) while the others spin,
-else the rank(s) whose progress stopped first; the diagnosis resolves when a step completes.
+which then moves on with the receive clock less its usual transport lag, `JobState.now`).
+The p99 is over the job's recent complete steps, so the timeout adapts to each job. The
+culprit is the rank whose GPU idles (``idle_util_pct``) while the others spin, else the
+rank(s) whose progress stopped first; the diagnosis resolves when a step completes.
 """
 
 from __future__ import annotations
