@@ -3,9 +3,14 @@
 Agents read ``perfloop.telemetry.{gpu,host,step,span,job}`` and ``perfloop.control`` in
 groups of messages, hand each to the engine, and send what it rejects to ``perfloop.dlq``
 with the reason and the source in its headers; an agent never dies on bad input (even an
-unexpected error in a component is logged, dead-lettered and survived). A timer ticks the
-engine every ``tick_interval_s`` and publishes closed windows (``perfloop.windows``), phase
-changes, diagnoses and recommendations, keyed by job.
+unexpected error in a component is logged, dead-lettered and survived). With each message the
+engine learns whether its partition has been read to its end (its offset against the
+partition's high-water mark from the consumer's last fetch): while a backlog is drained, the
+sources it carries are not silent, so nothing closes early (see `perfloop.streams.engine`). A
+timer ticks the engine every ``tick_interval_s`` (first telling it which partitions it has not
+read from yet have input waiting, and which held ones have since been read to their end) and
+publishes closed windows (``perfloop.windows``), phase changes, diagnoses and
+recommendations, keyed by job.
 
 Processing is at least once, with durable state: input is read without automatic
 acknowledgement; every ``snapshot_interval_s`` the engine's state is written to
@@ -17,6 +22,7 @@ snapshot may be emitted again (bounded by the snapshot interval).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -24,12 +30,13 @@ from typing import Any
 
 import faust
 import orjson
+from faust.types import TP
 
 from perfloop.catalog import Topics
 from perfloop.kafka import dlq_headers
 from perfloop.schemas import SchemaError, encode_event
 from perfloop.settings import StreamsSettings
-from perfloop.streams.engine import INPUT_TOPICS, Outputs, StreamEngine
+from perfloop.streams.engine import INPUT_TOPICS, TELEMETRY_TOPICS, Outputs, StreamEngine
 from perfloop.streams.windows import WindowColumns, split_by_job
 
 __all__ = ["StreamsService", "create_app", "snapshot_path", "windows_messages"]
@@ -87,6 +94,42 @@ def create_app(settings: StreamsSettings) -> faust.App:
         log.info("resumed from %s (%d partitions)", path, len(engine.snapshot()["offsets"]))
     held: list[Any] = []
 
+    def highwater(tp: TP) -> int | None:
+        """The partition's end from the consumer's last fetch (None: unknown or not assigned)."""
+        try:
+            hw = app.consumer.highwater(tp)
+        except Exception:  # not assigned (any more), or no consumer yet
+            return None
+        return None if hw is None or hw < 0 else int(hw)
+
+    def caught_up(tp: TP, offset: int) -> bool:
+        """Whether ``offset`` is the partition's last message as far as the consumer knows (an
+        unknown end, or a partition no longer assigned, counts as read)."""
+        hw = highwater(tp)
+        return hw is None or offset + 1 >= hw
+
+    async def check_inputs(now: int) -> None:
+        """Tell the engine which telemetry partitions have input left: those not read from
+        yet (unfetched, or fetched short of their end) and those held whose end was reached."""
+        held = set(engine.held_inputs)
+        unread = []
+        for tp in app.consumer.assignment():
+            if tp.topic not in TELEMETRY_TOPICS:
+                continue
+            pos = engine.position(tp.topic, tp.partition)
+            if pos is None:
+                unread.append(tp)
+            elif (tp.topic, tp.partition) in held and caught_up(tp, pos - 1):
+                engine.set_input(tp.topic, tp.partition, caught_up=True, wall_ns=now)
+        fetched = await asyncio.gather(
+            *(asyncio.wait_for(app.consumer.position(tp), 0.1) for tp in unread),
+            return_exceptions=True,
+        )
+        for tp, at in zip(unread, fetched, strict=True):
+            hw = highwater(tp)  # unknown, or not fetched to its end: input left to read
+            behind = hw is None or not isinstance(at, int) or at < hw
+            engine.set_input(tp.topic, tp.partition, caught_up=not behind, wall_ns=now)
+
     async def emit(o: Outputs) -> None:
         if o.windows is not None:
             for key, value in windows_messages(o.windows):
@@ -115,7 +158,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
             try:
                 engine.ingest(
                     msg.topic, value, wall_ns=time.time_ns(), partition=msg.partition,
-                    offset=msg.offset,
+                    offset=msg.offset, caught_up=caught_up(msg.tp, msg.offset),
                 )  # fmt: skip
                 reason = ""
             except SchemaError as e:
@@ -140,7 +183,9 @@ def create_app(settings: StreamsSettings) -> faust.App:
     @app.timer(settings.tick_interval_s)
     async def tick() -> None:
         try:
-            o = engine.tick(time.time_ns())
+            now = time.time_ns()
+            await check_inputs(now)
+            o = engine.tick(now)
         except Exception:  # logged; the next tick tries again
             log.exception("tick failed")
             return
@@ -174,7 +219,8 @@ def create_app(settings: StreamsSettings) -> faust.App:
         st = engine.stats
         log.info(
             "stream stats: %d messages, %d samples, %d events, %d rejected, %d late samples, "
-            "%d window rows, %d phase events, %d diagnoses, %d recommendations; %d held",
+            "%d window rows, %d phase events, %d diagnoses, %d recommendations; %d held, "
+            "%d read behind their partition's end, %d partitions behind now",
             st["messages"],
             st["samples"],
             st["events"],
@@ -185,6 +231,8 @@ def create_app(settings: StreamsSettings) -> faust.App:
             st["diagnoses"],
             st["recommendations"],
             len(held),
+            st["behind"],
+            len(engine.held_inputs),
         )
 
     app.perfloop_engine = engine  # type: ignore[attr-defined]

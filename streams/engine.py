@@ -10,22 +10,46 @@ the app hands over (`ingest`), the engine:
    the app sends the message to ``perfloop.dlq`` and goes on.
 2. **skips** it when a restored snapshot already holds it (its offset is below the
    snapshot's offset for that partition), counting it in ``stats["replayed"]``.
-3. **hands** the decoded batch to its components: `WindowSet` (1/10/60 s windows),
-   `StepAnalysis` (per-step busy/idle/straggler analysis), `PhaseMachine` and `Funnel`;
-   job events (job info, lifecycle) go to the components that read them; a ``ConfigChange``
-   for the streams is applied live (`configure`).
+3. **hands** the decoded batch to `WindowSet` (1/10/60 s windows) at once, and queues it, with
+   the job events (job info, lifecycle), for the analyses — `StepAnalysis` (per-step
+   busy/idle/straggler analysis), `PhaseMachine` and `Funnel`; a ``ConfigChange`` for the
+   streams is applied live (`configure`).
+
+Time. Everything the engine computes depends on the messages' event time, not on how fast
+they are read: a backlog drained at 100x gives the windows, phases and diagnoses of the same
+data read live. Two things make it so:
+
+* **Silence is only real on a caught-up input.** The app says with each message whether its
+  topic partition has been read to its end (``caught_up``), and between messages which
+  partitions have input left (`set_input`). Until one has been read to its end, the sources
+  that come by it do not move on with the wall clock, and a job waits for a topic it has sent
+  nothing on while a partition of it has input left (`WindowSet.set_channel`): no pane closes
+  before its data is read, and draining a backlog drops nothing as late. Once it has, a
+  source that sends nothing moves on with the wall clock: a job that stops still has its
+  windows closed and is diagnosed as hung on time. (Data a producer publishes late, after
+  its partition was read to its end, is late as ever.)
+* **The analyses run on each job's event-time clock.** A job's clock is its telemetry's
+  watermark (`WindowSet.watermark_ns` over its telemetry sources: the event time up to which
+  all of them have been read, moved on by real silence only). Queued input is handed to the
+  analyses in event-time order once the clock passes it, and the analyses are ticked at every
+  ``tick_interval_s`` boundary of the clock, with the event time as their clock: the same
+  messages give the same calls in the same order at any read speed. Diagnoses, phase changes
+  and recommendations therefore carry event time in ``ts_ns``; only closed windows carry the
+  wall time they closed (``closed_ns``). The windows of the step analysis's derived metrics
+  wait for the job's open steps (`StepAnalysis.open_since`), so none of them is late.
 
 `tick` closes what is due and returns it as `Outputs`. `snapshot` / `restore` capture every
-component's state with the offsets it covers; the app writes a snapshot before it
-acknowledges the input it holds, so a worker killed at any moment resumes from its last
-snapshot and re-reads only the messages after it: those messages are processed once, and the
-windows and diagnoses emitted between that snapshot and the kill may be emitted a second time
-(at most ``snapshot_interval_s`` of them; the windows table keeps one row per window
+component's state, the queued input and the offsets it covers; the app writes a snapshot
+before it acknowledges the input it holds, so a worker killed at any moment resumes from its
+last snapshot and re-reads only the messages after it: those messages are processed once, and
+the windows and diagnoses emitted between that snapshot and the kill may be emitted a second
+time (at most ``snapshot_interval_s`` of them; the windows table keeps one row per window
 identity, see the README).
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import pickle
@@ -48,7 +72,9 @@ from perfloop.schemas import (
     decode_batch,
     decode_event,
 )
+from perfloop.schemas.base import Event
 from perfloop.settings import StreamsSettings
+from perfloop.streams._phase_clock import JobClock, QueueEntry
 from perfloop.streams._phase_steps import DERIVED_METRICS
 from perfloop.streams.funnel import Funnel
 from perfloop.streams.phases import PhaseMachine
@@ -67,12 +93,14 @@ __all__ = [
 
 log = logging.getLogger("perfloop.streams")
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
 DEFAULT_DERIVED = ("gpu_idle_ms", "straggler_score")
 """`StepAnalysis` metrics windowed by default (``windows.metrics.derived`` picks others)."""
 TELEMETRY_TOPICS = (Topics.GPU, Topics.HOST, Topics.STEP, Topics.SPAN)
 INPUT_TOPICS = (*TELEMETRY_TOPICS, Topics.JOB, Topics.CONTROL)
 _TOPIC_KINDS = {t: {k for k, kt in KIND_TOPICS.items() if kt == t} for t in INPUT_TOPICS}
+_MAX_GAP_NS = 120 * NS  # a job's clock leaping further skips the analysis ticks in between
+_FORGET_MARGIN_NS = 60 * NS
 
 
 @dataclass
@@ -92,13 +120,18 @@ class Outputs:
         return bool(self.window_rows or self.phases or self.diagnoses or self.recommendations)
 
 
+_EVENT_OUTPUTS = {"phases": PhaseChange, "diagnoses": Diagnosis, "recommendations": Recommendation}
+
+
 class StreamEngine:
     """Validates and routes messages to the stream components; closes what is due on `tick`."""
 
     def __init__(self, settings: StreamsSettings) -> None:
         self.settings = settings
         self.windows = WindowSet(
-            parse_specs(settings.windows), lateness_s=settings.allowed_lateness_s
+            parse_specs(settings.windows),
+            lateness_s=settings.allowed_lateness_s,
+            groups=TELEMETRY_TOPICS,
         )
         self.steps = StepAnalysis()
         self.phases = PhaseMachine()
@@ -117,6 +150,10 @@ class StreamEngine:
         self._offsets: dict[tuple[str, int], int] = {}  # next offset to read, per partition
         self._resume: dict[tuple[str, int], int] = {}  # from a restored snapshot
         self._restored = False  # until the first message after a restore
+        self._tick_ns = max(1, int(settings.tick_interval_s * NS))
+        self._time: dict[str, JobClock] = {}
+        self._seq = 0  # arrival order (ties of event time, within a source)
+        self._out = Outputs()  # what the analyses produced since the last `tick`
 
     # -- input -------------------------------------------------------------------------------
     def ingest(
@@ -127,24 +164,42 @@ class StreamEngine:
         wall_ns: int,
         partition: int = 0,
         offset: int = -1,
+        caught_up: bool = True,
     ) -> int:
         """Take one message; return its samples (0 for an event or a skipped message).
+
+        ``caught_up``: whether the message's topic partition has been read to its end with it
+        (the app compares the offset with the partition's high-water mark); while it has not,
+        the sources that come by it are not silent (see the module docstring).
 
         Raise `SchemaError` with a one-line reason if the message is bad; nothing of it is
         then applied, and the engine's state is as if it had never arrived.
         """
         tp = (topic, partition)
-        if self._restored:  # the downtime is not the sources' silence
-            self.windows.resume(wall_ns)
-            self._restored = False
+        self._resumed(wall_ns)
+        self.stats["behind"] += not caught_up
         if offset >= 0:
             if offset < self._resume.get(tp, -1):
                 self.stats["replayed"] += 1
+                if topic in TELEMETRY_TOPICS:
+                    self.windows.set_channel(tp, caught_up=caught_up, wall_ns=wall_ns, group=topic)
                 return 0
             self._offsets[tp] = max(self._offsets.get(tp, 0), offset + 1)
         if topic in TELEMETRY_TOPICS:
             batch = self._batch(topic, data, wall_ns)
-            self._observe(batch, wall_ns)
+            self.windows.set_channel(tp, caught_up=caught_up, wall_ns=wall_ns, group=topic)
+            self.windows.observe(batch, wall_ns, tp)
+            if len(batch):
+                ts = batch.columns["ts_ns"]
+                self._queue(batch.job_id, int(ts.max()), batch.kind, batch.node, batch)
+                if batch.kind == "step":  # the derived metrics' windows wait for it
+                    first = int(ts.min())
+                    heapq.heappush(self._time[batch.job_id].step_mins, (first, self._seq - 1))
+                    if self.derived_metrics:
+                        self.windows.clock_source(
+                            batch.job_id, batch.node, "derived", first, wall_ns
+                        )
+                self._advance(batch.job_id, wall_ns)
             self.stats["messages"] += 1
             self.stats["samples"] += len(batch)
             return len(batch)
@@ -156,10 +211,36 @@ class StreamEngine:
             if isinstance(event, ConfigChange):
                 self._config(event)
             elif topic == Topics.JOB:
-                self.phases.observe_event(event, wall_ns)
-                self.funnel.observe_event(event, wall_ns)
+                self._queue(event.job_id, event.ts_ns, event.KIND, event.node, event)
+                self._advance(event.job_id, wall_ns)
             return 0
         raise SchemaError(f"the stream worker does not read {topic}")
+
+    def set_input(self, topic: str, partition: int, *, caught_up: bool, wall_ns: int) -> None:
+        """Say whether a telemetry partition has input left to read, between messages: the app
+        checks each tick the partitions it has not read from yet (a job waits for a topic it has
+        sent nothing on while one of its partitions has input left) and the held ones (the
+        message that reached the end may have been rejected)."""
+        group = topic if topic in TELEMETRY_TOPICS else None
+        self.windows.set_channel(
+            (topic, partition), caught_up=caught_up, wall_ns=wall_ns, group=group
+        )
+
+    @property
+    def held_inputs(self) -> list[tuple[str, int]]:
+        """Telemetry partitions with input left to read (their sources' silence is held)."""
+        return list(self.windows.held_channels)
+
+    def position(self, topic: str, partition: int) -> int | None:
+        """The next offset of the partition to read (None: none read yet)."""
+        return self._offsets.get((topic, partition))
+
+    def _resumed(self, wall_ns: int) -> None:
+        if self._restored:  # the downtime is not the sources' silence
+            self.windows.resume(wall_ns)
+            for jt in self._time.values():
+                jt.at_wall = max(jt.at_wall, wall_ns)
+            self._restored = False
 
     def _batch(self, topic: str, data: bytes, wall_ns: int) -> Batch:
         batch = decode_batch(data)
@@ -182,13 +263,78 @@ class StreamEngine:
                 )
         return batch
 
-    def _observe(self, batch: Batch, wall_ns: int) -> None:
-        self.windows.observe(batch, wall_ns)
-        self.steps.observe(batch, wall_ns)
-        self.phases.observe(batch, wall_ns)
-        self.funnel.observe(batch, wall_ns)
-        if batch.kind == "step" and len(batch):
-            self.rule.observe_workers(batch.job_id, int(batch.columns["num_workers"][-1]))
+    # -- event time --------------------------------------------------------------------------
+    def _queue(self, job: str, t: int, kind: str, node: str, item: Batch | Event) -> None:
+        jt = self._time.get(job)
+        if jt is None:
+            jt = self._time[job] = JobClock((t // self._tick_ns + 1) * self._tick_ns)
+        heapq.heappush(jt.queue, (t, kind, node, self._seq, item))
+        self._seq += 1
+        jt.newest = max(jt.newest, t)
+
+    def _advance(self, job: str, wall_ns: int) -> None:
+        """Move the job's clock on; hand the analyses what it passed, ticking them at each
+        ``tick_interval_s`` boundary (the input up to a boundary first)."""
+        jt = self._time[job]
+        clock = self.windows.watermark_ns(job, wall_ns, derived=False)
+        if clock is None:  # no telemetry (yet, or any more): its events' time, then the wall's
+            clock = max(jt.newest, jt.clock + max(0, wall_ns - jt.at_wall) if jt.clock else 0)
+        jt.clock, jt.at_wall = max(jt.clock, clock), wall_ns
+        q, step = jt.queue, self._tick_ns
+        while True:  # strictly before the clock: all of that time's input has been read
+            if q and q[0][0] <= jt.next_tick and q[0][0] < jt.clock:
+                self._release(jt, heapq.heappop(q))
+                continue
+            if jt.next_tick >= jt.clock:
+                return
+            gap = (min(jt.clock, q[0][0]) if q else jt.clock) - jt.next_tick
+            if gap > _MAX_GAP_NS:  # nothing came for long: tick its last _MAX_GAP_NS only
+                jt.next_tick += (gap - _MAX_GAP_NS) // step * step
+            self._analyse(job, jt.next_tick, wall_ns)
+            jt.next_tick += step
+
+    def _release(self, jt: JobClock, entry: QueueEntry) -> None:
+        jt.evt = max(jt.evt, entry[0])
+        item = entry[4]
+        if isinstance(item, Batch):
+            if item.kind == "step":
+                jt.gone.add(entry[3])
+            self.steps.observe(item, jt.evt)
+            self.phases.observe(item, jt.evt)
+            self.funnel.observe(item, jt.evt)
+            if item.kind == "step":
+                self.rule.observe_workers(item.job_id, int(item.columns["num_workers"][-1]))
+        else:
+            self.steps.observe_event(item, jt.evt)
+            self.phases.observe_event(item, jt.evt)
+            self.funnel.observe_event(item, jt.evt)
+
+    def _analyse(self, job: str, now: int, wall_ns: int) -> None:
+        """Tick the analyses for one job at event time ``now``."""
+        jobs = (job,)
+        derived = self.steps.tick(now, jobs)
+        if derived is not None and len(derived["ts_ns"]):
+            self._add_derived(derived, wall_ns)
+        # the derived metrics still to come are of open steps and of step batches queued
+        pending = [self.steps.open_since(job), self._time[job].queued_steps_since()]
+        self.windows.set_clock(job, "derived", min([now, *(t for t in pending if t is not None)]))
+        self._out.phases.extend(self.phases.tick(now, jobs))
+        diagnoses = self.funnel.tick(now, jobs)
+        self._out.diagnoses.extend(diagnoses)
+        self._out.recommendations.extend(self.rule.evaluate(diagnoses))
+
+    def _forget_time(self, job: str, wall_ns: int) -> bool:
+        """Whether the job's clock can go: the windows forgot it and every analysis has had
+        the time to (their forget settings, in its event time)."""
+        jt = self._time[job]
+        horizon = max(
+            self.funnel.config.funnel.idle_job_s, self.steps.forget_s, self.phases.forget_s
+        )
+        return (
+            not jt.queue
+            and self.windows.watermark_ns(job, wall_ns) is None
+            and jt.clock - jt.evt > int(horizon * NS) + _FORGET_MARGIN_NS
+        )
 
     # -- live configuration ------------------------------------------------------------------
     def _config(self, change: ConfigChange) -> None:
@@ -236,17 +382,17 @@ class StreamEngine:
 
     # -- output ------------------------------------------------------------------------------
     def tick(self, wall_ns: int) -> Outputs:
-        """Close due windows, advance the analyses; return everything that became due."""
-        derived = self.steps.tick(wall_ns)
-        if derived is not None and len(derived["ts_ns"]):
-            self._add_derived(derived, wall_ns)
-        out = Outputs()
+        """Advance every job's clock and analyses, close due windows; return everything that
+        became due since the last tick."""
+        self._resumed(wall_ns)
+        for job in list(self._time):
+            self._advance(job, wall_ns)
+            if self._forget_time(job, wall_ns):
+                del self._time[job]
+        out, self._out = self._out, Outputs()
         cols = self.windows.advance(wall_ns)
         if cols is not None and len(cols["ts_ns"]):
             out.windows = cols
-        out.phases = self.phases.tick(wall_ns)
-        out.diagnoses = self.funnel.tick(wall_ns)
-        out.recommendations = self.rule.evaluate(out.diagnoses, now_ns=wall_ns)
         self.stats["window_rows"] += out.window_rows
         self.stats["phase_events"] += len(out.phases)
         self.stats["diagnoses"] += len(out.diagnoses)
@@ -270,16 +416,8 @@ class StreamEngine:
             groups[key].append(i)
         for (job, node, metric), idx in groups.items():
             sel = np.asarray(idx)
-            self.windows.add(
-                job,
-                node,
-                ranks[sel],
-                np.full(len(sel), -1),
-                ts[sel],
-                metric,
-                values[sel],
-                wall_ns=wall_ns,
-            )
+            devices = np.full(len(sel), -1)
+            self.windows.add(job, node, ranks[sel], devices, ts[sel], metric, values[sel], wall_ns)
 
     # -- durable state -----------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -294,6 +432,9 @@ class StreamEngine:
             "rule": self.rule.snapshot(),
             "derived_metrics": self.derived_metrics,
             "stats": dict(self.stats),
+            "time": {job: jt.state() for job, jt in self._time.items()},
+            "seq": self._seq,
+            "out": {k: [e.model_dump() for e in getattr(self._out, k)] for k in _EVENT_OUTPUTS},
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -312,6 +453,11 @@ class StreamEngine:
         self._resume = dict(state["offsets"])
         self.stats.update(state.get("stats", {}))
         self.stats["restored"] += 1
+        self._time = {job: JobClock.from_state(d) for job, d in state["time"].items()}
+        self._seq = state["seq"]
+        self._out = Outputs(
+            **{k: [t(**e) for e in state["out"][k]] for k, t in _EVENT_OUTPUTS.items()}
+        )
         self._restored = True
 
     def dumps(self) -> bytes:
