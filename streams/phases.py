@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -366,7 +367,7 @@ class PhaseMachine:
         if not top.any():
             return
         job.spans_wall = wall
-        codes = np.fromiter((_CODE.get(p, -1) for p in phase[top]), np.int64, int(top.sum()))
+        codes = np.fromiter(map(_CODE.get, phase[top], repeat(-1)), np.int64, int(top.sum()))
         cols = job.cols(c["rank"][top])
         s, d, steps = start[top], dur[top], c["step"][top]
         known = codes >= 0

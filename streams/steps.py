@@ -50,6 +50,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Iterable
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -402,7 +403,7 @@ class StepAnalysis:
                 job.seen_wall[cols] = wall_ns
                 np.add.at(job.nsteps, cols[new], 1)
             elif kind == "span":
-                codes = np.fromiter((_PH.get(p, _USER) for p in c["phase"]), np.int64, len(cols))
+                codes = np.fromiter(map(_PH.get, c["phase"], repeat(_USER)), np.int64, len(cols))
                 first = (job.flags[slots, cols] & _SPAN) == 0
                 job.phase[slots[first], cols[first]] = 0.0
                 np.add.at(job.phase, (slots, cols, codes), c["duration_ms"])
@@ -459,23 +460,28 @@ class StepAnalysis:
         open_ = np.flatnonzero((job.slot_step >= 0) & ~job.slot_done)
         if not len(open_):
             return
+        open_ = open_[np.argsort(job.slot_step[open_])]  # completed in step order
         expected = job.seen_wall >= wall_ns - int(self.expect_s * NS)
         learned = job.kinds[expected]
         # A rank's kinds are known once it sent a second step (the first step's parts came
         # before the second's: a producer sends a step's spans and summaries with its event).
         known = bool((job.nsteps[expected] >= 2).all())
-        for slot in open_[np.argsort(job.slot_step[open_])].tolist():
-            f = job.flags[slot]
-            present = (f & _STEP) != 0
-            all_in = bool(present[expected].all()) and bool(expected.any())
-            full = known and all_in and bool(((f[expected] & learned) == learned).all())
-            settled = wall_ns - job.slot_last[slot] >= self.settle_s * NS
-            timed = force or job.ended_wall or wall_ns - job.slot_first[slot] >= self.timeout_s * NS
-            if (all_in and (full or settled)) or (timed and present.any()):
-                self._complete(job, slot, wall_ns)
-            elif timed:  # rows without any step event: nothing to relate them to
-                job.slot_done[slot] = True
-                self.dropped_steps += 1
+        # Every open slot at once (completing one changes nothing the others are judged by).
+        f = job.flags[open_]
+        present = (f & _STEP) != 0
+        all_in = present[:, expected].all(axis=1) & bool(expected.any())
+        full = all_in & ((f[:, expected] & learned) == learned).all(axis=1) & known
+        settled = wall_ns - job.slot_last[open_] >= self.settle_s * NS
+        timed = wall_ns - job.slot_first[open_] >= self.timeout_s * NS
+        timed |= force or bool(job.ended_wall)
+        anything = present.any(axis=1)
+        due = (all_in & (full | settled)) | (timed & anything)
+        for slot in open_[due].tolist():
+            self._complete(job, slot, wall_ns)
+        empty = timed & ~anything  # rows without any step event: nothing to relate them to
+        if empty.any():
+            job.slot_done[open_[empty]] = True
+            self.dropped_steps += int(empty.sum())
 
     def _complete(self, job: _Job, slot: int, wall_ns: int) -> None:
         job.slot_done[slot] = True
