@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import faust
-import orjson
 from faust.types import TP
 
 from perfloop.catalog import Topics
 from perfloop.kafka import dlq_headers
 from perfloop.schemas import SchemaError, encode_event
 from perfloop.settings import StreamsSettings
+from perfloop.streams._windows_wire import encode_windows
 from perfloop.streams.engine import INPUT_TOPICS, TELEMETRY_TOPICS, Outputs, StreamEngine
 from perfloop.streams.windows import WindowColumns, split_by_job
 
@@ -43,8 +43,7 @@ __all__ = ["StreamsService", "create_app", "snapshot_path", "windows_messages"]
 
 log = logging.getLogger("perfloop.streams")
 
-# About 300 bytes a row: a message stays far below the 1 MiB default request size.
-WINDOW_ROWS_PER_MESSAGE = 2000
+
 # Held (unacknowledged) input beyond this while snapshots fail is acknowledged anyway.
 MAX_HELD_EVENTS = 20_000
 
@@ -54,13 +53,11 @@ def snapshot_path(settings: StreamsSettings) -> Path:
 
 
 def windows_messages(cols: WindowColumns) -> list[tuple[bytes, bytes]]:
-    """Closed windows as ``(key, value)`` messages: per job, at most 2000 rows each."""
+    """Closed windows as ``(key, value)`` messages: per job, Arrow IPC (v3), at most
+    2000 rows each (`perfloop.streams._windows_wire`)."""
     out = []
     for job, part in split_by_job(cols).items():
-        n = len(part["ts_ns"])
-        for i in range(0, n, WINDOW_ROWS_PER_MESSAGE):
-            chunk = {k: v[i : i + WINDOW_ROWS_PER_MESSAGE].tolist() for k, v in part.items()}
-            out.append((job.encode(), orjson.dumps({"kind": "windows", "v": 2, "columns": chunk})))
+        out.extend(encode_windows(part, job.encode()))
     return out
 
 
