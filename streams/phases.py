@@ -434,7 +434,9 @@ class PhaseMachine:
     def _label(self, job: _Job) -> None:
         """Label buffered GPU samples with the span covering them once their rank's spans
         reach them; learn from the labelled; forget what is too old."""
-        if not len(job.pend_t):
+        if not len(job.pend_t):  # nothing to label: keep only the spans late samples may need
+            if len(job.tl):
+                job.tl = job.tl[job.tl[:, 2] >= int(job.tl_max.max()) - _SKEW_NS]
             return
         tl = job.tl[np.lexsort((job.tl[:, 1], job.tl[:, 0]))]
         base = int(min(tl[:, 1].min(), job.pend_t[:, 1].min())) if len(tl) else 0

@@ -449,3 +449,15 @@ def test_a_restarted_job_warms_up_again() -> None:
     pm.observe_event(start, T0 + 10 * S)
     pm.observe(_steps_batch("r", 0, [T0 + 11 * S], [100.0], 1), T0 + 11 * S)
     assert [e.phase for e in pm.tick(T0 + 11 * S)] == ["warmup"]
+
+
+def test_state_does_not_grow_with_the_length_of_the_run() -> None:
+    """The span timeline is kept only as far back as GPU samples may still need it: a job
+    ten times longer leaves the same state behind (it grew by every span before)."""
+    sizes = []
+    for seconds in (30.0, 300.0):
+        _, messages = simulate("healthy", seconds, nodes=1, ranks_per_node=4)
+        pm = PhaseMachine()
+        feed(pm, messages, end_pad_ns=0)
+        sizes.append(len(pickle.dumps(pm.snapshot())))
+    assert sizes[1] < 1.5 * sizes[0], sizes
