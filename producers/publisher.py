@@ -64,6 +64,7 @@ from perfloop.exceptions import ConfigError
 from perfloop.kafka import producer
 from perfloop.producers.spool import Position, Spool, SpoolError, SpoolLocked, SpoolRecord
 from perfloop.schemas import ProducerStats, encode_event
+from perfloop.schemas._arrow_batch import arrow_rows, is_arrow
 from perfloop.settings import BaseServiceSettings, ProducerSettings
 
 __all__ = ["Publisher", "PublisherStats", "count_samples"]
@@ -180,7 +181,10 @@ class _Sent:  # one message handed to the producer, and why
 
 
 def count_samples(value: bytes) -> int:
-    """Samples in a message: the length of a columnar batch's ``ts_ns`` column, else 1."""
+    """Samples in a message: the rows of a batch (Arrow, or the length of a JSON batch's
+    ``ts_ns`` column), else 1."""
+    if is_arrow(value):
+        return arrow_rows(value)
     i = value.find(b'"ts_ns":[')
     if i < 0:
         return 1

@@ -28,12 +28,14 @@ from perfloop.schemas.codec import (
     BATCH_KINDS,
     EVENT_KINDS,
     MAX_MESSAGE_BYTES,
+    WIRE_FORMATS,
     Batch,
     BatchBuilder,
     decode_batch,
     decode_event,
     encode_batch,
     encode_event,
+    is_batch,
 )
 from perfloop.schemas.control import ActuationResult, Command, KnobValue, Recommendation
 from perfloop.schemas.exceptions import SchemaError
@@ -69,6 +71,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "RUN_PHASES",
     "STANDARD_PHASES",
+    "WIRE_FORMATS",
     "ActuationResult",
     "Batch",
     "BatchBuilder",
@@ -96,6 +99,7 @@ __all__ = [
     "encode_batch",
     "encode_event",
     "export_json_schemas",
+    "is_batch",
     "new_event_id",
     "now_ns",
 ]

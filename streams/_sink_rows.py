@@ -34,6 +34,8 @@ import pyarrow.compute as pc
 from perfloop.catalog import DEAD_LETTER_PAYLOAD_BYTES, KIND_TABLES, KIND_TOPICS, TABLES, Topics
 from perfloop.kafka import _reason_class
 from perfloop.schemas import SchemaError, decode_batch, decode_event
+from perfloop.schemas._arrow_batch import header_of
+from perfloop.schemas._arrow_batch import is_arrow as is_arrow_batch
 from perfloop.schemas.base import JOB_ID_PATTERN
 from perfloop.streams._windows_wire import (
     MAX_WINDOWS_BYTES,
@@ -308,7 +310,9 @@ def _origin(data: bytes, key: str) -> tuple[str, str, int]:
     """``(job_id, node, rank)`` of a rejected message where it can be read, else ('', '', -1)."""
     job, node, rank = "", "", -1
     doc: Any = None
-    if len(data) <= 1 << 20:
+    if is_arrow_batch(data):  # a telemetry batch: its header names the job and node
+        doc = header_of(data)
+    elif len(data) <= 1 << 20:
         try:
             doc = orjson.loads(data)
         except orjson.JSONDecodeError:

@@ -13,7 +13,7 @@ from confluent_kafka import Producer
 
 from perfloop.catalog import Topics
 from perfloop.kafka import consumer
-from perfloop.schemas import BatchBuilder, ConfigChange, encode_event
+from perfloop.schemas import BatchBuilder, ConfigChange, encode_batch, encode_event
 from perfloop.settings import StackSettings
 from perfloop.stack import status
 from perfloop.warehouse import client
@@ -37,7 +37,9 @@ def test_bad_input_is_dead_lettered_and_the_worker_lives_on(stack: StackSettings
     key = job.encode()
     now = time.time_ns()
     good = _steps(job, now - 20 * NS).encode()
-    doc = orjson.loads(good)
+    doc = orjson.loads(  # JSON, to take apart: a producer in any language may send it
+        encode_batch("step", _steps(job, now - 20 * NS).take(), job_id=job, node="n0", wire="json")
+    )
     bad: dict[str, tuple[str, bytes]] = {
         "malformed": (Topics.STEP, b"\x00not json"),
         "future version": (Topics.STEP, orjson.dumps({**doc, "schema_version": 99})),

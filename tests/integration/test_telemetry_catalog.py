@@ -139,7 +139,7 @@ def test_a_message_sent_twice_lands_once(stack: StackSettings) -> None:
 def test_bad_telemetry_is_dead_lettered_with_a_reason(stack: StackSettings) -> None:
     key = f"bad-{uuid.uuid4().hex[:8]}".encode()
     good_cols = {"ts_ns": [1], "rank": [0], "step": [1], "step_time_ms": [5.0]}
-    doc = orjson.loads(encode_batch("step", good_cols, job_id="j", node="n"))
+    doc = orjson.loads(encode_batch("step", good_cols, job_id="j", node="n", wire="json"))
     sent = {
         "unknown version": (Topics.STEP, orjson.dumps(doc | {"schema_version": 99})),
         "oversized": (Topics.HOST, b'{"kind": "host", "pad": "' + b"x" * (5 << 20) + b'"}'),

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from perfloop.schemas import BATCH_KINDS, SchemaError, decode_batch, encode_batch
+from perfloop.schemas import BATCH_KINDS, WIRE_FORMATS, SchemaError, decode_batch, encode_batch
 
 _ENVELOPE = {"schema_version", "event_id", "job_id", "node"}
 
@@ -110,12 +110,18 @@ job_ids = st.from_regex(r"[A-Za-z0-9._:/@+-]{1,64}", fullmatch=True)
 
 
 @FAST
-@given(batches(), job_ids, st.text(min_size=1, max_size=40), st.integers(0, 2**31))
+@given(
+    batches(),
+    job_ids,
+    st.text(min_size=1, max_size=40),
+    st.integers(0, 2**31),
+    st.sampled_from(WIRE_FORMATS),
+)
 def test_round_trip_preserves_every_value(
-    b: tuple[str, dict[str, list[Any]], set[str]], job_id: str, node: str, seq: int
+    b: tuple[str, dict[str, list[Any]], set[str]], job_id: str, node: str, seq: int, wire: str
 ) -> None:
     kind, cols, left_out = b
-    data = encode_batch(kind, cols, job_id=job_id, node=node, producer_id="p", seq=seq)
+    data = encode_batch(kind, cols, job_id=job_id, node=node, producer_id="p", seq=seq, wire=wire)
     batch = decode_batch(data)
 
     assert (batch.kind, batch.job_id, batch.node, batch.seq) == (kind, job_id, node, seq)
@@ -150,9 +156,9 @@ def test_decoded_samples_are_valid_events(
 
 
 @FAST
-@given(batches(), st.data())
+@given(batches(), st.data(), st.sampled_from(WIRE_FORMATS))
 def test_one_out_of_range_value_fails_the_batch(
-    b: tuple[str, dict[str, list[Any]], set[str]], data: st.DataObject
+    b: tuple[str, dict[str, list[Any]], set[str]], data: st.DataObject, wire: str
 ) -> None:
     kind, cols, _ = b
     bounded = [
@@ -173,4 +179,4 @@ def test_one_out_of_range_value_fails_the_batch(
     if c.nullable:  # a null next to the bad value must not hide it
         cols[c.name] = [0.0 if v is None and j != i else v for j, v in enumerate(cols[c.name])]
     with pytest.raises(SchemaError, match=f"column '{c.name}' sample {i} "):
-        decode_batch(encode_batch(kind, cols, job_id="j", node="n"))
+        decode_batch(encode_batch(kind, cols, job_id="j", node="n", wire=wire))

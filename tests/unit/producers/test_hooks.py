@@ -17,7 +17,7 @@ from perfloop.producers import hooks
 from perfloop.producers.hooks import Tracer
 from perfloop.producers.launch import BOOTSTRAP_DIR, child_env
 from perfloop.producers.training import Recorder
-from perfloop.schemas import decode_batch, decode_event
+from perfloop.schemas import decode_batch, decode_event, is_batch
 from perfloop.settings import ProducerSettings
 
 MS = 1_000_000
@@ -154,13 +154,13 @@ class FakePublisher:
     def rows(self, kind: str) -> dict[str, list[Any]]:
         cols: dict[str, list[Any]] = defaultdict(list)
         for v in self.messages:
-            if b'"columns"' in v and (b := decode_batch(v)).kind == kind:
+            if is_batch(v) and (b := decode_batch(v)).kind == kind:
                 for c, a in b.columns.items():
                     cols[c].extend(a.tolist())
         return cols
 
     def events(self, kind: str) -> list[Any]:
-        events = [decode_event(v) for v in self.messages if b'"columns"' not in v]
+        events = [decode_event(v) for v in self.messages if not is_batch(v)]
         return [e for e in events if kind == e.KIND]
 
 

@@ -21,7 +21,7 @@ from perfloop.producers.training import (
     describe_job,
     launcher_world,
 )
-from perfloop.schemas import decode_batch, decode_event
+from perfloop.schemas import decode_batch, decode_event, is_batch
 
 MS = 1_000_000
 
@@ -42,7 +42,7 @@ class FakePublisher:
     def rows(self, kind: str) -> dict[str, list[Any]]:
         cols: dict[str, list[Any]] = defaultdict(list)
         for _, _, v in self.messages:
-            if b'"columns"' not in v:
+            if not is_batch(v):
                 continue
             b = decode_batch(v)
             if b.kind == kind:
@@ -53,7 +53,7 @@ class FakePublisher:
     def events(self, kind: str) -> list[Any]:
         out = []
         for _, _, v in self.messages:
-            if b'"columns"' in v:
+            if is_batch(v):
                 continue
             e = decode_event(v)
             if kind == e.KIND:

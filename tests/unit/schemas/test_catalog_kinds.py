@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+import pyarrow as pa
 import pydantic
 import pytest
 
@@ -16,6 +17,7 @@ from perfloop.cli import main
 from perfloop.schemas import (
     BATCH_KINDS,
     EVENT_KINDS,
+    WIRE_FORMATS,
     BatchBuilder,
     CapabilityReport,
     GpuSample,
@@ -30,6 +32,7 @@ from perfloop.schemas import (
     encode_batch,
     encode_event,
     export_json_schemas,
+    is_batch,
 )
 
 
@@ -48,7 +51,8 @@ def _span_columns(**over: Any) -> dict[str, Any]:
 
 def _decode_error(kind: str, cols: dict[str, Any]) -> str:
     with pytest.raises(SchemaError) as info:
-        decode_batch(encode_batch(kind, cols, job_id="j", node="n"))
+        # JSON: a producer in any language can send such values; Arrow types would not hold them
+        decode_batch(encode_batch(kind, cols, job_id="j", node="n", wire="json"))
     msg = str(info.value)
     assert "\n" not in msg
     return msg
@@ -85,13 +89,13 @@ def test_nullable_loss_travels_as_null_and_comes_back_as_none() -> None:
         "step_time_ms": [50.0, 51.0],
         "loss": [2.5, None],
     }
-    data = encode_batch("step", cols, job_id="j", node="n")
-    assert b"null" in data
-    batch = decode_batch(data)
-    assert batch.columns["loss"][0] == 2.5 and math.isnan(batch.columns["loss"][1])
-    a, b = batch.events()
-    assert isinstance(a, StepEvent) and a.loss == 2.5 and isinstance(b, StepEvent)
-    assert b.loss is None and b.grad_norm is None
+    assert b"null" in encode_batch("step", cols, job_id="j", node="n", wire="json")
+    for wire in WIRE_FORMATS:
+        batch = decode_batch(encode_batch("step", cols, job_id="j", node="n", wire=wire))
+        assert batch.columns["loss"][0] == 2.5 and math.isnan(batch.columns["loss"][1])
+        a, b = batch.events()
+        assert isinstance(a, StepEvent) and a.loss == 2.5 and isinstance(b, StepEvent)
+        assert b.loss is None and b.grad_norm is None
 
 
 def test_null_in_a_non_nullable_float_column_is_refused() -> None:
@@ -223,3 +227,102 @@ def test_schemas_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["schemas", "export", str(blocker / "sub")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("perfloop: cannot write schemas") and err.count("\n") == 1
+
+
+def test_values_arrow_cannot_hold_travel_as_json_and_are_refused_by_name() -> None:
+    cols = {"ts_ns": [1, 2], "rank": [0, "1"], "step": [1, 2], "step_time_ms": [5.0, 6.0]}
+    data = encode_batch("step", cols, job_id="j", node="n")  # never raises at the producer
+    assert data.startswith(b"{")
+    with pytest.raises(SchemaError, match="column 'rank' is not numeric"):
+        decode_batch(data)
+
+
+def test_a_batch_is_arrow_by_default_and_json_on_request() -> None:
+    cols = {"ts_ns": [1, 2], "rank": [0, 1], "step": [1, 2], "step_time_ms": [5.0, 6.0]}
+    arrow = encode_batch("step", cols, job_id="j", node="n", batch_id="b")
+    text = encode_batch("step", cols, job_id="j", node="n", batch_id="b", wire="json")
+    assert arrow[:4] == b"\xff\xff\xff\xff" and text[:1] == b"{"
+    assert is_batch(arrow) and is_batch(text)
+    a, t = decode_batch(arrow), decode_batch(text)
+    assert (a.kind, a.job_id, a.batch_id) == (t.kind, t.job_id, t.batch_id) == ("step", "j", "b")
+    for name, col in t.columns.items():  # NaN (not reported) in both
+        np.testing.assert_array_equal(a.columns[name], col, err_msg=name)
+    with pytest.raises(SchemaError, match="unknown wire format 'xml'"):
+        encode_batch("step", cols, job_id="j", node="n", wire="xml")
+
+
+def _arrow(table: pa.Table, header: dict[str, Any] | None) -> bytes:
+    meta = None if header is None else {b"perfloop.batch": orjson.dumps(header)}
+    table = table.replace_schema_metadata(meta)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+_HEADER = {"kind": "step", "schema_version": 2, "job_id": "j", "node": "n", "batch_id": "b"}
+_GOOD = {
+    "ts_ns": pa.array([1, 2]),
+    "rank": pa.array([0, 1]),
+    "step": pa.array([1, 2]),
+    "step_time_ms": pa.array([5.0, 6.0]),
+}
+BAD_ARROW: dict[str, tuple[bytes, str]] = {
+    "junk after the magic": (b"\xff\xff\xff\xff" + b"x" * 40, "not a valid Arrow stream"),
+    "no header": (_arrow(pa.table(_GOOD), None), "no perfloop.batch header"),
+    "unknown kind": (_arrow(pa.table(_GOOD), {**_HEADER, "kind": "nope"}), "unknown kind"),
+    "float rank": (
+        _arrow(pa.table({**_GOOD, "rank": pa.array([0.5, 1.0])}), _HEADER),
+        "column 'rank' must hold integers",
+    ),
+    "null rank": (
+        _arrow(pa.table({**_GOOD, "rank": pa.array([None, 1], pa.int64())}), _HEADER),
+        "column 'rank' holds nulls",
+    ),
+    "null step time": (
+        _arrow(pa.table({**_GOOD, "step_time_ms": pa.array([None, 1.0])}), _HEADER),
+        "column 'step_time_ms' sample 0 is null",
+    ),
+    "string step": (
+        _arrow(pa.table({**_GOOD, "step": pa.array(["1", "2"])}), _HEADER),
+        "column 'step' is not numeric",
+    ),
+    "list column": (
+        _arrow(pa.table({**_GOOD, "step": pa.array([[1], [2]])}), _HEADER),
+        "must be numbers or strings",
+    ),
+    "huge unsigned": (
+        _arrow(pa.table({**_GOOD, "step": pa.array([2**63, 1], pa.uint64())}), _HEADER),
+        "above int64",
+    ),
+    "unknown column": (
+        _arrow(pa.table({**_GOOD, "bogus": pa.array([1, 2])}), _HEADER),
+        "unknown columns ['bogus']",
+    ),
+    "negative step time": (
+        _arrow(pa.table({**_GOOD, "step_time_ms": pa.array([-5.0, 6.0])}), _HEADER),
+        "column 'step_time_ms' sample 0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARROW))
+def test_bad_arrow_batches_are_refused_with_one_line(case: str) -> None:
+    data, why = BAD_ARROW[case]
+    with pytest.raises(SchemaError) as e:
+        decode_batch(data)
+    assert why in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_bad_strings_in_an_arrow_batch_are_named() -> None:
+    spans = {
+        "ts_ns": pa.array([1, 2, 3]),
+        "rank": pa.array([0, 0, 0]),
+        "step": pa.array([1, 1, 1]),
+        "phase": pa.array(["forward", "bad\nname", "forward"]).dictionary_encode(),
+        "name": pa.array(["f", "b", "f"]),
+        "duration_ms": pa.array([1.0, 2.0, 3.0]),
+    }
+    header = {**_HEADER, "kind": "span", "schema_version": 1}
+    with pytest.raises(SchemaError, match="column 'phase' sample 1 = 'bad\\\\nname' holds control"):
+        decode_batch(_arrow(pa.table(spans), header))

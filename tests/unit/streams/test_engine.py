@@ -19,6 +19,7 @@ from perfloop.schemas import (
     JobLifecycle,
     SchemaError,
     decode_batch,
+    encode_batch,
     encode_event,
 )
 from perfloop.settings import StreamsSettings
@@ -34,6 +35,9 @@ def _steps(n: int = 20, *, t0: int = NOW - 30 * NS, job: str = "j") -> bytes:
     for i in range(n):
         b.add(ts_ns=t0 + i * 100_000_000, rank=i % 2, step=i // 2, step_time_ms=100.0)
     return b.encode()
+
+
+_STEP_COLS = {"ts_ns": [NOW], "rank": [0], "step": [0], "step_time_ms": [100.0]}
 
 
 def _engine(**kw: object) -> StreamEngine:
@@ -59,7 +63,7 @@ BAD_INPUT = [
     ("command-like junk on control", Topics.CONTROL, b'{"kind": "nope"}', "unknown kind"),
     ("unknown stream setting", Topics.CONTROL, _config("windows.nope", 1), "windows.nope"),
     ("bad value for a setting", Topics.CONTROL, _config("windows.lateness_s", -3), "lateness"),
-    ("batch on the job topic", Topics.JOB, _steps(), "unknown kind"),
+    ("batch on the job topic", Topics.JOB, _steps(), "got an Arrow telemetry batch"),
     ("a topic it does not read", Topics.WINDOWS, _steps(), "does not read"),
 ]
 
@@ -71,7 +75,8 @@ def test_bad_input_raises_one_line_and_changes_nothing(
     what: str, topic: str, payload: bytes | None, reason: str
 ) -> None:
     if payload is None:
-        payload = orjson.dumps({**orjson.loads(_steps()), "schema_version": 99})
+        doc = orjson.loads(encode_batch("step", _STEP_COLS, job_id="j", node="n0", wire="json"))
+        payload = orjson.dumps({**doc, "schema_version": 99})
     eng = _engine()
     before = pickle.dumps(eng.snapshot()["windows"])
     with pytest.raises(SchemaError) as e:

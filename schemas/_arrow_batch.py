@@ -1,0 +1,138 @@
+"""The binary form of a telemetry batch: one Arrow IPC stream (`perfloop.schemas.codec`).
+
+A batch's header (kind, schema version, job, node, batch id, producer id, sequence number)
+travels as JSON in the schema metadata under ``perfloop.batch``; its columns are the sample
+model's fields, as in the JSON form: int64 for integers, float64 for floats (null where a
+nullable field was not reported), and UTF-8 strings, dictionary-encoded where they repeat.
+Numbers travel as their bytes, so neither the producer nor any consumer makes a Python object
+per sample: encoding and decoding cost a small fraction of JSON's (see bench/codec.py).
+
+This module only converts between bytes and header + numpy columns; `decode_batch` checks
+them exactly as it checks a JSON batch (column set, lengths, types, bounds, strings).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from perfloop.schemas.exceptions import SchemaError
+
+__all__ = ["MAGIC", "arrow_rows", "decode_arrow", "encode_arrow", "header_of", "is_arrow"]
+
+MAGIC = b"\xff\xff\xff\xff"
+"""How an Arrow IPC stream starts (a JSON batch starts with ``{``)."""
+_HEADER_KEY = b"perfloop.batch"
+
+
+def is_arrow(data: bytes) -> bool:
+    return data[:4] == MAGIC
+
+
+def arrow_rows(data: bytes) -> int:
+    """The rows of an Arrow batch without checking it (1 if it cannot be read)."""
+    try:
+        return sum(b.num_rows for b in pa.ipc.open_stream(data))
+    except (pa.ArrowException, OSError, ValueError):
+        return 1
+
+
+def header_of(data: bytes) -> dict[str, Any] | None:
+    """The header of an Arrow batch, read without its columns (None if it has none)."""
+    try:
+        raw = (pa.ipc.open_stream(data).schema.metadata or {}).get(_HEADER_KEY)
+        header = orjson.loads(raw) if raw is not None else None
+    except (pa.ArrowException, OSError, ValueError):
+        return None
+    return header if isinstance(header, dict) else None
+
+
+def _array(values: Sequence[Any] | np.ndarray, dtype: Any) -> pa.Array:
+    if dtype is str:
+        arr = pa.array(values, type=pa.string())
+        return arr.dictionary_encode() if len(arr) > 16 else arr
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iuf":
+        return pa.array(values.astype(dtype, copy=False))
+    # lists (and object arrays): pyarrow converts them; None stays null
+    return pa.array(values, type=pa.int64() if dtype is np.int64 else pa.float64())
+
+
+def encode_arrow(
+    header: Mapping[str, Any],
+    columns: Mapping[str, Sequence[Any] | np.ndarray],
+    dtypes: Mapping[str, Any],
+) -> bytes:
+    """One batch as an Arrow IPC stream; ``dtypes`` maps each column to np.int64, np.float64
+    or str (an unknown column is written as pyarrow infers it, for the decoder to refuse)."""
+    names = list(columns)
+    try:
+        arrays = [
+            _array(columns[n], dtypes[n]) if n in dtypes else pa.array(columns[n]) for n in names
+        ]
+        meta = {_HEADER_KEY: orjson.dumps(dict(header))}
+        table = pa.Table.from_arrays(arrays, names=names, metadata=meta)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
+        raise SchemaError(f"{header.get('kind')} batch cannot be encoded: {e}") from None
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def _strings(col: pa.ChunkedArray) -> tuple[np.ndarray, set[Any]]:
+    """A string column as an object array, and its distinct values."""
+    parts, distinct = [], set()
+    for chunk in col.chunks:
+        if pa.types.is_dictionary(chunk.type):
+            values = chunk.dictionary.to_pylist()
+            distinct.update(values)
+            parts.append(np.array(values, dtype=object)[chunk.indices.to_numpy()])
+        else:
+            plain = np.array(chunk.to_pylist(), dtype=object)
+            distinct.update(plain.tolist())
+            parts.append(plain)
+    if not parts:
+        return np.empty(0, dtype=object), distinct
+    return (parts[0] if len(parts) == 1 else np.concatenate(parts)), distinct
+
+
+def decode_arrow(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The header and the columns of an Arrow batch: numeric columns as numpy arrays (float
+    nulls as NaN, integer nulls refused), string columns as ``(object array, distinct
+    values)`` for the string checks.
+
+    Raise `SchemaError` if the bytes are not a readable Arrow stream with a header.
+    """
+    try:
+        table = pa.ipc.open_stream(data).read_all()
+    except (pa.ArrowException, OSError, ValueError) as e:
+        text = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise SchemaError(f"batch is not a valid Arrow stream: {text}") from None
+    header = header_of(data)
+    if header is None:
+        raise SchemaError("Arrow batch has no perfloop.batch header in its schema metadata")
+    cols: dict[str, Any] = {}
+    kind = header.get("kind")
+    for name, col in zip(table.column_names, table.columns, strict=True):
+        t = col.type.value_type if pa.types.is_dictionary(col.type) else col.type
+        if pa.types.is_string(t) or pa.types.is_large_string(t):
+            if col.null_count:
+                raise SchemaError(f"{kind} batch: column {name!r} holds nulls, not strings")
+            cols[name] = _strings(col)
+        elif pa.types.is_dictionary(col.type):
+            raise SchemaError(f"{kind} batch: column {name!r} must be numbers or strings, got {t}")
+        elif pa.types.is_integer(t) or pa.types.is_floating(t):
+            if pa.types.is_integer(t) and col.null_count:
+                raise SchemaError(f"{kind} batch: column {name!r} holds nulls, not integers")
+            if pa.types.is_uint64(t) and len(col) and pc.max(col).as_py() >= 1 << 63:
+                raise SchemaError(f"{kind} batch: column {name!r} holds a value above int64")
+            # a copy: the buffers are the message's, read-only; a batch's arrays are its own
+            cols[name] = col.to_numpy().astype(np.float64 if pa.types.is_floating(t) else np.int64)
+        else:
+            raise SchemaError(f"{kind} batch: column {name!r} must be numbers or strings, got {t}")
+    return header, cols
