@@ -64,6 +64,7 @@ class PhaseChange(Event):
     ``rank`` -1 is the job as a whole. ``source`` says what the state was read from: phase
     spans when the job publishes them, otherwise the GPU signal signature learned online.
     ``next_phase`` / ``next_ts_ns`` predict the next transition (0 and "" when unknown).
+    ``ts_ns`` is the job's event time when the change was decided.
 
     >>> PhaseChange(ts_ns=1, job_id="j", node="n", rank=-1, level="run", phase="steady",
     ...             previous="warmup", since_ns=1, source="spans", step=40).phase
@@ -88,8 +89,9 @@ class Diagnosis(Event):
     """One bottleneck found by the top-down funnel, for a job (``rank`` -1) or one rank.
 
     A diagnosis opens when the bottleneck is found (``state`` "open", ``ts_ns`` the moment it
-    was detected, ``onset_ns`` the estimated start), is updated while it persists
-    ("update", at most every few seconds) and is closed when it clears ("resolved").
+    was decided on the job's event-time clock — so ``ts_ns - onset_ns`` is the detection
+    latency, whatever the read speed — ``onset_ns`` the estimated start), is updated while it
+    persists ("update", at most every few seconds) and is closed when it clears ("resolved").
     ``diagnosis_id`` is the same across the three. ``explained_by`` names the higher-level
     bottleneck that explains this one (a rank slowed by its throttled GPU straggles): only an
     unexplained bottleneck on the critical path may lead to a recommendation.

@@ -17,7 +17,8 @@ Scoring (`score`), per fault kind K of `perfloop.schemas.FAULT_KINDS`:
 * Only **root** diagnoses count: state "open" and ``explained_by`` empty *at open*. An
   explained symptom (a straggler explained by its throttled GPU) is neither a hit nor a miss.
 * A root diagnosis of kind K **matches** a fault of kind K in the same run when it opened
-  (``ts_ns``, the receive clock at detection) within ``[onset − tolerance_s, end + grace_s]``;
+  (``ts_ns``, the job's event-time clock at detection: the receive clock less the transport
+  delay) within ``[onset − tolerance_s, end + grace_s]``;
   ``end`` is the fault's ``end_ns``, or the run's last event time when the fault lasts to the
   end (hang, memory leak, OOM). Kind and time only: ranks are scored separately.
 * **precision** = matched root diagnoses of K / all root diagnoses of K, over every run of
