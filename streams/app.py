@@ -44,6 +44,11 @@ __all__ = ["StreamsService", "create_app", "snapshot_path", "windows_messages"]
 log = logging.getLogger("perfloop.streams")
 
 
+# A tick later than this many intervals means the loop was blocked (see hold_all).
+BLOCKED_TICKS = 2
+HOLD_FRESH_S = 1.0
+"""After a hold, how long until the consumer's view of a partition's end counts again (more
+than a fetch's wait on an idle partition, 0.5 s)."""
 # Held (unacknowledged) input beyond this while snapshots fail is acknowledged anyway.
 MAX_HELD_EVENTS = 20_000
 
@@ -90,6 +95,24 @@ def create_app(settings: StreamsSettings) -> faust.App:
     if engine.load(path):
         log.info("resumed from %s (%d partitions)", path, len(engine.snapshot()["offsets"]))
     held: list[Any] = []
+    # When the loop is blocked (a long tick, a snapshot, a run of messages) the consumer does
+    # not fetch, so the partition ends it knows go stale: a partition that looked read to its
+    # end may have new input waiting. After such a block every telemetry partition is held
+    # (its sources' silence not counted) until a fetch at least HOLD_FRESH_S later shows it
+    # read to its end: a busy worker never closes windows on data it has not read yet.
+    loop = {"free_at": time.monotonic()}
+    held_at: dict[tuple[str, int], float] = {}
+
+    def fresh(tp: TP) -> bool:
+        """Whether what the consumer knows of the partition's end postdates the last hold."""
+        return time.monotonic() - held_at.get((tp.topic, tp.partition), -1e9) >= HOLD_FRESH_S
+
+    def hold_all(now: int) -> None:
+        start = time.monotonic()
+        for tp in app.consumer.assignment():
+            if tp.topic in TELEMETRY_TOPICS:
+                engine.set_input(tp.topic, tp.partition, caught_up=False, wall_ns=now)
+                held_at[(tp.topic, tp.partition)] = start
 
     def highwater(tp: TP) -> int | None:
         """The partition's end from the consumer's last fetch (None: unknown or not assigned)."""
@@ -116,7 +139,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
             pos = engine.position(tp.topic, tp.partition)
             if pos is None:
                 unread.append(tp)
-            elif (tp.topic, tp.partition) in held and caught_up(tp, pos - 1):
+            elif (tp.topic, tp.partition) in held and caught_up(tp, pos - 1) and fresh(tp):
                 engine.set_input(tp.topic, tp.partition, caught_up=True, wall_ns=now)
         fetched = await asyncio.gather(
             *(asyncio.wait_for(app.consumer.position(tp), 0.1) for tp in unread),
@@ -124,7 +147,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
         )
         for tp, at in zip(unread, fetched, strict=True):
             hw = highwater(tp)  # unknown, or not fetched to its end: input left to read
-            behind = hw is None or not isinstance(at, int) or at < hw
+            behind = hw is None or not isinstance(at, int) or at < hw or not fresh(tp)
             engine.set_input(tp.topic, tp.partition, caught_up=not behind, wall_ns=now)
 
     async def emit(o: Outputs) -> None:
@@ -155,7 +178,8 @@ def create_app(settings: StreamsSettings) -> faust.App:
             try:
                 engine.ingest(
                     msg.topic, value, wall_ns=time.time_ns(), partition=msg.partition,
-                    offset=msg.offset, caught_up=caught_up(msg.tp, msg.offset),
+                    offset=msg.offset,
+                    caught_up=caught_up(msg.tp, msg.offset) and fresh(msg.tp),
                 )  # fmt: skip
                 reason = ""
             except SchemaError as e:
@@ -181,11 +205,15 @@ def create_app(settings: StreamsSettings) -> faust.App:
     async def tick() -> None:
         try:
             now = time.time_ns()
+            if time.monotonic() - loop["free_at"] > BLOCKED_TICKS * settings.tick_interval_s:
+                hold_all(now)  # the loop was blocked: the partition ends known may be stale
             await check_inputs(now)
             o = engine.tick(now)
         except Exception:  # logged; the next tick tries again
             log.exception("tick failed")
             return
+        finally:
+            loop["free_at"] = time.monotonic()
         if o:
             await emit(o)
 
