@@ -188,6 +188,8 @@ class WindowCore:
         self._channels: dict[Any, list[Any]] = {}  # input → [held, since, newest read, group]
         self._reset_caches()
         self.late_samples = 0
+        self.late_by_kind: dict[str, int] = {}
+        """Late samples by telemetry kind ("derived": the step analysis's metrics)."""
         """Samples dropped because their pane had already closed."""
         self.last_panes: WindowColumns = empty_columns(PANE_COLUMNS)
         """The panes the last `advance` closed: count, mean, min, max and last value."""

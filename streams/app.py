@@ -47,6 +47,9 @@ log = logging.getLogger("perfloop.streams")
 # A tick later than this many intervals means the loop was blocked (see hold_all).
 BLOCKED_TICKS = 2
 HOLD_FRESH_S = 1.0
+POLL_FRESH_S = 1.5
+"""A partition's end counts as known only if the consumer fetched it this recently (an idle
+partition is fetched at least every 0.5 s: the fetch's longest wait)."""
 """After a hold, how long until the consumer's view of a partition's end counts again (more
 than a fetch's wait on an idle partition, 0.5 s)."""
 # Held (unacknowledged) input beyond this while snapshots fail is acknowledged anyway.
@@ -122,11 +125,22 @@ def create_app(settings: StreamsSettings) -> faust.App:
             return None
         return None if hw is None or hw < 0 else int(hw)
 
+    def polled_recently(tp: TP) -> bool:
+        """Whether the consumer fetched the partition in the last POLL_FRESH_S: only then is
+        the end it knows current (Faust stops fetching a partition whose records it holds
+        unprocessed, so a busy worker's view of the end can be seconds old)."""
+        try:
+            polled_ms = app.consumer._thread._ensure_consumer().last_poll_timestamp(tp)
+        except Exception:  # not assigned, not started, or another consumer driver
+            return True
+        return polled_ms is not None and time.time() * 1000 - polled_ms <= POLL_FRESH_S * 1000
+
     def caught_up(tp: TP, offset: int) -> bool:
-        """Whether ``offset`` is the partition's last message as far as the consumer knows (an
-        unknown end, or a partition no longer assigned, counts as read)."""
+        """Whether ``offset`` is the partition's last message as far as the consumer knows, and
+        it knows it from a recent fetch (an unknown end, or a partition no longer assigned,
+        counts as read)."""
         hw = highwater(tp)
-        return hw is None or offset + 1 >= hw
+        return hw is None or (offset + 1 >= hw and polled_recently(tp))
 
     async def check_inputs(now: int) -> None:
         """Tell the engine which telemetry partitions have input left: those not read from
@@ -243,7 +257,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
     async def report() -> None:
         st = engine.stats
         log.info(
-            "stream stats: %d messages, %d samples, %d events, %d rejected, %d late samples, "
+            "stream stats: %d messages, %d samples, %d events, %d rejected, %d late samples %s, "
             "%d window rows, %d phase events, %d diagnoses, %d recommendations; %d held, "
             "%d read behind their partition's end, %d partitions behind now",
             st["messages"],
@@ -251,6 +265,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
             st["events"],
             sum(engine.rejected.values()),
             engine.windows.late_samples,
+            engine.windows.late_by_kind or "",
             st["window_rows"],
             st["phase_events"],
             st["diagnoses"],

@@ -238,7 +238,9 @@ class WindowSet(WindowCore):
         cu = int(self._reg.job_cu[src.job])
         if tmin < cu:
             keep = ts >= cu
-            self.late_samples += len(ts) - int(keep.sum())
+            late = len(ts) - int(keep.sum())
+            self.late_samples += late
+            self.late_by_kind[batch.kind] = self.late_by_kind.get(batch.kind, 0) + late
             if not keep.any():
                 return
             cols = {k: v[keep] for k, v in cols.items()}
@@ -270,7 +272,10 @@ class WindowSet(WindowCore):
         rank = np.broadcast_to(np.asarray(ranks, dtype=np.int64), ts.shape)
         dev = np.broadcast_to(np.asarray(devices, dtype=np.int64), ts.shape)
         mid = self._reg.mids([metric], f"add:{metric}")
-        self.late_samples += int((ts < cu).sum())
+        late = int((ts < cu).sum())
+        self.late_samples += late
+        if late:
+            self.late_by_kind["derived"] = self.late_by_kind.get("derived", 0) + late
         keep = (ts >= cu) & np.isfinite(v)
         n = int(keep.sum())
         sample = (ts[keep], np.full(n, src.idx), rank[keep], dev[keep], np.repeat(mid, n), v[keep])
