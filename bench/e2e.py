@@ -246,11 +246,16 @@ def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[s
     cpu0 = service_cpu_s(home)
     t0 = time.perf_counter()
     watch.start(t0)
-    for _, topic, key, value, n in msgs:
+    first_ts = msgs[0][0] if msgs else 0
+    for ts, topic, key, value, n in msgs:
         if args.rate:  # paced: no sample leaves before its time at --rate
             ahead = published / args.rate - (time.perf_counter() - t0)
-            if ahead > 0:
-                time.sleep(ahead)
+        elif args.live:  # as the jobs ran: event time goes at wall speed, a constant delay
+            ahead = (ts - first_ts) / NS - (time.perf_counter() - t0)
+        else:
+            ahead = 0.0
+        if ahead > 0:
+            time.sleep(ahead)
         wire_bytes += len(value)
         while not pub.publish(topic, key, value):  # local queue full: wait, do not drop
             pub.flush(1.0)
@@ -263,6 +268,7 @@ def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[s
         f"  producer: {n_all / publish_s:,.0f} samples/s ({publish_s:.2f} s incl. broker acks; "
         f"{n_all / queued_s:,.0f} samples/s handed to the client"
         + (f", paced at {args.rate:,.0f}" if args.rate else "")
+        + (", paced by event time" if args.live else "")
         + f"), {wire_bytes / n_all:.1f} JSON bytes/sample, delivered {stats.delivered}/"
         f"{len(msgs)}, failed {stats.failed}, outstanding {left}"
     )
@@ -364,6 +370,7 @@ def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[s
         "diagnosis_rows": progress.get("diagnoses"),
         "e2e_s": e2e_s if ok and wdone else None,
         "rate": args.rate or None,
+        "live": args.live,
         "done_after_last_publish_s": e2e_s - publish_s if ok and wdone else None,
         "max_unlanded_samples": lag,
         "progress": trace,
@@ -573,6 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenario", default="mixed", help="simulator scenario of every job")
     p.add_argument(
         "--rate", type=float, default=0.0, help="publish at this many samples/s (0: at once)"
+    )
+    p.add_argument(
+        "--live",
+        action="store_true",
+        help="publish each message when its job would have (event time at wall speed)",
     )
     p.add_argument("--naive", type=int, default=20_000, help="events for the naive baseline")
     p.add_argument("--fault-at-s", type=float, default=12.0)
