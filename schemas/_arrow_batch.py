@@ -45,9 +45,16 @@ def arrow_rows(data: bytes) -> int:
 def header_of(data: bytes) -> dict[str, Any] | None:
     """The header of an Arrow batch, read without its columns (None if it has none)."""
     try:
-        raw = (pa.ipc.open_stream(data).schema.metadata or {}).get(_HEADER_KEY)
-        header = orjson.loads(raw) if raw is not None else None
+        return _header(pa.ipc.open_stream(data).schema)
     except (pa.ArrowException, OSError, ValueError):
+        return None
+
+
+def _header(schema: pa.Schema) -> dict[str, Any] | None:
+    raw = (schema.metadata or {}).get(_HEADER_KEY)
+    try:
+        header = orjson.loads(raw) if raw is not None else None
+    except orjson.JSONDecodeError:
         return None
     return header if isinstance(header, dict) else None
 
@@ -113,7 +120,7 @@ def decode_arrow(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
     except (pa.ArrowException, OSError, ValueError) as e:
         text = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise SchemaError(f"batch is not a valid Arrow stream: {text}") from None
-    header = header_of(data)
+    header = _header(table.schema)
     if header is None:
         raise SchemaError("Arrow batch has no perfloop.batch header in its schema metadata")
     cols: dict[str, Any] = {}
