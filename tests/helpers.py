@@ -54,6 +54,9 @@ class Collect:
         self.messages.append((topic, key, value))
         return True
 
+    def flush(self, timeout_s: float = 10.0) -> int:
+        return 0
+
 
 def simulate(scenario: str, duration_s: float, **kw: Any) -> tuple[Any, list[Any]]:
     """Run a scenario in-process, about 250 ms of samples per message as a live producer

@@ -32,6 +32,7 @@ from perfloop.producers.replay import (
 )
 from perfloop.schemas import JobInfo, decode_batch, decode_event
 from perfloop.settings import ProducerSettings
+from tests import helpers
 from tests.helpers import ALL_TRACES, TRACES, interval_union, load_trace
 
 ALL = ALL_TRACES
@@ -43,18 +44,8 @@ def _id(p: Path) -> str:
     return f"{p.parent.name}/{p.name[:24]}"
 
 
-class Collect:
+class Collect(helpers.Collect):
     """A publisher that keeps every message (what the emitter would hand to Kafka)."""
-
-    def __init__(self) -> None:
-        self.messages: list[tuple[str, str, bytes]] = []
-
-    def publish(self, topic: str, key: str, value: bytes) -> bool:
-        self.messages.append((topic, key, value))
-        return True
-
-    def flush(self, timeout_s: float = 10.0) -> int:
-        return 0
 
     def rows(self) -> dict[str, list[dict[str, Any]]]:
         """Every emitted sample, decoded and validated by the codec, by kind."""

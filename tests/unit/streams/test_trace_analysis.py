@@ -33,7 +33,7 @@ from perfloop.producers.replay import TraceError, replay_trace
 from perfloop.schemas import decode_batch
 from perfloop.schemas.codec import Batch
 from perfloop.streams.steps import StepAnalysis, StepRecord
-from tests.helpers import ALL_TRACES, TRACES, interval_union, load_trace
+from tests.helpers import ALL_TRACES, TRACES, Collect, interval_union, load_trace
 
 ALL = ALL_TRACES
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -120,15 +120,6 @@ def reference(path: Path) -> dict[str, Any]:
 
 
 # --- the stream-tier side ------------------------------------------------------------------------
-
-
-class Collect:
-    def __init__(self) -> None:
-        self.messages: list[tuple[str, str, bytes]] = []
-
-    def publish(self, topic: str, key: str, value: bytes) -> bool:
-        self.messages.append((topic, key, value))
-        return True
 
 
 def _batches(path: Path, job_id: str) -> list[Batch]:
