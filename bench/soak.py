@@ -123,7 +123,8 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
         ).result_rows[0][0]
         lat = ch.query(
             "SELECT toUnixTimestamp64Nano(inserted) - toUnixTimestamp64Nano(closed), "
-            "toUnixTimestamp64Nano(inserted) - toUnixTimestamp64Nano(window_end) "
+            "toUnixTimestamp64Nano(inserted) - toUnixTimestamp64Nano(window_end), "
+            "toUnixTimestamp64Nano(inserted) "
             "FROM windows WHERE job_id IN {jobs:Array(String)} AND window_s = 1",
             parameters=q,
         ).result_rows
@@ -131,6 +132,7 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
         ch.close()
     close_to_row = np.array([r[0] for r in lat], dtype=float) / NS
     end_to_row = np.array([r[1] for r in lat], dtype=float) / NS - lateness
+    inserted = np.array([r[2] for r in lat], dtype=np.int64)
     out: dict[str, Any] = {
         "samples": samples,
         "samples_per_s": samples / elapsed,
@@ -145,6 +147,15 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
         return {"p50_s": float(p50), "p99_s": float(p99), "max_s": float(a.max())}
 
     out["close_to_row"] = q3(close_to_row)
+    if len(inserted):  # the tail minute by minute: a steady tail or bursts?
+        minute = (inserted - inserted.min()) // (60 * NS)
+        out["close_to_row_by_minute"] = [
+            q3(close_to_row[minute == m]) for m in range(int(minute.max()) + 1)
+        ]
+        say(
+            "  window close → row p99 by minute: "
+            + ", ".join(f"{d.get('p99_s', float('nan')):.2f}" for d in out["close_to_row_by_minute"])
+        )
     # Only where the jobs' event time runs at wall speed is a window's end a wall-clock time.
     out["event_time_pace"] = pace
     out["may_close_to_row"] = q3(end_to_row) if pace <= 1.05 else {}

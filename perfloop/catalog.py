@@ -121,6 +121,8 @@ class Migration:
     version: int
     name: str
     statements: tuple[str, ...]
+    tuning: bool = False
+    """Only tunes the server (settings): a server that does not know a setting skips it."""
 
 
 def _table(name: str, columns: str, *, raw: bool = False) -> str:
@@ -497,3 +499,32 @@ MIGRATIONS = (
 )
 
 TABLES[Topics.DLQ] = ("dead_letters",)  # the sink lands perfloop.dlq too
+
+
+# -- migration 4: merge less often --------------------------------------------------------------
+MERGE_SELECTOR_BASE = 20
+"""How many parts of a size the merge selector gathers before merging them (ClickHouse's
+default is 5). Every insert makes a part in each table it feeds; at the default, background
+merges rewrote each row about four more times and cost as much CPU as the inserts themselves
+(`bench/warehouse.py`). A higher base merges about half as often, for more parts between
+merges (tens per table and day, far below the 1,000 at which ClickHouse slows inserts)."""
+
+_MERGE_TREE_TABLES = tuple(
+    stmt.split("(", 1)[0].split()[-1]
+    for m in MIGRATIONS
+    for stmt in m.statements
+    if stmt.startswith("CREATE TABLE IF NOT EXISTS") and "MergeTree" in stmt
+)
+
+MIGRATIONS = (
+    *MIGRATIONS,
+    Migration(
+        4,
+        f"merge less often: merge_selector_base = {MERGE_SELECTOR_BASE} on every MergeTree table",
+        tuple(
+            f"ALTER TABLE {t} MODIFY SETTING merge_selector_base = {MERGE_SELECTOR_BASE}"
+            for t in _MERGE_TREE_TABLES
+        ),
+        tuning=True,
+    ),
+)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from urllib.parse import urlparse
 
@@ -14,6 +15,10 @@ from perfloop.exceptions import WarehouseError
 from perfloop.settings import BaseServiceSettings
 
 __all__ = ["client", "migrate"]
+
+log = logging.getLogger(__name__)
+
+UNKNOWN_SETTING = 115
 
 _MIGRATIONS_TABLE = """CREATE TABLE IF NOT EXISTS schema_migrations (
     version UInt32,
@@ -79,7 +84,14 @@ def migrate(settings: BaseServiceSettings) -> list[int]:
             if m.version in done:
                 continue
             for stmt in m.statements:
-                ch.command(stmt)
+                try:
+                    ch.command(stmt)
+                except ClickHouseError as e:
+                    if not (m.tuning and getattr(e, "code", None) == UNKNOWN_SETTING):
+                        raise
+                    log.warning(
+                        "migration %d: this server skips %s (%s)", m.version, stmt, _reason(e)
+                    )
             ch.insert("schema_migrations", [[m.version, m.name]], column_names=["version", "name"])
             applied.append(m.version)
     except ClickHouseError as e:

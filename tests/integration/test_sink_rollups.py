@@ -21,7 +21,16 @@ import pyarrow as pa
 import pytest
 from clickhouse_connect.driver.client import Client
 
-from perfloop.catalog import ROLLUP_RESOLUTIONS, ROLLUPS, Topics
+from perfloop import warehouse
+from perfloop.catalog import (
+    MERGE_SELECTOR_BASE,
+    MIGRATIONS,
+    ROLLUP_RESOLUTIONS,
+    ROLLUPS,
+    Migration,
+    Topics,
+)
+from perfloop.exceptions import WarehouseError
 from perfloop.kafka import dlq_headers
 from perfloop.schemas import ConfigChange, Diagnosis, PhaseChange, encode_batch, encode_event
 from perfloop.settings import SinkSettings
@@ -56,7 +65,7 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SinkSettings]
     try:
         wait_for(lambda: _pingable(s) or proc.poll() is not None, 60, "the warehouse")
         assert proc.poll() is None, (home / "warehouse.log").read_text()
-        assert migrate(s) == [1, 2, 3]
+        assert migrate(s) == [1, 2, 3, 4]
         yield s
     finally:
         proc.terminate()
@@ -190,7 +199,7 @@ def test_a_retried_insert_counts_once_in_the_rollups(ch: Client) -> None:
 def test_migrations_re_run_cleanly_over_existing_data(settings: SinkSettings, ch: Client) -> None:
     before = ch.query("SELECT count() FROM steps").result_rows[0][0]
     ch.command("TRUNCATE TABLE schema_migrations")  # as if every migration were pending
-    assert migrate(settings) == [1, 2, 3]
+    assert migrate(settings) == [1, 2, 3, 4]
     assert ch.query("SELECT count() FROM steps").result_rows[0][0] == before
     ttl = ch.query(
         "SELECT name, engine_full FROM system.tables WHERE database = currentDatabase() "
@@ -202,6 +211,30 @@ def test_migrations_re_run_cleanly_over_existing_data(settings: SinkSettings, ch
     assert ttls["steps"] == "toDateTime(ts) + toIntervalDay(30)"
     assert ttls["windows"] == "toDateTime(ts) + toIntervalDay(30)"
     assert ttls["steps_1m"] == "ts + toIntervalDay(365)" and ttls["steps_1h"] is None
+    # migration 4: every MergeTree table merges less often
+    bases = ch.query(
+        "SELECT name, extract(engine_full, 'merge_selector_base = (\\d+)') FROM system.tables "
+        "WHERE database = currentDatabase() AND engine LIKE '%MergeTree' "
+        "AND name != 'schema_migrations'"
+    ).result_rows
+    assert len(bases) >= 28 and {b for _, b in bases} == {str(MERGE_SELECTOR_BASE)}, bases
+
+
+def test_a_tuning_migration_skips_settings_the_server_does_not_know(
+    settings: SinkSettings, ch: Client, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    unknown = "ALTER TABLE steps MODIFY SETTING no_such_merge_tree_setting = 1"
+    tuning = Migration(98, "tuning with an unknown setting", (unknown,), tuning=True)
+    monkeypatch.setattr(warehouse, "MIGRATIONS", (*MIGRATIONS, tuning))
+    assert migrate(settings) == [98]  # skipped with a warning, the migration recorded
+    assert "this server skips ALTER TABLE steps" in caplog.text
+    schema = Migration(99, "a schema change with an unknown setting", (unknown,))
+    monkeypatch.setattr(warehouse, "MIGRATIONS", (*MIGRATIONS, tuning, schema))
+    with pytest.raises(WarehouseError, match="migration failed: .*no_such_merge_tree_setting"):
+        migrate(settings)
+    done = ch.query("SELECT version FROM schema_migrations WHERE version >= 98").result_rows
+    ch.command("DELETE FROM schema_migrations WHERE version >= 98")
+    assert sorted(v for (v,) in done) == [98]
 
 
 def _windows_message(job: str, t: int, mean: float, hop_s: float = 10.0) -> bytes:
