@@ -147,6 +147,9 @@ class SinkSettings(BaseServiceSettings):
 
     group_id: str = "perfloop-sink"
     flush_interval_s: float = Field(1.0, gt=0)
+    fast_flush_interval_s: float = Field(0.2, gt=0)
+    """How long closed windows, diagnoses and other rows someone waits for may wait for more
+    before they are inserted on their own (telemetry waits ``flush_interval_s``)."""
     max_batch_rows: int = Field(200_000, gt=0)
     dedup_window_messages: int = Field(200_000, gt=0)
     session_timeout_ms: int = Field(6000, ge=1000)

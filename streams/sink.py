@@ -53,7 +53,8 @@ from perfloop.exceptions import PerfloopError
 from perfloop.kafka import consumer, dlq_headers, producer
 from perfloop.schemas import SchemaError
 from perfloop.settings import SinkSettings
-from perfloop.streams._sink_batch import Flight, Pending, RecentIds, Source, libc_trim
+from perfloop.streams._heap import libc_trim
+from perfloop.streams._sink_batch import Flight, Pending, RecentIds, Source
 from perfloop.streams._sink_rows import part_rows, rows_from_dead_letter, rows_from_message
 from perfloop.warehouse import client
 
@@ -67,6 +68,19 @@ PREFETCH_KIB = 4 << 10
 """librdkafka's bound on prefetched messages (``queued.max.messages.kbytes``)."""
 MAX_BATCH_BYTES = 64 << 20
 """Default bound on the message bytes held (the batch in the air and the one being filled)."""
+FAST_TOPICS = frozenset(TABLES) - {
+    Topics.GPU,
+    Topics.HOST,
+    Topics.STEP,
+    Topics.SPAN,
+    Topics.JOB,
+    Topics.DLQ,
+}
+"""Topics whose rows someone waits for (closed windows, diagnoses, phases, recommendations,
+commands, acks): they go first in every flight, and go on their own after
+``fast_flush_interval_s`` when no flight is in the air, instead of waiting for the telemetry's
+``flush_interval_s``."""
+FAST_TABLES = frozenset(t for topic in FAST_TOPICS for t in TABLES[topic])
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 5.0
 STATS_EVERY_S = 10.0
@@ -165,6 +179,7 @@ class Sink:
         self._retry_at = 0.0
         self._retry_s = RETRY_FIRST_S
         self._next_flush = 0.0
+        self._fast_since: float | None = None  # when the oldest fast row waiting was read
         self._stats_at = 0.0
         self._trim = libc_trim()
         self._trimmed_at = 0.0
@@ -231,10 +246,16 @@ class Sink:
                 if self._flight is None and not self.paused:
                     self._launch()
                     self._next_flush = time.monotonic() + self.settings.flush_interval_s
+            elif self._fast_due(now) and self._flight is None:
+                self._launch(fast_only=True)
             elif now >= self._next_flush:
                 self._next_flush = now + self.settings.flush_interval_s
         if time.monotonic() >= self._stats_at:
             self._log_stats()
+
+    def _fast_due(self, now: float) -> bool:
+        since = self._fast_since
+        return since is not None and now - since >= self.settings.fast_flush_interval_s
 
     def _until(self, now: float) -> float:
         return max(0.01, self._retry_at - now)
@@ -249,7 +270,10 @@ class Sink:
     # -- reading ---------------------------------------------------------------------------
 
     def _read(self, now: float) -> None:
-        timeout = max(0.01, min(0.2, self._next_flush - now))
+        due = self._next_flush
+        if self._fast_since is not None:
+            due = min(due, self._fast_since + self.settings.fast_flush_interval_s)
+        timeout = max(0.01, min(0.2, due - now))
         # What is there now, else wait for the first message only: `consume` waits its whole
         # timeout for a full count, which throttled the sink to one prefetch per timeout.
         msgs = self._carry or (
@@ -297,6 +321,8 @@ class Sink:
                 self._seen.add(dedup)
                 source = Source(dedup, topic, partition, off, msg.key(), value)
                 self._pending.setdefault(table, Pending()).extend(part, source)
+                if self._fast_since is None and topic in FAST_TOPICS:
+                    self._fast_since = time.monotonic()
         self._offsets[(topic, partition)] = off + 1
 
     def _dead_letter(
@@ -315,10 +341,19 @@ class Sink:
 
     # -- flights: inserting in the insert thread, landing in the reading thread ---------------
 
-    def _launch(self) -> None:
-        """Seal the batch being filled into a flight and insert it in the insert thread."""
-        flight = Flight(self._pending, self._offsets)
-        self._pending, self._offsets = {}, {}
+    def _launch(self, *, fast_only: bool = False) -> None:
+        """Seal the batch being filled (or only its `FAST_TOPICS` rows) into a flight, fast
+        tables first, and insert it in the insert thread."""
+        if fast_only:
+            batches = {t: self._pending.pop(t) for t in list(self._pending) if t in FAST_TABLES}
+            offsets = {tp: self._offsets.pop(tp) for tp in list(self._offsets)
+                       if tp[0] in FAST_TOPICS}  # fmt: skip
+        else:
+            batches, offsets = self._pending, self._offsets
+            self._pending, self._offsets = {}, {}
+        self._fast_since = None
+        order = sorted(batches, key=lambda t: t not in FAST_TABLES)  # stable: fast ones first
+        flight = Flight({t: batches[t] for t in order}, offsets)
         self._flight = flight
         if flight.batches:
             threading.Thread(

@@ -464,3 +464,26 @@ def test_the_next_batch_is_read_while_one_is_being_inserted() -> None:
     run_until(sink, lambda: broker.committed(Topics.STEP) == 4)
     assert [n for _, n, _ in wh.inserts] == [ROWS, 3 * ROWS]  # in the order they were read
     assert len(set(wh.ids())) == 4 * ROWS
+
+
+def test_windows_are_inserted_on_their_own_while_telemetry_waits_for_its_flush() -> None:
+    sink, broker, wh, _ = make_sink(flush_interval_s=60.0, fast_flush_interval_s=0.01)
+    broker.add(Topics.STEP, step_batch(0))
+    broker.add(Topics.WINDOWS, windows_message(4))
+    run_until(sink, lambda: broker.committed(Topics.WINDOWS) == 1)
+    # the windows landed and their offset is committed; the step rows wait for their 60 s
+    # flush, their offset not committed
+    assert [t for t, _, _ in wh.inserts] == ["windows"] and wh.ids() == []
+    assert broker.committed(Topics.STEP) == 0 and sink.pending_rows == ROWS
+    sink._next_flush = 0.0  # the telemetry's flush comes due
+    run_until(sink, lambda: broker.committed(Topics.STEP) == 1)
+    assert len(wh.ids()) == ROWS
+
+
+def test_fast_rows_go_first_in_a_flight_with_telemetry() -> None:
+    sink, broker, wh, _ = make_sink(flush_interval_s=0.01, fast_flush_interval_s=60.0)
+    broker.add(Topics.STEP, step_batch(0))
+    broker.add(Topics.WINDOWS, windows_message(2))
+    broker.add(Topics.STEP, step_batch(1))
+    run_until(sink, lambda: broker.committed(Topics.STEP) == 2)
+    assert [t for t, _, _ in wh.inserts] == ["windows", "steps"]
