@@ -221,6 +221,9 @@ class Supervisor:
             PERFLOOP_CLICKHOUSE_PORT=str(s.clickhouse_port),
             PYTHONUNBUFFERED="1",
         )
+        # glibc gives each thread that allocates its own heap arena (up to 8 per core), and
+        # memory freed in one is not reused by another: two keep the services' RSS flat.
+        env.setdefault("MALLOC_ARENA_MAX", "2")
         return env
 
     def _spawn(self, child: _Child) -> None:

@@ -5,18 +5,16 @@ them.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
 from perfloop.streams._sink_rows import Part, Rows, part_rows
 
-__all__ = ["Flight", "Pending", "RecentIds", "Source", "libc_trim"]
+__all__ = ["Flight", "Pending", "RecentIds", "Source"]
 
 
 @dataclass
@@ -97,14 +95,6 @@ class RecentIds:
 
     def discard(self, key: str) -> None:
         self._ids.pop(key, None)
-
-
-def libc_trim() -> Callable[[], object] | None:
-    """glibc's ``malloc_trim(0)``, where there is one."""
-    try:
-        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return None
 
 
 class Flight:

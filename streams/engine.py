@@ -43,8 +43,9 @@ component's state, the queued input and the offsets it covers; the app writes a 
 before it acknowledges the input it holds, so a worker killed at any moment resumes from its
 last snapshot and re-reads only the messages after it: those messages are processed once, and
 the windows and diagnoses emitted between that snapshot and the kill may be emitted a second
-time (at most ``snapshot_interval_s`` of them; the windows table keeps one row per window
-identity, see the README).
+time (at most a snapshot interval of them: ``snapshot_interval_s``, stretched for a state so
+large that serialising it would take more than a tenth of the worker's time, see
+`perfloop.streams.app`; the windows table keeps one row per window identity, see the README).
 """
 
 from __future__ import annotations
