@@ -154,7 +154,9 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
         ]
         say(
             "  window close → row p99 by minute: "
-            + ", ".join(f"{d.get('p99_s', float('nan')):.2f}" for d in out["close_to_row_by_minute"])
+            + ", ".join(
+                f"{d.get('p99_s', float('nan')):.2f}" for d in out["close_to_row_by_minute"]
+            )
         )
     # Only where the jobs' event time runs at wall speed is a window's end a wall-clock time.
     out["event_time_pace"] = pace

@@ -10,7 +10,7 @@ import clickhouse_connect
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
-from perfloop.catalog import MIGRATIONS
+from perfloop.catalog import MIGRATIONS, Migration
 from perfloop.exceptions import WarehouseError
 from perfloop.settings import BaseServiceSettings
 
@@ -65,8 +65,11 @@ def _reason(e: Exception) -> str:
     return text[:200] or type(e).__name__
 
 
-def migrate(settings: BaseServiceSettings) -> list[int]:
-    """Create the database and apply pending migrations in order; return versions applied."""
+def migrate(
+    settings: BaseServiceSettings, migrations: tuple[Migration, ...] = MIGRATIONS
+) -> list[int]:
+    """Create the database and apply pending ``migrations`` (the catalog's) in order; return
+    the versions applied."""
     db = settings.clickhouse_database
     admin = client(settings, database="")
     try:
@@ -80,7 +83,7 @@ def migrate(settings: BaseServiceSettings) -> list[int]:
     try:
         ch.command(_MIGRATIONS_TABLE)
         done = {r[0] for r in ch.query("SELECT version FROM schema_migrations").result_rows}
-        for m in MIGRATIONS:
+        for m in migrations:
             if m.version in done:
                 continue
             for stmt in m.statements:

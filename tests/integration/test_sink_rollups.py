@@ -21,7 +21,6 @@ import pyarrow as pa
 import pytest
 from clickhouse_connect.driver.client import Client
 
-from perfloop import warehouse
 from perfloop.catalog import (
     MERGE_SELECTOR_BASE,
     MIGRATIONS,
@@ -221,17 +220,15 @@ def test_migrations_re_run_cleanly_over_existing_data(settings: SinkSettings, ch
 
 
 def test_a_tuning_migration_skips_settings_the_server_does_not_know(
-    settings: SinkSettings, ch: Client, monkeypatch: pytest.MonkeyPatch, caplog: Any
+    settings: SinkSettings, ch: Client, caplog: Any
 ) -> None:
     unknown = "ALTER TABLE steps MODIFY SETTING no_such_merge_tree_setting = 1"
     tuning = Migration(98, "tuning with an unknown setting", (unknown,), tuning=True)
-    monkeypatch.setattr(warehouse, "MIGRATIONS", (*MIGRATIONS, tuning))
-    assert migrate(settings) == [98]  # skipped with a warning, the migration recorded
+    assert migrate(settings, (*MIGRATIONS, tuning)) == [98]  # skipped, the migration recorded
     assert "this server skips ALTER TABLE steps" in caplog.text
     schema = Migration(99, "a schema change with an unknown setting", (unknown,))
-    monkeypatch.setattr(warehouse, "MIGRATIONS", (*MIGRATIONS, tuning, schema))
-    with pytest.raises(WarehouseError, match="migration failed: .*no_such_merge_tree_setting"):
-        migrate(settings)
+    with pytest.raises(WarehouseError, match=r"migration failed: .*no_such_merge_tree_setting"):
+        migrate(settings, (*MIGRATIONS, tuning, schema))
     done = ch.query("SELECT version FROM schema_migrations WHERE version >= 98").result_rows
     ch.command("DELETE FROM schema_migrations WHERE version >= 98")
     assert sorted(v for (v,) in done) == [98]
