@@ -27,6 +27,7 @@ JSON object per message, with their ``kind``.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -363,7 +364,7 @@ def _check_distinct(kind: str, c: _Column, raw: list[Any], distinct: set[Any]) -
             )
 
 
-def _check_column(kind: str, c: _Column, raw: Any, n: int) -> np.ndarray:
+def _check_column(kind: str, c: _Column, raw: Any, n: int, *, values: bool = True) -> np.ndarray:
     if not isinstance(raw, list):
         raise SchemaError(
             f"{kind} batch: column {c.name!r} must be a list, got {type(raw).__name__}"
@@ -392,12 +393,14 @@ def _check_column(kind: str, c: _Column, raw: Any, n: int) -> np.ndarray:
         arr = np.asarray(raw, dtype=c.dtype)  # null → NaN for nullable float columns
     except (TypeError, ValueError, OverflowError) as e:
         raise SchemaError(f"{kind} batch: column {c.name!r} is not numeric: {e}") from None
-    return _check_values(kind, c, arr)
+    return _check_values(kind, c, arr) if values else arr
 
 
-def _check_arrow_column(kind: str, c: _Column, value: Any, n: int) -> np.ndarray:
+def _check_arrow_column(
+    kind: str, c: _Column, value: Any, n: int, *, values: bool = True
+) -> np.ndarray:
     """One column of an Arrow batch (`decode_arrow`'s form), checked as `_check_column`
-    checks a JSON one."""
+    checks a JSON one (numeric values too unless ``values`` is false)."""
     if isinstance(value, tuple):  # strings: (object array, distinct values)
         arr, distinct = value
         if c.dtype is not str:
@@ -415,6 +418,8 @@ def _check_arrow_column(kind: str, c: _Column, value: Any, n: int) -> np.ndarray
         raise SchemaError(f"{kind} batch: column {c.name!r} sample 0 = {bad!r} is not a string")
     if c.dtype is np.int64 and value.dtype.kind != "i":
         raise SchemaError(f"{kind} batch: column {c.name!r} must hold integers, got float")
+    if not values:
+        return value.astype(c.dtype, copy=False)
     if c.dtype is np.float64 and not c.nullable and np.isnan(value).any():
         i = int(np.argmax(np.isnan(value)))
         raise SchemaError(f"{kind} batch: column {c.name!r} sample {i} is null, not finite")
@@ -438,6 +443,50 @@ def _check_values(kind: str, c: _Column, arr: np.ndarray) -> np.ndarray:
         if bad_mask.any():
             raise _bad(kind, c.name, arr, bad_mask, f"is above {c.hi:g}")
     return arr
+
+
+@functools.cache
+def _bounds(columns: tuple[_Column, ...]) -> tuple[np.ndarray, ...]:
+    """Per-column bounds of same-typed numeric columns, for `_values_ok`: the lowest value
+    allowed, the value that must be exceeded (strict bounds), the highest value allowed (each
+    a column vector, open where the column has none) and the non-nullable columns."""
+    if columns[0].dtype is np.float64:
+        low, high = -np.inf, np.inf
+    else:
+        low, high = np.iinfo(np.int64).min, np.iinfo(np.int64).max
+    dtype = columns[0].dtype
+    lo = np.array([c.lo if c.lo is not None and not c.lo_strict else low for c in columns], dtype)
+    above = np.array([c.lo if c.lo is not None and c.lo_strict else low for c in columns], dtype)
+    hi = np.array([c.hi if c.hi is not None else high for c in columns], dtype)
+    required = np.array([not c.nullable for c in columns])
+    return lo[:, None], above[:, None], hi[:, None], required
+
+
+def _values_ok(columns: list[_Column], arrays: dict[str, np.ndarray]) -> bool:
+    """Whether every numeric column of a batch is within its bounds (and floats finite,
+    NaN only where nullable), in a few array operations for all columns at once instead of a
+    few per column. False also when unsure: the caller then checks column by column, which
+    names the first bad sample."""
+    for dtype in (np.float64, np.int64):
+        group = tuple(c for c in columns if c.dtype is dtype)
+        if not group:
+            continue
+        m = np.stack([arrays[c.name] for c in group])
+        lo, above, hi, required = _bounds(group)
+        if (m < lo).any() or (m <= above).any() or (m > hi).any():
+            return False
+        if dtype is np.float64 and (np.isinf(m).any() or np.isnan(m[required]).any()):
+            return False
+    return True
+
+
+def _check_each(
+    kind: str, check: Any, columns: list[_Column], cols: dict[str, Any], n: int
+) -> None:
+    """Check ``columns`` one by one, values included: raises for the first bad one, naming
+    its bad sample (the slow path behind `_values_ok`)."""
+    for c in columns:
+        check(kind, c, cols[c.name], n)
 
 
 def _versions(model: type[Event]) -> str:
@@ -510,10 +559,17 @@ def decode_batch(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Batch:
         raise SchemaError(f"{kind} batch: unknown columns {sorted(unknown)}")
     n = len(cols["ts_ns"])
     arrays: dict[str, np.ndarray] = {}
+    check = _check_arrow_column if arrow else _check_column
+    numeric: list[_Column] = []
     for c in spec:
         if c.name in cols:
-            check = _check_arrow_column if arrow else _check_column
-            arrays[c.name] = check(kind, c, cols[c.name], n)
+            try:
+                arrays[c.name] = check(kind, c, cols[c.name], n, values=False)
+            except SchemaError:  # a bad value in an earlier column is named first
+                _check_each(kind, check, numeric, cols, n)
+                raise
+            if c.dtype is not str:
+                numeric.append(c)
         elif c.default is _MISSING:
             raise SchemaError(f"{kind} batch: required column {c.name!r} is missing")
         elif c.dtype is str:
@@ -521,6 +577,8 @@ def decode_batch(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Batch:
         else:
             fill = np.nan if c.default is None else c.default
             arrays[c.name] = np.full(n, fill, dtype=c.dtype)
+    if numeric and not _values_ok(numeric, arrays):
+        _check_each(kind, check, numeric, cols, n)
     seq = doc.get("seq", 0)
     return Batch(
         kind=kind,

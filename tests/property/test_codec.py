@@ -180,3 +180,43 @@ def test_one_out_of_range_value_fails_the_batch(
         cols[c.name] = [0.0 if v is None and j != i else v for j, v in enumerate(cols[c.name])]
     with pytest.raises(SchemaError, match=f"column '{c.name}' sample {i} "):
         decode_batch(encode_batch(kind, cols, job_id="j", node="n", wire=wire))
+
+
+@FAST
+@given(batches(), st.data(), st.sampled_from(WIRE_FORMATS))
+def test_with_bad_values_in_several_columns_the_first_column_is_named(
+    b: tuple[str, dict[str, list[Any]], set[str]], data: st.DataObject, wire: str
+) -> None:
+    """All columns' values are checked at once; the error still names the first bad column
+    (in the schema's order) and its bad sample, as checking column by column would."""
+    kind, cols, _ = b
+    n = len(cols["ts_ns"])
+    numeric = [c for c in _SPECS[kind] if c.name in cols and not c.is_str]
+    if not n or not numeric:
+        return
+    chosen = data.draw(st.lists(st.sampled_from(numeric), min_size=1, max_size=3, unique=True))
+    bad_at = {}
+    for c in chosen:
+        i = data.draw(st.integers(0, n - 1))
+        choices = ["inf"] if not c.is_int else []
+        choices += ["above"] if c.hi is not None else []
+        choices += ["below"] if c.lo is not None else []
+        if not c.is_int and not c.nullable:
+            choices.append("nan")
+        if not choices:
+            continue
+        how = data.draw(st.sampled_from(choices))
+        value: float = {
+            "inf": float("inf"),
+            "nan": float("nan"),
+            "above": (c.hi or 0) + 1,
+            "below": (c.lo or 0) - (0 if c.lo_strict else 1),
+        }[how]
+        cols[c.name] = [0.0 if v is None else v for v in cols[c.name]]  # nulls stay out
+        cols[c.name][i] = int(value) if c.is_int else float(value)
+        bad_at[c.name] = i
+    if not bad_at:
+        return
+    first = next(c.name for c in _SPECS[kind] if c.name in bad_at)
+    with pytest.raises(SchemaError, match=f"column '{first}' sample {bad_at[first]} "):
+        decode_batch(encode_batch(kind, cols, job_id="j", node="n", wire=wire))
