@@ -91,10 +91,10 @@ def encode_arrow(
     return bytes(sink.getvalue().to_pybytes())
 
 
-def _strings(col: pa.ChunkedArray) -> tuple[np.ndarray, set[Any]]:
+def _strings(col: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, set[Any]]:
     """A string column as an object array, and its distinct values."""
     parts, distinct = [], set()
-    for chunk in col.chunks:
+    for chunk in col.chunks if isinstance(col, pa.ChunkedArray) else (col,):
         if pa.types.is_dictionary(chunk.type):
             values = chunk.dictionary.to_pylist()
             distinct.update(values)
@@ -108,6 +108,31 @@ def _strings(col: pa.ChunkedArray) -> tuple[np.ndarray, set[Any]]:
     return (parts[0] if len(parts) == 1 else np.concatenate(parts)), distinct
 
 
+_TYPE_CLASS: dict[pa.DataType, str] = {}
+
+
+def _type_class(t: pa.DataType) -> str:
+    """What a column of Arrow type ``t`` is to a batch: "str", "float", "int", "uint64", or
+    the reason it is refused ("dict:<value type>" or "other:<type>"). Remembered per type."""
+    got = _TYPE_CLASS.get(t)
+    if got is None:
+        value = t.value_type if pa.types.is_dictionary(t) else t
+        if pa.types.is_string(value) or pa.types.is_large_string(value):
+            got = "str"
+        elif pa.types.is_dictionary(t):
+            got = f"dict:{value}"
+        elif pa.types.is_floating(t):
+            got = "float"
+        elif pa.types.is_uint64(t):
+            got = "uint64"
+        elif pa.types.is_integer(t):
+            got = "int"
+        else:
+            got = f"other:{t}"
+        _TYPE_CLASS[t] = got
+    return got
+
+
 def decode_arrow(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
     """The header and the columns of an Arrow batch: numeric columns as numpy arrays (float
     nulls as NaN, integer nulls refused), string columns as ``(object array, distinct
@@ -116,30 +141,34 @@ def decode_arrow(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
     Raise `SchemaError` if the bytes are not a readable Arrow stream with a header.
     """
     try:
-        table = pa.ipc.open_stream(data).read_all()
+        reader = pa.ipc.open_stream(data)
+        batches = list(reader)
     except (pa.ArrowException, OSError, ValueError) as e:
         text = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise SchemaError(f"batch is not a valid Arrow stream: {text}") from None
-    header = _header(table.schema)
+    header = _header(reader.schema)
     if header is None:
         raise SchemaError("Arrow batch has no perfloop.batch header in its schema metadata")
+    # one record batch (what `encode_arrow` writes): its arrays; else the chunked columns
+    data_ = batches[0] if len(batches) == 1 else pa.Table.from_batches(batches, reader.schema)
     cols: dict[str, Any] = {}
     kind = header.get("kind")
-    for name, col in zip(table.column_names, table.columns, strict=True):
-        t = col.type.value_type if pa.types.is_dictionary(col.type) else col.type
-        if pa.types.is_string(t) or pa.types.is_large_string(t):
+    for name, col in zip(data_.schema.names, data_.columns, strict=True):
+        what = _type_class(col.type)
+        if what == "str":
             if col.null_count:
                 raise SchemaError(f"{kind} batch: column {name!r} holds nulls, not strings")
             cols[name] = _strings(col)
-        elif pa.types.is_dictionary(col.type):
-            raise SchemaError(f"{kind} batch: column {name!r} must be numbers or strings, got {t}")
-        elif pa.types.is_integer(t) or pa.types.is_floating(t):
-            if pa.types.is_integer(t) and col.null_count:
-                raise SchemaError(f"{kind} batch: column {name!r} holds nulls, not integers")
-            if pa.types.is_uint64(t) and len(col) and pc.max(col).as_py() >= 1 << 63:
-                raise SchemaError(f"{kind} batch: column {name!r} holds a value above int64")
+        elif what == "float":
             # a copy: the buffers are the message's, read-only; a batch's arrays are its own
-            cols[name] = col.to_numpy().astype(np.float64 if pa.types.is_floating(t) else np.int64)
+            cols[name] = col.to_numpy(zero_copy_only=False).astype(np.float64)
+        elif what in ("int", "uint64"):
+            if col.null_count:
+                raise SchemaError(f"{kind} batch: column {name!r} holds nulls, not integers")
+            if what == "uint64" and len(col) and pc.max(col).as_py() >= 1 << 63:
+                raise SchemaError(f"{kind} batch: column {name!r} holds a value above int64")
+            cols[name] = col.to_numpy(zero_copy_only=False).astype(np.int64)
         else:
+            t = what.split(":", 1)[1]
             raise SchemaError(f"{kind} batch: column {name!r} must be numbers or strings, got {t}")
     return header, cols

@@ -314,6 +314,31 @@ def test_bad_arrow_batches_are_refused_with_one_line(case: str) -> None:
     assert why in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+def test_an_arrow_stream_of_several_record_batches_decodes_as_one() -> None:
+    header = {**_HEADER, "kind": "span", "schema_version": 1}
+    spans = {
+        "ts_ns": pa.array([1, 2]),
+        "rank": pa.array([0, 1]),
+        "step": pa.array([1, 1]),
+        "phase": pa.array(["forward", "backward"]).dictionary_encode(),
+        "name": pa.array(["f", "b"]),
+        "duration_ms": pa.array([1.0, 2.0]),
+    }
+    table = pa.table(spans).replace_schema_metadata({b"perfloop.batch": orjson.dumps(header)})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        for part in table.to_batches(max_chunksize=1):  # two record batches of one row
+            w.write_batch(part)
+    split = decode_batch(bytes(sink.getvalue().to_pybytes()))
+    whole = decode_batch(_arrow(table, header))
+    assert len(split) == len(whole) == 2 and split.columns["phase"].tolist() == [
+        "forward",
+        "backward",
+    ]
+    for name, arr in whole.columns.items():
+        assert split.columns[name].tolist() == arr.tolist(), name
+
+
 def test_bad_strings_in_an_arrow_batch_are_named() -> None:
     spans = {
         "ts_ns": pa.array([1, 2, 3]),
