@@ -102,7 +102,7 @@ _HEADER_KEYS = frozenset(
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # one instance per column: hashed by identity
 class _Column:
     name: str
     dtype: type[Any]  # np.int64, np.float64 or str

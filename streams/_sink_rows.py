@@ -85,7 +85,20 @@ _TS = pa.timestamp("ns", tz="UTC")
 
 
 def _time(ns: np.ndarray) -> pa.Array:
-    return pa.array(ns, type=pa.int64()).cast(_TS)
+    return pa.array(ns, type=_TS)
+
+
+_IDS_IN_PYTHON = 512
+"""Below this many samples, a batch's event ids are formatted in Python: two Arrow compute
+calls cost more than the strings themselves."""
+
+
+def _event_ids(batch_id: str, n: int) -> pa.Array:
+    """The ids `Batch.event_ids` names: "<batch id>-<index>"."""
+    if n < _IDS_IN_PYTHON:
+        return pa.array([f"{batch_id}-{i}" for i in range(n)], pa.string())
+    seq = pc.cast(pa.array(np.arange(n, dtype=np.int64)), pa.string())
+    return pc.binary_join_element_wise(f"{batch_id}-", seq, "")
 
 
 def _repeat(value: str, n: int) -> pa.DictionaryArray:
@@ -102,11 +115,9 @@ def _telemetry(data: bytes, topic: str) -> tuple[str, pa.RecordBatch, str]:
     if table not in TABLES[topic]:
         raise SchemaError(f"a {table} batch does not belong on {topic}")
     n = len(batch)
-    seq = pc.cast(pa.array(np.arange(n, dtype=np.int64)), pa.string())
     cols: dict[str, pa.Array] = {
         "ts": _time(batch.columns["ts_ns"]),
-        # the ids `Batch.event_ids` names: "<batch id>-<index>"
-        "event_id": pc.binary_join_element_wise(f"{batch.batch_id}-", seq, ""),
+        "event_id": _event_ids(batch.batch_id, n),
         "job_id": _repeat(batch.job_id, n),
         "node": _repeat(batch.node, n),
     }
