@@ -41,7 +41,7 @@ from perfloop.streams._windows_wire import encode_windows
 from perfloop.streams.engine import INPUT_TOPICS, TELEMETRY_TOPICS, Outputs, StreamEngine
 from perfloop.streams.windows import WindowColumns, split_by_job
 
-__all__ = ["StreamsService", "create_app", "snapshot_path", "windows_messages"]
+__all__ = ["StreamsService", "create_app", "sent_ns", "snapshot_path", "windows_messages"]
 
 log = logging.getLogger("perfloop.streams")
 
@@ -61,6 +61,12 @@ SNAPSHOT_SHARE = 0.1
 serialising it every ``snapshot_interval_s`` would cost more (many jobs) is snapshotted less
 often, and the bound on what a restart repeats stretches with it (the stats line says how
 often snapshots are taken)."""
+
+
+def sent_ns(msg: Any) -> int:
+    """When a message was sent, by its Kafka timestamp (-1: it has none)."""
+    ts = getattr(msg, "timestamp", None)
+    return int(ts * 1e9) if isinstance(ts, int | float) and ts > 0 else -1
 
 
 def snapshot_path(settings: StreamsSettings) -> Path:
@@ -202,6 +208,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
                     msg.topic, value, wall_ns=time.time_ns(), partition=msg.partition,
                     offset=msg.offset,
                     caught_up=caught_up(msg.tp, msg.offset) and fresh(msg.tp),
+                    sent_ns=sent_ns(msg),
                 )  # fmt: skip
                 reason = ""
             except SchemaError as e:

@@ -166,12 +166,15 @@ class StreamEngine:
         partition: int = 0,
         offset: int = -1,
         caught_up: bool = True,
+        sent_ns: int = -1,
     ) -> int:
         """Take one message; return its samples (0 for an event or a skipped message).
 
         ``caught_up``: whether the message's topic partition has been read to its end with it
         (the app compares the offset with the partition's high-water mark); while it has not,
-        the sources that come by it are not silent (see the module docstring).
+        the sources that come by it are silent only as far as its messages read since theirs
+        were sent later (``sent_ns``: the message's timestamp, -1 unknown; see
+        `perfloop.streams.windows`).
 
         Raise `SchemaError` with a one-line reason if the message is bad; nothing of it is
         then applied, and the engine's state is as if it had never arrived.
@@ -189,7 +192,7 @@ class StreamEngine:
         if topic in TELEMETRY_TOPICS:
             batch = self._batch(topic, data, wall_ns)
             self.windows.set_channel(tp, caught_up=caught_up, wall_ns=wall_ns, group=topic)
-            self.windows.observe(batch, wall_ns, tp)
+            self.windows.observe(batch, wall_ns, tp, sent_ns)
             if len(batch):
                 ts = batch.columns["ts_ns"]
                 self._queue(batch.job_id, int(ts.max()), batch.kind, batch.node, batch)

@@ -27,10 +27,14 @@ silent, and silence is only counted when it is real:
   its end (`set_channel` ``caught_up=True``; the default for a source of unknown channel) moves
   on with the wall clock (``wall_ns``) from its last batch or from when its channel caught up,
   whichever is later — so windows close on time, with no new events, when a job stops;
-* a source whose channel still has input to read (a backlog being drained, a restart) does not
+* a source whose channel still has input to read (a backlog being drained, a restart, or just
+  a busy input that always has more) moves on only by its silence in the input itself: how
+  much later than its last message (by the time messages were sent, ``sent_ns``, the
+  producer's clock) the newest message read on its channel was sent. Until then it does not
   move on at all: the input may still hold its next batch, however far other sources read on
-  it have got (a partition need not be in event-time order: a replay, a producer's spool).
-  Draining a backlog at any speed therefore drops nothing as late;
+  it have got in event time (a partition need not be in event-time order: a replay, a
+  producer's spool). Draining a backlog at any speed therefore drops nothing as late, and a
+  source that stopped while its channel stays busy with others still stops holding its job;
 * a source whose time another component keeps (`set_clock`; the engine clocks the ``derived``
   sources with the step analysis's progress) has that time.
 
@@ -214,10 +218,13 @@ class WindowSet(WindowCore):
         )
 
     # -- input ----------------------------------------------------------------------------
-    def observe(self, batch: Batch, wall_ns: int, channel: Hashable | None = None) -> None:
+    def observe(
+        self, batch: Batch, wall_ns: int, channel: Hashable | None = None, sent_ns: int = -1
+    ) -> None:
         """Add a decoded telemetry batch (any kind; kinds with no metrics only move time).
 
-        ``channel`` names the input it came by (see `set_channel`). Cheap: the batch's columns
+        ``channel`` names the input it came by (see `set_channel`), ``sent_ns`` when its
+        message was sent (-1: unknown; see the module docstring). Cheap: the batch's columns
         wait (by reference) until a pane of theirs closes; then the due batches of every source
         are read at once.
         """
@@ -229,10 +236,12 @@ class WindowSet(WindowCore):
         src = self._reg.source(batch.job_id, batch.node, batch.kind)
         src.wm = max(src.wm, tmax)
         src.seen = max(src.seen, int(wall_ns))
+        src.sent = max(src.sent, int(sent_ns))
         if channel is not None:
             src.channel = channel
-            ch = self._channels.setdefault(channel, [0, int(wall_ns), -1, None])
+            ch = self._channels.setdefault(channel, [0, int(wall_ns), -1, None, -1])
             ch[2] = max(ch[2], tmin)
+            ch[4] = max(ch[4], int(sent_ns))
         if not self._metrics.get(batch.kind):
             return
         cu = int(self._reg.job_cu[src.job])
@@ -290,7 +299,7 @@ class WindowSet(WindowCore):
         in wall time (see the module docstring); once it has, their silence counts from now."""
         ch = self._channels.get(channel)
         if ch is None:
-            self._channels[channel] = [int(not caught_up), int(wall_ns), -1, group]
+            self._channels[channel] = [int(not caught_up), int(wall_ns), -1, group, -1]
             return
         ch[3] = group if group is not None else ch[3]
         if caught_up and ch[0]:
@@ -331,7 +340,10 @@ class WindowSet(WindowCore):
         if src.clock >= 0:
             return src.clock, wall_ns - src.seen <= self._idle_ns
         ch = self._channels.get(src.channel) if src.channel is not None else None
-        if ch is not None and ch[0]:  # input left to read: not silent
+        if ch is not None and ch[0]:  # input left to read: silent only as far as read
+            if 0 <= src.sent < ch[4]:  # read on past its last message
+                idle = ch[4] - src.sent
+                return src.wm + idle, idle <= self._idle_ns
             return src.wm, True
         idle = max(0, wall_ns - max(src.seen, ch[1] if ch is not None else 0))
         return src.wm + idle, idle <= self._idle_ns
@@ -472,4 +484,4 @@ class WindowSet(WindowCore):
         self._spans = None if state["spans"] is None else dict(state["spans"])
         self.late_samples = state["late_samples"]
         self._next_forget = state["next_forget"]
-        self._channels = {k: list(v) for k, v in state.get("channels", {}).items()}
+        self._channels = {k: [*v, -1][:5] for k, v in state.get("channels", {}).items()}

@@ -201,6 +201,34 @@ def test_a_source_waits_for_its_input_however_far_other_sources_read_on_it_got()
     assert ws.late_samples == 0
 
 
+def test_a_source_that_stopped_on_a_busy_input_stops_holding_its_job() -> None:
+    """An input that always has more to read (the worker never reaches its end) still shows a
+    source's silence: messages sent after the source's last one."""
+    ws = only_step_time(specs="1", lateness_s=0, source_idle_s=5)
+    ws.set_channel("p0", caught_up=False, wall_ns=T0)  # never caught up below
+    sent = T0  # the producers' clock, as the messages' timestamps say
+    ws.observe(steps([0.5], [1.0], rank=1, node="n1"), T0, "p0", sent_ns=sent)  # n1's last
+    for i in range(1, 21):  # n0 goes on, a message a second, 2 s of event time each
+        ws.observe(steps([2 * i + 0.5], [1.0]), T0 + i * NS, "p0", sent_ns=sent + i * NS)
+        wm = ws.watermark_ns("j", T0 + i * NS)
+        if i <= 5:  # n1 silent for up to 5 s of sent messages: it may still send, it holds j
+            assert wm == T0 + NS // 2 + i * NS, i  # moved on only by that silence
+        else:  # silent longer: j follows n0 alone
+            assert wm == T0 + 2 * i * NS + NS // 2, i
+    closed = rows(ws.advance(T0 + 20 * NS))
+    assert [r["ts_ns"] for r in closed] == [T0 + k * NS for k in range(0, 40, 2)]
+    assert ws.late_samples == 0 and ws.held_channels == ["p0"]
+
+
+def test_without_send_times_a_source_on_a_busy_input_holds_its_job() -> None:
+    ws = only_step_time(specs="1", lateness_s=0, source_idle_s=5)
+    ws.set_channel("p0", caught_up=False, wall_ns=T0)
+    ws.observe(steps([0.5], [1.0], rank=1, node="n1"), T0, "p0")
+    for i in range(1, 21):
+        ws.observe(steps([2 * i + 0.5], [1.0]), T0 + i * NS, "p0")
+    assert ws.watermark_ns("j", T0 + 20 * NS) == T0 + NS // 2
+
+
 def test_a_job_waits_for_an_input_group_it_has_sent_nothing_on_yet() -> None:
     ws = WindowSet("1", lateness_s=0, input_skew_s=1, groups=("gpu", "step"))
     gpu = batch("gpu", ts_ns=[T0 + 30 * NS], rank=[0], device=[0], power_w=[300.0])
