@@ -113,8 +113,9 @@ class Flight:
 
     @property
     def rows(self) -> int:
-        return sum(p.rows for p in self.batches.values())
+        # list() copies the values at once: the insert thread drops batches as they land
+        return sum(p.rows for p in list(self.batches.values()))
 
     @property
     def bytes(self) -> int:
-        return sum(p.bytes for p in self.batches.values())
+        return sum(p.bytes for p in list(self.batches.values()))

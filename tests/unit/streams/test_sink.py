@@ -487,3 +487,29 @@ def test_fast_rows_go_first_in_a_flight_with_telemetry() -> None:
     broker.add(Topics.STEP, step_batch(1))
     run_until(sink, lambda: broker.committed(Topics.STEP) == 2)
     assert [t for t, _, _ in wh.inserts] == ["windows", "steps"]
+
+
+def test_a_flight_can_be_sized_while_the_insert_thread_drops_its_landed_batches() -> None:
+    from perfloop.streams._sink_batch import Flight, Pending
+
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def size(flight: Flight) -> None:  # the reading thread: pending_rows / pending_bytes
+        while not stop.is_set():
+            try:
+                _ = flight.rows + flight.bytes
+            except RuntimeError as e:  # "dictionary changed size during iteration"
+                errors.append(e)
+                return
+
+    for _ in range(200):
+        flight = Flight({f"t{i}": Pending() for i in range(50)}, {})
+        reader = threading.Thread(target=size, args=(flight,))
+        stop.clear()
+        reader.start()
+        for table in list(flight.batches):  # the insert thread, as batches land
+            del flight.batches[table]
+        stop.set()
+        reader.join()
+    assert errors == []
