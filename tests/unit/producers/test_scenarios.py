@@ -298,20 +298,26 @@ def test_mixed_faults_show_at_their_own_times_and_places() -> None:
 
 # -- determinism, commands, pace --------------------------------------------------------------
 def _content(run: Run, shift_ns: int = 0) -> list[Any]:
-    out: list[Any] = []
+    """The run's job events in order, then each (kind, node, producer)'s samples joined: how
+    the samples split into messages follows the wall clock (a flush every publish interval),
+    so only what was published is compared, not where the message boundaries fell."""
+    events: list[Any] = []
+    samples: dict[tuple[str, str, str], dict[str, list[Any]]] = {}
     for topic, value in run.pub.messages:
         if topic == Topics.JOB:
             doc = decode_event(value).model_dump(exclude={"event_id"})
             for k in ("ts_ns", "onset_ns", "end_ns"):
                 if doc.get(k):
                     doc[k] -= shift_ns
-            out.append(doc)
+            events.append(doc)
         else:
             b = decode_batch(value)
             cols = {k: v.tolist() for k, v in b.columns.items()}
             cols["ts_ns"] = [t - shift_ns for t in cols["ts_ns"]]
-            out.append((b.kind, b.node, b.producer_id, cols))
-    return out
+            joined = samples.setdefault((b.kind, b.node, b.producer_id), {k: [] for k in cols})
+            for k, v in cols.items():
+                joined[k].extend(v)
+    return [*events, *sorted(samples.items())]
 
 
 def test_same_seed_same_events_whatever_the_time_base() -> None:
