@@ -133,6 +133,18 @@ def service_cpu_s(home: Path) -> dict[str, float]:
     return out
 
 
+def host_cpu_ticks() -> tuple[int, int]:
+    """(steal, total) clock ticks of the whole machine so far, from /proc/stat: the share of
+    its time a virtual machine's host gave to others (0 on bare metal or where unknown)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    steal = fields[7] if len(fields) > 7 else 0
+    return steal, sum(fields[:8])
+
+
 def save_result(name: str, doc: dict[str, Any], note: str = "") -> Path:
     """Write ``bench/results/<name>-<utc time>.json``, say where, and end stdout with the
     result as one JSON line (so ``… | tail -n 1`` is the result)."""

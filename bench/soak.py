@@ -7,12 +7,14 @@ latency from a window's close to its row in the warehouse.
 A private embedded stack (as in bench/e2e.py). ``--jobs`` simulated jobs (scenario
 ``--scenario``, faults included) publish together at ``--rate`` samples/s for ``--minutes``.
 Every ``--every-s`` seconds the RSS of the stream worker and of the sink is read from /proc.
-Reported: RSS at each sample; the least-squares slope of RSS over the run after the first
-``--warmup-min`` minutes (MiB per minute) and the growth from the end of the warm-up to the
-end; the samples that reached the warehouse; and, from the ``windows`` table, the seconds from
-each window's close in the stream worker (``closed``) to its row being inserted
-(``inserted``) — p50/p99/max — and from the window's end plus the allowed lateness (the
-moment it may close) to its row.
+Each minute: the cores each service used and the host's steal (the share of the machine's
+time a virtual machine's host took for others; a minute with high steal was slow for reasons
+outside the stack). Reported: RSS at each sample; the least-squares slope of RSS over the
+run after the first ``--warmup-min`` minutes (MiB per minute) and the growth from the end of
+the warm-up to the end; the samples that reached the warehouse; and, from the ``windows``
+table, the seconds from each window's close in the stream worker (``closed``) to its row
+being inserted (``inserted``) — p50/p99/max — and from the window's end plus the allowed
+lateness (the moment it may close) to its row.
 """
 
 from __future__ import annotations
@@ -31,7 +33,15 @@ if __package__ in (None, ""):  # run as `python bench/soak.py`
 
 import numpy as np
 
-from bench._common import embedded_stack, raise_on_sigterm, rss_bytes, save_result, say
+from bench._common import (
+    embedded_stack,
+    host_cpu_ticks,
+    raise_on_sigterm,
+    rss_bytes,
+    save_result,
+    say,
+    service_cpu_s,
+)
 
 NS = 1_000_000_000
 
@@ -42,6 +52,17 @@ def _pids(settings: Any) -> dict[str, int]:
     state = read_state(settings)
     assert state is not None, "the stack is not up"
     return {n: int(s["pid"]) for n, s in state["services"].items() if n in ("streams", "sink")}
+
+
+def _cpu_since(mark: tuple[float, dict[str, float], tuple[int, int]], home: Any) -> dict[str, Any]:
+    """Cores each service used since ``mark``, and the share of the machine's time its host
+    took away (steal): a slow minute with high steal says the machine, not the stack, was slow."""
+    t, cpu0, (steal0, total0) = mark
+    dt = max(time.monotonic() - t, 1e-9)
+    cpu1 = service_cpu_s(home)
+    steal1, total1 = host_cpu_ticks()
+    cores = {k: (cpu1[k] - cpu0.get(k, 0.0)) / dt for k in cpu1 if k != "actuator"}
+    return {"cores": cores, "steal_share": (steal1 - steal0) / max(total1 - total0, 1)}
 
 
 def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
@@ -83,6 +104,8 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
     pids = _pids(settings)
     series: dict[str, list[tuple[float, int]]] = {n: [] for n in pids}
     t0 = time.monotonic()
+    mark = (t0, service_cpu_s(settings.home_dir), host_cpu_ticks())
+    minutes: list[dict[str, Any]] = []
     for t in threads:
         t.start()
     try:
@@ -95,9 +118,14 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
                 series[name].append((now, rss_bytes(pid)))
             if len(series["streams"]) % max(1, int(60 / args.every_s)) == 1:
                 samples = sum(j.samples for j in jobs)
+                minutes.append(_cpu_since(mark, settings.home_dir))
+                mark = (time.monotonic(), service_cpu_s(settings.home_dir), host_cpu_ticks())
                 say(
                     f"  {now:6.0f} s: {samples / max(now, 1e-9):9,.0f} samples/s generated; RSS "
                     + ", ".join(f"{n} {series[n][-1][1] / 2**20:.0f} MiB" for n in series)
+                    + "; cores "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in minutes[-1]["cores"].items())
+                    + f"; host steal {minutes[-1]['steal_share']:.0%}"
                 )
             time.sleep(args.every_s)
     finally:
@@ -138,6 +166,7 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
         "samples_per_s": samples / elapsed,
         "rows_landed": rows,
         "windows_1s": len(lat),
+        "cpu_by_minute": minutes,
     }
 
     def q3(a: np.ndarray) -> dict[str, float]:
