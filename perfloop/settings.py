@@ -140,6 +140,11 @@ class StreamsSettings(BaseServiceSettings):
     max_age_s: float = Field(
         31 * 86400.0, gt=0, description="Event time this far behind the clock: DLQ."
     )
+    fetch_max_wait_ms: int = Field(500, ge=1, le=10_000)
+    """How long a fetch of read-to-the-end partitions may wait for input. The embedded broker
+    answers such a fetch after about half of it (it does not wake on new input), and each
+    fetch costs it time in proportion to what the partitions hold (`perfloop.broker`): a
+    shorter wait delivers input sooner and costs the broker more."""
 
 
 class SinkSettings(BaseServiceSettings):
@@ -153,6 +158,9 @@ class SinkSettings(BaseServiceSettings):
     max_batch_rows: int = Field(200_000, gt=0)
     dedup_window_messages: int = Field(200_000, gt=0)
     session_timeout_ms: int = Field(6000, ge=1000)
+    fetch_max_wait_ms: int = Field(100, ge=1, le=10_000)
+    """As `StreamsSettings.fetch_max_wait_ms`; shorter, since closed windows pass here on
+    their way to the warehouse."""
 
 
 class ActuatorSettings(BaseServiceSettings):

@@ -41,7 +41,14 @@ from perfloop.streams._windows_wire import encode_windows
 from perfloop.streams.engine import INPUT_TOPICS, TELEMETRY_TOPICS, Outputs, StreamEngine
 from perfloop.streams.windows import WindowColumns, split_by_job
 
-__all__ = ["StreamsService", "create_app", "sent_ns", "snapshot_path", "windows_messages"]
+__all__ = [
+    "StreamsService",
+    "create_app",
+    "sent_ns",
+    "set_fetch_wait",
+    "snapshot_path",
+    "windows_messages",
+]
 
 log = logging.getLogger("perfloop.streams")
 
@@ -49,11 +56,11 @@ log = logging.getLogger("perfloop.streams")
 # A tick later than this many intervals means the loop was blocked (see hold_all).
 BLOCKED_TICKS = 2
 HOLD_FRESH_S = 1.0
+"""After a hold, how long until the consumer's view of a partition's end counts again (more
+than a fetch's wait on an idle partition, at most `StreamsSettings.fetch_max_wait_ms`)."""
 POLL_FRESH_S = 1.5
 """A partition's end counts as known only if the consumer fetched it this recently (an idle
-partition is fetched at least every 0.5 s: the fetch's longest wait)."""
-"""After a hold, how long until the consumer's view of a partition's end counts again (more
-than a fetch's wait on an idle partition, 0.5 s)."""
+partition is fetched at least every `StreamsSettings.fetch_max_wait_ms`)."""
 # Held (unacknowledged) input beyond this while snapshots fail is acknowledged anyway.
 MAX_HELD_EVENTS = 20_000
 SNAPSHOT_SHARE = 0.1
@@ -67,6 +74,22 @@ def sent_ns(msg: Any) -> int:
     """When a message was sent, by its Kafka timestamp (-1: it has none)."""
     ts = getattr(msg, "timestamp", None)
     return int(ts * 1e9) if isinstance(ts, int | float) and ts > 0 else -1
+
+
+def set_fetch_wait(app: faust.App, wait_ms: int) -> bool:
+    """Give the app's consumer fetches this longest wait; False until its fetcher exists.
+
+    Faust fixes it at 1.5 s, which on the embedded broker delays input by ~0.4 s at the
+    median (`perfloop.broker`); the fetcher reads the value for each fetch it builds.
+    """
+    try:
+        fetcher = app.consumer._thread._ensure_consumer()._fetcher
+    except Exception:  # not started yet, or another consumer driver
+        return False
+    if fetcher is None or not hasattr(fetcher, "_fetch_max_wait_ms"):
+        return False
+    fetcher._fetch_max_wait_ms = wait_ms
+    return True
 
 
 def snapshot_path(settings: StreamsSettings) -> Path:
@@ -234,6 +257,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
     async def tick() -> None:
         try:
             now = time.time_ns()
+            set_fetch_wait(app, settings.fetch_max_wait_ms)
             if time.monotonic() - loop["free_at"] > BLOCKED_TICKS * settings.tick_interval_s:
                 hold_all(now)  # the loop was blocked: the partition ends known may be stale
             await check_inputs(now)
