@@ -12,9 +12,13 @@ reading at its end while 50 messages a second arrive): a fetch costs the broker 
 proportion to the record batches the partition holds, ~0.65 µs each (~6.5 ms a fetch at 10k
 batches); a fetch at the end of a partition is answered after about half its
 ``fetch.wait.max.ms`` whether or not input arrives meanwhile; and ListOffsets also scans
-the batches and reports the last batch's base offset as the end. So the fetch wait trades
-the delay of input against the broker's CPU: the stream worker and the sink set theirs
-(`fetch_max_wait_ms`), and producers batch samples into few messages.
+the batches and reports the last batch's base offset as the end. A consumer of many
+partitions pays for all of them in each fetch: in `bench/soak.py --rate 40000` the sink's
+fetch of every topic cost the broker ~40 ms after 4.5 min (~5 a second: half its CPU), and
+the broker's CPU grew by ~0.07 cores a minute (0.76 cores after 9 min). The stream worker
+and the sink bound how often they fetch (`fetch_max_wait_ms`, the sink's
+`fetch_min_bytes`), and producers batch samples into few messages; a long-running embedded
+stack still costs more every minute until `perfloop down && perfloop up`.
 """
 
 from __future__ import annotations

@@ -158,9 +158,13 @@ class SinkSettings(BaseServiceSettings):
     max_batch_rows: int = Field(200_000, gt=0)
     dedup_window_messages: int = Field(200_000, gt=0)
     session_timeout_ms: int = Field(6000, ge=1000)
-    fetch_max_wait_ms: int = Field(100, ge=1, le=10_000)
-    """As `StreamsSettings.fetch_max_wait_ms`; shorter, since closed windows pass here on
-    their way to the warehouse."""
+    fetch_min_bytes: int = Field(1 << 20, ge=1)
+    fetch_max_wait_ms: int = Field(200, ge=1, le=10_000)
+    """A fetch returns once ``fetch_min_bytes`` are waiting or after ``fetch_max_wait_ms``.
+    The sink reads every topic, so while input flows some partition always has new records
+    and a fetch would return at once: ~5 fetches a second instead of dozens. Each costs the
+    embedded broker time in proportion to what the partitions hold (`perfloop.broker`); the
+    sink's fetches were most of the broker's CPU in a soak."""
 
 
 class ActuatorSettings(BaseServiceSettings):

@@ -165,6 +165,7 @@ class Sink:
                 "session.timeout.ms": settings.session_timeout_ms,
                 "queued.max.messages.kbytes": PREFETCH_KIB,
                 "fetch.max.bytes": PREFETCH_KIB << 10,
+                "fetch.min.bytes": settings.fetch_min_bytes,
                 "fetch.wait.max.ms": settings.fetch_max_wait_ms,
             },
         )
