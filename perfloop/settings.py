@@ -140,11 +140,12 @@ class StreamsSettings(BaseServiceSettings):
     max_age_s: float = Field(
         31 * 86400.0, gt=0, description="Event time this far behind the clock: DLQ."
     )
-    fetch_max_wait_ms: int = Field(500, ge=1, le=10_000)
+    fetch_max_wait_ms: int = Field(500, ge=1, le=1000)
     """How long a fetch of read-to-the-end partitions may wait for input. The embedded broker
     answers such a fetch after about half of it (it does not wake on new input), and each
     fetch costs it time in proportion to what the partitions hold (`perfloop.broker`): a
-    shorter wait delivers input sooner and costs the broker more."""
+    shorter wait delivers input sooner and costs the broker more. At most 1 s: the worker
+    trusts a partition's end only if it was fetched in the last 1.5 s."""
 
 
 class SinkSettings(BaseServiceSettings):

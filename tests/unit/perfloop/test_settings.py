@@ -91,7 +91,9 @@ def test_every_service_reads_the_shared_variables(monkeypatch: pytest.MonkeyPatc
         (StreamsSettings, "PERFLOOP_TICK_INTERVAL_S", "0"),
         (StreamsSettings, "PERFLOOP_DATA_WAIT_SHARE_THRESHOLD", "1.5"),
         (StreamsSettings, "PERFLOOP_ALLOWED_LATENESS_S", "-1"),
+        (StreamsSettings, "PERFLOOP_FETCH_MAX_WAIT_MS", "1500"),  # past the freshness bound
         (SinkSettings, "PERFLOOP_MAX_BATCH_ROWS", "0"),
+        (SinkSettings, "PERFLOOP_FETCH_MIN_BYTES", "0"),
         (ActuatorSettings, "PERFLOOP_TIER", "yolo"),
         (ActuatorSettings, "PERFLOOP_COMMAND_TTL_S", "0"),
     ],
