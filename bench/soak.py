@@ -54,15 +54,22 @@ def _pids(settings: Any) -> dict[str, int]:
     return {n: int(s["pid"]) for n, s in state["services"].items() if n in ("streams", "sink")}
 
 
-def _cpu_since(mark: tuple[float, dict[str, float], tuple[int, int]], home: Any) -> dict[str, Any]:
+_Mark = tuple[float, dict[str, float], tuple[int, int]]
+
+
+def _cpu_mark(home: Any) -> _Mark:
+    return time.monotonic(), service_cpu_s(home), host_cpu_ticks()
+
+
+def _cpu_since(mark: _Mark, home: Any) -> tuple[dict[str, Any], _Mark]:
     """Cores each service used since ``mark``, and the share of the machine's time its host
-    took away (steal): a slow minute with high steal says the machine, not the stack, was slow."""
-    t, cpu0, (steal0, total0) = mark
-    dt = max(time.monotonic() - t, 1e-9)
-    cpu1 = service_cpu_s(home)
-    steal1, total1 = host_cpu_ticks()
+    took away (steal): a slow minute with high steal says the machine, not the stack, was
+    slow. Also the mark to measure the next interval from."""
+    now = _cpu_mark(home)
+    (t0, cpu0, (steal0, total0)), (t1, cpu1, (steal1, total1)) = mark, now
+    dt = max(t1 - t0, 1e-9)
     cores = {k: (cpu1[k] - cpu0.get(k, 0.0)) / dt for k in cpu1 if k != "actuator"}
-    return {"cores": cores, "steal_share": (steal1 - steal0) / max(total1 - total0, 1)}
+    return {"cores": cores, "steal_share": (steal1 - steal0) / max(total1 - total0, 1)}, now
 
 
 def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
@@ -104,7 +111,7 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
     pids = _pids(settings)
     series: dict[str, list[tuple[float, int]]] = {n: [] for n in pids}
     t0 = time.monotonic()
-    mark = (t0, service_cpu_s(settings.home_dir), host_cpu_ticks())
+    mark = _cpu_mark(settings.home_dir)
     minutes: list[dict[str, Any]] = []
     for t in threads:
         t.start()
@@ -118,15 +125,18 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
                 series[name].append((now, rss_bytes(pid)))
             if len(series["streams"]) % max(1, int(60 / args.every_s)) == 1:
                 samples = sum(j.samples for j in jobs)
-                minutes.append(_cpu_since(mark, settings.home_dir))
-                mark = (time.monotonic(), service_cpu_s(settings.home_dir), host_cpu_ticks())
-                say(
+                line = (
                     f"  {now:6.0f} s: {samples / max(now, 1e-9):9,.0f} samples/s generated; RSS "
                     + ", ".join(f"{n} {series[n][-1][1] / 2**20:.0f} MiB" for n in series)
-                    + "; cores "
-                    + ", ".join(f"{k} {v:.2f}" for k, v in minutes[-1]["cores"].items())
-                    + f"; host steal {minutes[-1]['steal_share']:.0%}"
                 )
+                if now >= args.every_s:  # not at the start: nothing to measure yet
+                    minute, mark = _cpu_since(mark, settings.home_dir)
+                    minutes.append(minute)
+                    line += "; cores " + ", ".join(
+                        f"{k} {v:.2f}" for k, v in minute["cores"].items()
+                    )
+                    line += f"; host steal {minute['steal_share']:.0%}"
+                say(line)
             time.sleep(args.every_s)
     finally:
         stop.set()
