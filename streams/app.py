@@ -14,11 +14,10 @@ recommendations, keyed by job.
 
 Processing is at least once, with durable state: input is read without automatic
 acknowledgement; every ``snapshot_interval_s`` (longer for a large state, see `SNAPSHOT_SHARE`)
-the engine's state is written to
-``$PERFLOOP_HOME/streams/<worker_name>.snapshot`` (atomically, fsync'd) and only then is the
-input it covers acknowledged, so committed offsets never pass the snapshot. A restarted
-worker restores the snapshot and skips what it already holds; what it emitted after the
-snapshot may be emitted again (bounded by the snapshot interval).
+the engine's state is written to ``$PERFLOOP_HOME/streams/<worker_name>.snapshot`` (atomically,
+fsync'd) and only then is the input it covers acknowledged, so committed offsets never pass the
+snapshot. A restarted worker restores the snapshot and skips what it already holds; what it
+emitted after the snapshot may be emitted again (bounded by the snapshot interval).
 """
 
 from __future__ import annotations
