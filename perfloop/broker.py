@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import uuid
 from pathlib import Path
 
 from perfloop.exceptions import StackError
@@ -52,7 +53,11 @@ def tansu_binary() -> Path:
 
 
 def broker_argv(settings: BaseServiceSettings) -> list[str]:
-    """Command line of the embedded broker: memory storage, loopback only."""
+    """Command line of the embedded broker: memory storage, loopback only.
+
+    Each start gets a cluster id of its own: its memory log starts empty, so offsets from an
+    earlier start (a stream snapshot's positions) mean nothing in it, and a client that
+    compares cluster ids (`perfloop.kafka.cluster_id`) can tell."""
     url = f"tcp://{settings.host}:{settings.kafka_port}"
     return [
         str(tansu_binary()),
@@ -63,4 +68,6 @@ def broker_argv(settings: BaseServiceSettings) -> list[str]:
         url,
         "--storage-engine",
         "memory://tansu/",
+        "--cluster-id",
+        f"perfloop-{uuid.uuid4().hex[:12]}",
     ]

@@ -18,6 +18,7 @@ from perfloop.exceptions import BrokerError
 from perfloop.settings import BaseServiceSettings, ProducerSettings
 
 __all__ = [
+    "cluster_id",
     "consumer",
     "dead_letter_counts",
     "dlq_headers",
@@ -91,6 +92,15 @@ def ping(settings: BaseServiceSettings, timeout_s: float = 3.0) -> int:
             f"Kafka broker at {settings.kafka_bootstrap} is unreachable: {e.args[0].str()}"
         ) from e
     return len(md.topics)
+
+
+def cluster_id(settings: BaseServiceSettings, timeout_s: float = 5.0) -> str | None:
+    """The id of the cluster the broker belongs to (None if unreachable or it reports none)."""
+    admin = AdminClient(_common(settings))
+    try:
+        return admin.list_topics(timeout=timeout_s).cluster_id or None
+    except KafkaException:
+        return None
 
 
 def ensure_topics(

@@ -272,6 +272,8 @@ class Supervisor:
         self._write_state("degraded")
         if self._stop.wait(self.settings.restart_backoff_s * min(child.restarts, 5)):
             return
+        if child.name == "broker":  # an empty log: a cluster of its own (a new cluster id)
+            child.argv = broker_argv(self.settings)
         self._spawn(child)
         if child.name == "broker":
             # The memory engine restarts empty: wait for it, then recreate the topics.

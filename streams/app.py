@@ -17,7 +17,10 @@ acknowledgement; every ``snapshot_interval_s`` (longer for a large state, see `S
 the engine's state is written to ``$PERFLOOP_HOME/streams/<worker_name>.snapshot`` (atomically,
 fsync'd) and only then is the input it covers acknowledged, so committed offsets never pass the
 snapshot. A restarted worker restores the snapshot and skips what it already holds; what it
-emitted after the snapshot may be emitted again (bounded by the snapshot interval).
+emitted after the snapshot may be emitted again (bounded by the snapshot interval). The
+snapshot's positions count only in the broker cluster it was taken in: against another one
+(the embedded broker restarted empty gets a new cluster id) they are forgotten and the state
+kept, so the new log is read, not skipped.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import faust
 from faust.types import TP
 
 from perfloop.catalog import Topics
-from perfloop.kafka import dlq_headers
+from perfloop.kafka import cluster_id, dlq_headers
 from perfloop.schemas import SchemaError, encode_event
 from perfloop.settings import StreamsSettings
 from perfloop.streams._heap import libc_trim
@@ -132,6 +135,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
     path = snapshot_path(settings)
     if engine.load(path):
         log.info("resumed from %s (%d partitions)", path, len(engine.snapshot()["offsets"]))
+    engine.use_cluster(cluster_id(settings))
     held: list[Any] = []
     trim = libc_trim()
     # When the loop is blocked (a long tick, a snapshot, a run of messages) the consumer does

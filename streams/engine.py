@@ -151,6 +151,7 @@ class StreamEngine:
         self._offsets: dict[tuple[str, int], int] = {}  # next offset to read, per partition
         self._resume: dict[tuple[str, int], int] = {}  # from a restored snapshot
         self._restored = False  # until the first message after a restore
+        self.cluster_id: str | None = None  # of the broker the offsets are positions in
         self._tick_ns = max(1, int(settings.tick_interval_s * NS))
         self._time: dict[str, JobClock] = {}
         self._seq = 0  # arrival order (ties of event time, within a source)
@@ -238,6 +239,25 @@ class StreamEngine:
     def position(self, topic: str, partition: int) -> int | None:
         """The next offset of the partition to read (None: none read yet)."""
         return self._offsets.get((topic, partition))
+
+    def use_cluster(self, cluster_id: str | None) -> bool:
+        """Tell the engine which broker cluster it reads from (None: unknown). Offsets of a
+        restored snapshot taken against another cluster (an embedded broker restarted empty,
+        or another Kafka cluster) are positions in another log: they are forgotten, so the
+        new log's messages are read rather than skipped as already held; the state is kept.
+        Return True if positions were forgotten."""
+        if cluster_id is None:
+            return False
+        stale = self.cluster_id is not None and self.cluster_id != cluster_id
+        if stale and self._offsets:
+            log.warning(
+                "stream snapshot positions are in cluster %s, the broker is %s: %d partition "
+                "positions forgotten, the state kept",
+                self.cluster_id, cluster_id, len(self._offsets),
+            )  # fmt: skip
+            self._offsets, self._resume = {}, {}
+        self.cluster_id = cluster_id
+        return stale
 
     def _resumed(self, wall_ns: int) -> None:
         if self._restored:  # the downtime is not the sources' silence
@@ -429,6 +449,7 @@ class StreamEngine:
         return {
             "version": SNAPSHOT_VERSION,
             "offsets": dict(self._offsets),
+            "cluster_id": self.cluster_id,
             "windows": self.windows.snapshot(),
             "steps": self.steps.snapshot(),
             "phases": self.phases.snapshot(),
@@ -455,6 +476,7 @@ class StreamEngine:
         self.derived_metrics = tuple(state.get("derived_metrics", DEFAULT_DERIVED))
         self._offsets = dict(state["offsets"])
         self._resume = dict(state["offsets"])
+        self.cluster_id = state.get("cluster_id")
         self.stats.update(state.get("stats", {}))
         self.stats["restored"] += 1
         self._time = {job: JobClock.from_state(d) for job, d in state["time"].items()}

@@ -11,6 +11,7 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from perfloop.catalog import TOPICS
+from perfloop.kafka import cluster_id
 from perfloop.stack import read_state
 
 from .conftest import perfloop_cli, pid_alive, settings_for, stack_env, wait_for
@@ -37,7 +38,9 @@ def test_down_leaves_no_process_behind(tmp_path: Path) -> None:
     again = perfloop_cli("up", "--detach", env=env)  # idempotent: reports the running stack
     assert again.returncode == 0 and read_state(settings_for(env)) == state
 
-    # A crashed service is restarted; the broker comes back with its topics recreated.
+    # A crashed service is restarted; the broker comes back with its topics recreated, as a
+    # cluster of its own (its log starts empty: a stream snapshot's positions do not hold).
+    first_cluster = cluster_id(settings_for(env))
     os.kill(state["services"]["broker"]["pid"], signal.SIGKILL)
     restarted = wait_for(
         lambda: (
@@ -54,6 +57,10 @@ def test_down_leaves_no_process_behind(tmp_path: Path) -> None:
         .list_topics(timeout=10)
         .topics
     )
+    second_cluster = cluster_id(settings_for(env))
+    assert first_cluster and first_cluster.startswith("perfloop-")
+    assert second_cluster and second_cluster.startswith("perfloop-")
+    assert first_cluster != second_cluster
     pids = [restarted["supervisor_pid"]] + [s["pid"] for s in restarted["services"].values()]
 
     down = perfloop_cli("down", env=env)

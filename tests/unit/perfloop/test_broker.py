@@ -18,6 +18,10 @@ def test_broker_runs_the_shipped_tansu_on_loopback_with_memory_storage() -> None
     assert argv[1] == "broker"
     assert argv[argv.index("--listener-url") + 1] == "tcp://127.0.0.1:19999"
     assert argv[argv.index("--storage-engine") + 1] == "memory://tansu/"
+    # each start is a cluster of its own: its memory log starts empty
+    again = broker.broker_argv(StackSettings(kafka_port=19999))
+    ids = {a[a.index("--cluster-id") + 1] for a in (argv, again)}
+    assert len(ids) == 2 and all(i.startswith("perfloop-") for i in ids)
 
 
 def test_missing_package_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

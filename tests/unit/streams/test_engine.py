@@ -113,10 +113,11 @@ def _run(
     stop: int | None = None,
     *,
     wall: int = 0,
+    first_offset: int | None = None,
 ) -> tuple[Outputs, int]:
-    """Feed messages (offsets = their index) with the receive clock of the evaluation, ticking
-    every 4 messages; without ``stop``, end with a tick far in the future. Returns what came
-    out (windows as sorted row tuples) and the clock."""
+    """Feed messages (offsets = their index, or from ``first_offset`` on) with the receive
+    clock of the evaluation, ticking every 4 messages; without ``stop``, end with a tick far
+    in the future. Returns what came out (windows as sorted row tuples) and the clock."""
     total = Outputs(windows=None)
     rows: list[dict[str, list[object]]] = []
 
@@ -131,7 +132,8 @@ def _run(
         if not topic.endswith(".job") and topic != Topics.CONTROL:
             b = decode_batch(value)
             wall = max(wall, int(b.columns["ts_ns"].max()) + 300_000_000)
-        eng.ingest(topic, value, wall_ns=wall, offset=i)
+        offset = i if first_offset is None else first_offset + i - start
+        eng.ingest(topic, value, wall_ns=wall, offset=offset)
         if i % 4 == 0:
             collect(eng.tick(wall))
     if stop is None:
@@ -195,6 +197,44 @@ def test_a_restored_snapshot_resumes_exactly(
     assert [d.diagnosis_id for d in before.diagnoses + after.diagnoses] == [
         d.diagnosis_id for d in whole.diagnoses
     ]
+
+
+@pytest.mark.parametrize(
+    ("taken_in", "now_in", "forgotten"),
+    [
+        ("cluster-a", "cluster-a", False),  # the same broker: re-read messages are skipped
+        ("cluster-a", "cluster-b", True),  # a broker restarted empty: its log is read
+        (None, "cluster-b", False),  # a snapshot that does not say: positions kept
+    ],
+)
+def test_snapshot_positions_count_only_in_the_cluster_they_were_taken_in(
+    starvation: tuple[list[tuple[str, bytes]], int],
+    tmp_path: Path,
+    taken_in: str | None,
+    now_in: str,
+    forgotten: bool,
+) -> None:
+    messages, _ = starvation
+    whole = _engine()
+    _run(whole, messages)
+    half = len(messages) // 2
+    first = _engine()
+    first.use_cluster(taken_in)
+    _, wall = _run(first, messages, stop=half)
+    path = tmp_path / "0.snapshot"
+    first.save(path)
+    again = _engine()
+    assert again.load(path)
+    assert again.use_cluster(now_in) is forgotten
+    assert again.cluster_id == now_in
+    if forgotten:  # the new log holds what came after the snapshot, from offset 0 on
+        _run(again, messages, start=half, wall=wall, first_offset=0)
+        assert again.stats["replayed"] == 0
+    else:  # the same log, re-read from a commit 10 messages older than the snapshot
+        _run(again, messages, start=half - 10, wall=wall)
+        assert again.stats["replayed"] == 10
+    assert again.stats["samples"] == whole.stats["samples"], "every sample counted once"
+    assert again.snapshot()["cluster_id"] == now_in
 
 
 def test_unreadable_snapshot_is_ignored(tmp_path: Path) -> None:
