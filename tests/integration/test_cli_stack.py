@@ -28,52 +28,55 @@ def _one_line_error(out: str) -> str:
 
 def test_down_leaves_no_process_behind(tmp_path: Path) -> None:
     env = stack_env(tmp_path)
-    up = perfloop_cli("up", "--detach", env=env)
-    assert up.returncode == 0, up.stderr
-    state = read_state(settings_for(env))
-    assert state is not None
-    first = [state["supervisor_pid"]] + [s["pid"] for s in state["services"].values()]
-    assert len(first) == 6 and all(pid_alive(p) for p in first)
+    try:
+        up = perfloop_cli("up", "--detach", env=env)
+        assert up.returncode == 0, up.stderr
+        state = read_state(settings_for(env))
+        assert state is not None
+        first = [state["supervisor_pid"]] + [s["pid"] for s in state["services"].values()]
+        assert len(first) == 6 and all(pid_alive(p) for p in first)
 
-    again = perfloop_cli("up", "--detach", env=env)  # idempotent: reports the running stack
-    assert again.returncode == 0 and read_state(settings_for(env)) == state
+        again = perfloop_cli("up", "--detach", env=env)  # idempotent: reports the running stack
+        assert again.returncode == 0 and read_state(settings_for(env)) == state
 
-    # A crashed service is restarted; the broker comes back with its topics recreated, as a
-    # cluster of its own (its log starts empty: a stream snapshot's positions do not hold).
-    first_cluster = cluster_id(settings_for(env))
-    os.kill(state["services"]["broker"]["pid"], signal.SIGKILL)
-    restarted = wait_for(
-        lambda: (
-            (s := read_state(settings_for(env)))
-            and s["services"]["broker"]["restarts"] == 1
-            and s["state"] == "up"
-            and s
-        ),
-        30,
-        "the broker to be restarted",
-    )
-    assert set(TOPICS) <= set(
-        AdminClient({"bootstrap.servers": settings_for(env).kafka_bootstrap})
-        .list_topics(timeout=10)
-        .topics
-    )
-    second_cluster = cluster_id(settings_for(env))
-    assert first_cluster and first_cluster.startswith("perfloop-")
-    assert second_cluster and second_cluster.startswith("perfloop-")
-    assert first_cluster != second_cluster
-    pids = [restarted["supervisor_pid"]] + [s["pid"] for s in restarted["services"].values()]
+        # A crashed service is restarted; the broker comes back with its topics recreated, as a
+        # cluster of its own (its log starts empty: a stream snapshot's positions do not hold).
+        first_cluster = cluster_id(settings_for(env))
+        os.kill(state["services"]["broker"]["pid"], signal.SIGKILL)
+        restarted = wait_for(
+            lambda: (
+                (s := read_state(settings_for(env)))
+                and s["services"]["broker"]["restarts"] == 1
+                and s["state"] == "up"
+                and s
+            ),
+            30,
+            "the broker to be restarted",
+        )
+        assert set(TOPICS) <= set(
+            AdminClient({"bootstrap.servers": settings_for(env).kafka_bootstrap})
+            .list_topics(timeout=10)
+            .topics
+        )
+        second_cluster = cluster_id(settings_for(env))
+        assert first_cluster and first_cluster.startswith("perfloop-")
+        assert second_cluster and second_cluster.startswith("perfloop-")
+        assert first_cluster != second_cluster
+        pids = [restarted["supervisor_pid"]] + [s["pid"] for s in restarted["services"].values()]
 
-    down = perfloop_cli("down", env=env)
-    assert down.returncode == 0 and "stopped" in down.stdout
-    wait_for(lambda: not any(pid_alive(p) for p in pids + first), 20, "every process to exit")
-    assert read_state(settings_for(env)) is None
-    for port in (env["PERFLOOP_KAFKA_PORT"], env["PERFLOOP_CLICKHOUSE_PORT"]):
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("127.0.0.1", int(port)))  # free again
-    status = perfloop_cli("status", env=env)
-    assert status.returncode == 3 and "down" in status.stdout
-    assert perfloop_cli("down", env=env).stdout.strip() == "perfloop was not running"
+        down = perfloop_cli("down", env=env)
+        assert down.returncode == 0 and "stopped" in down.stdout
+        wait_for(lambda: not any(pid_alive(p) for p in pids + first), 20, "every process to exit")
+        assert read_state(settings_for(env)) is None
+        for port in (env["PERFLOOP_KAFKA_PORT"], env["PERFLOOP_CLICKHOUSE_PORT"]):
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", int(port)))  # free again
+        status = perfloop_cli("status", env=env)
+        assert status.returncode == 3 and "down" in status.stdout
+        assert perfloop_cli("down", env=env).stdout.strip() == "perfloop was not running"
+    finally:  # a failed check must not leave the stack running
+        perfloop_cli("down", env=env)
 
 
 @pytest.mark.parametrize("which", ["PERFLOOP_KAFKA_PORT", "PERFLOOP_CLICKHOUSE_PORT"])
