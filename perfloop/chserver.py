@@ -2,8 +2,9 @@
 
 A chDB data directory can be opened by one process only, so this server owns it and every
 other perfloop process talks to it the way it would talk to a real ClickHouse server:
-``clickhouse_connect.get_client(host=..., port=...)`` or ``curl``. One chDB session serves
-all requests; calls into it are serialized by a lock.
+``clickhouse_connect.get_client(host=..., port=...)`` or ``curl``. A pool of chDB sessions
+on the one data directory serves the requests, up to ``sessions`` at once (each has its own
+database in use and settings), so a long insert does not hold up a small one.
 
 What the HTTP layer supports: ``GET /ping``; ``GET|POST /`` with the query in the ``query``
 parameter and/or the body (multipart form fields too); ``database`` /
@@ -24,11 +25,13 @@ Example (``python -m perfloop.chserver`` runs the same from the environment):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import email.parser
 import email.policy
 import errno
 import json
 import logging
+import queue
 import signal
 import sys
 import threading
@@ -64,79 +67,103 @@ log = logging.getLogger(__name__)
 DRAIN_FACTOR = 4  # an over-limit body up to this multiple of the limit is read, then refused
 
 
-class _Engine:
-    """One chDB session, the lock that serializes it, and its per-request state."""
+class _Session:
+    """One chDB session and its per-request state (database in use, settings applied)."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, known: frozenset[str] | None = None) -> None:
         from chdb import session as chdb_session
 
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self.lock = threading.Lock()
-        try:
-            self._session = chdb_session.Session(str(data_dir))
-            self.version = self._tsv("SELECT version()")
-            names = self._tsv("SELECT name FROM system.settings")
-        except Exception as e:
-            raise WarehouseError(f"cannot open the warehouse at {data_dir}: {e}") from e
-        self._known = frozenset(names.splitlines()) - HTTP_ONLY
-        self._database: str | None = None
-        self._applied: dict[str, str] = {}
+        self.chdb = chdb_session.Session(str(data_dir))
+        self.known = (
+            known
+            if known is not None
+            else frozenset(self.tsv("SELECT name FROM system.settings").splitlines()) - HTTP_ONLY
+        )
+        self.database: str | None = None
+        self.applied: dict[str, str] = {}
 
-    def _tsv(self, sql: str) -> str:
-        return bytes(self._session.query(sql, "TabSeparatedRaw").bytes()).decode().strip()
+    def tsv(self, sql: str) -> str:
+        return bytes(self.chdb.query(sql, "TabSeparatedRaw").bytes()).decode().strip()
 
-    def close(self) -> None:
-        with self.lock:
-            self._session.close()
-
-    def _use(self, database: str, sql: str) -> None:
-        if database == self._database:
+    def use(self, database: str, sql: str) -> None:
+        if database == self.database:
             return
         try:
-            self._session.query(f"USE `{database.replace('`', '``')}`", "TSV")
+            self.chdb.query(f"USE `{database.replace('`', '``')}`", "TSV")
         except Exception as e:
             err = DBException.wrap(e)
             if err.code != 81 or leading_keywords(sql) != ("CREATE", "DATABASE"):
                 raise err from e
             database = "default"  # bootstrap: a client bound to a database creates it
-            self._session.query("USE default", "TSV")
-        self._database = database
+            self.chdb.query("USE default", "TSV")
+        self.database = database
 
-    def _apply(self, settings: dict[str, str]) -> None:
-        wanted = {k: v for k, v in settings.items() if k in self._known}
-        changes = [f"{k} = DEFAULT" for k in self._applied if k not in wanted]
+    def apply(self, settings: dict[str, str]) -> None:
+        wanted = {k: v for k, v in settings.items() if k in self.known}
+        changes = [f"{k} = DEFAULT" for k in self.applied if k not in wanted]
         for key, value in wanted.items():
-            if self._applied.get(key) != value:
+            if self.applied.get(key) != value:
                 quoted = value.replace("\\", "\\\\").replace("'", "\\'")
                 changes.append(f"{key} = '{quoted}'")
         if not changes:
             return
         try:
-            self._session.query("SET " + ", ".join(changes), "TSV")
+            self.chdb.query("SET " + ", ".join(changes), "TSV")
         except Exception as e:
-            for key in {*self._applied, *wanted}:
+            for key in {*self.applied, *wanted}:
                 try:
-                    self._session.query(f"SET {key} = DEFAULT", "TSV")
+                    self.chdb.query(f"SET {key} = DEFAULT", "TSV")
                 except Exception:
                     log.warning("cannot reset setting %s", key)
-            self._applied = {}
+            self.applied = {}
             raise DBException.wrap(e) from e
-        self._applied = wanted
+        self.applied = wanted
+
+
+class _Engine:
+    """A pool of chDB sessions on one data directory: each request takes a free session for
+    its whole run, so up to ``sessions`` requests run at once (an insert into the raw tables
+    does not hold up a small one, nor a query), and more wait for a session to come free."""
+
+    def __init__(self, data_dir: Path, sessions: int = 1) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            first = _Session(data_dir)
+            self.version = first.tsv("SELECT version()")
+            pool = [first] + [_Session(data_dir, first.known) for _ in range(sessions - 1)]
+        except Exception as e:
+            raise WarehouseError(f"cannot open the warehouse at {data_dir}: {e}") from e
+        self._all = pool
+        self._free: queue.LifoQueue[_Session] = queue.LifoQueue()
+        for session in pool:
+            self._free.put(session)
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[_Session]:
+        session = self._free.get()
+        try:
+            yield session
+        finally:
+            self._free.put(session)
+
+    def close(self) -> None:
+        for _ in self._all:  # each once it is free
+            self._free.get().chdb.close()
 
     def query(
         self, sql: str, fmt: str, params: dict[str, str], database: str, settings: dict[str, str]
     ) -> tuple[bytes, dict[str, int]]:
         """Run one statement; return its output and summary counters."""
-        with self.lock:
-            self._use(database, sql)
-            self._apply(settings)
+        with self._session() as session:
+            session.use(database, sql)
+            session.apply(settings)
             try:
-                result = self._session.query(sql, fmt, params=params or None)
+                result = session.chdb.query(sql, fmt, params=params or None)
             except Exception as e:
                 raise DBException.wrap(e) from e
             finally:
                 if leading_keywords(sql)[0] == "USE":
-                    self._database = None
+                    session.database = None
             if not hasattr(result, "bytes"):
                 raise DBException.of(73, f"Format {fmt} is not an HTTP output format")
             body = bytes(result.bytes() or b"")
@@ -153,11 +180,11 @@ class _Engine:
         self, head: str, fmt: str, chunks: Sequence[bytes], database: str, settings: dict[str, str]
     ) -> dict[str, int]:
         """Stream already-read data chunks into ``head`` (an INSERT without FORMAT)."""
-        with self.lock:
-            self._use(database, head)
-            self._apply(settings)
+        with self._session() as session:
+            session.use(database, head)
+            session.apply(settings)
             try:
-                inserter = self._session.send_insert(head, fmt)
+                inserter = session.chdb.send_insert(head, fmt)
             except Exception as e:
                 raise DBException.wrap(e) from e
             try:
@@ -437,7 +464,7 @@ class WarehouseServer:
                 ) from e
             raise WarehouseError(f"cannot bind {address[0]}:{address[1]}: {e.strerror}") from e
         try:
-            httpd.engine = _Engine(self.data_dir)
+            httpd.engine = _Engine(self.data_dir, self.settings.sessions)
         except BaseException:
             httpd.server_close()
             raise

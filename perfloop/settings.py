@@ -116,6 +116,8 @@ class WarehouseServerSettings(BaseServiceSettings):
 
     data_dir: Path | None = Field(None, description="Defaults to $PERFLOOP_HOME/warehouse.")
     max_body_bytes: int = Field(1 << 30, gt=0)
+    sessions: int = Field(3, ge=1, le=16)
+    """chDB sessions serving requests at once (each request holds one for its whole run)."""
 
 
 class StreamsSettings(BaseServiceSettings):

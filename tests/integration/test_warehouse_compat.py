@@ -174,6 +174,29 @@ def test_concurrent_clients_insert(server: WarehouseServer, client: Client) -> N
     assert client.command("SELECT count() FROM conc") == 20_000
 
 
+def test_a_long_query_does_not_hold_up_others(server: WarehouseServer, client: Client) -> None:
+    """Requests run on a pool of sessions: one still running does not block the next."""
+    assert server.settings.sessions >= 2
+    done = threading.Event()
+
+    def long() -> None:
+        with _client(server) as c:
+            c.query("SELECT sleepEachRow(0.5) FROM numbers(4) SETTINGS max_block_size = 1")
+        done.set()
+
+    worker = threading.Thread(target=long)
+    worker.start()
+    seen = 0
+    while not done.is_set() and not seen:  # on one session this waits for it to end
+        seen = client.command(
+            "SELECT count() FROM system.processes WHERE query LIKE '%sleepEachRow(0.5)%' "
+            "AND query NOT LIKE '%system.processes%'"
+        )
+    running_alongside = not done.is_set()
+    worker.join()
+    assert seen == 1 and running_alongside
+
+
 def test_errors_are_clickhouse_errors(server: WarehouseServer, client: Client) -> None:
     with pytest.raises(DatabaseError, match=r"Code: 62\. DB::Exception: Syntax error") as syntax:
         client.query("SELEC 1")
