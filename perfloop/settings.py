@@ -134,6 +134,10 @@ class StreamsSettings(BaseServiceSettings):
     broker_session_timeout_s: float = Field(6.0, gt=0)
     windows: str = Field("1,10,60,60/10", min_length=1)
     allowed_lateness_s: float = Field(1.0, ge=0)
+    new_job_grace_s: float = Field(2.0, ge=0, le=60)
+    """A new job's windows wait this long (wall time) after its first batch before any closes:
+    the kinds of a job (steps, GPU, host, spans) start publishing at different moments, and
+    one that shows up after the others' windows closed would find its samples late."""
     tick_interval_s: float = Field(0.25, gt=0, le=10)
     snapshot_interval_s: float = Field(2.0, gt=0)
     data_wait_share_threshold: float = Field(0.3, gt=0, lt=1)

@@ -29,12 +29,14 @@ Raw = tuple[str, int, int, dict[str, np.ndarray]]  # kind, tmin, tmax, columns
 
 
 class Job:
-    """One job: its index, sources and when new specs / metric families started (since)."""
+    """One job: its index, sources, when new specs / metric families started (since) and the
+    wall time its first batch was read (``born``; -1 unknown)."""
 
-    __slots__ = ("family_since", "idx", "name", "sources", "spec_since")
+    __slots__ = ("born", "family_since", "idx", "name", "sources", "spec_since")
 
     def __init__(self, idx: int, name: str) -> None:
         self.idx, self.name = idx, name
+        self.born = -1
         self.sources: list[Source] = []
         self.spec_since: dict[tuple[int, int], int] = {}
         self.family_since: dict[str, int] = {}
@@ -300,6 +302,7 @@ class Registry:
                     "name": j.name,
                     "sources": [s.idx for s in j.sources],
                     "spec_since": dict(j.spec_since),
+                    "born": j.born,
                     "family_since": dict(j.family_since),
                 }
                 for j in self.jobs.values()
@@ -328,6 +331,7 @@ class Registry:
             job = Job(jd["idx"], jd["name"])
             job.sources = [by_idx[i] for i in jd["sources"]]
             job.spec_since = dict(jd["spec_since"])
+            job.born = jd.get("born", -1)
             job.family_since = dict(jd["family_since"])
             r.jobs[job.name] = job
         return r

@@ -133,6 +133,7 @@ class StreamEngine:
             parse_specs(settings.windows),
             lateness_s=settings.allowed_lateness_s,
             groups=TELEMETRY_TOPICS,
+            new_job_grace_s=settings.new_job_grace_s,
         )
         self.steps = StepAnalysis()
         self.phases = PhaseMachine()

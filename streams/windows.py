@@ -138,14 +138,17 @@ class WindowSet(WindowCore):
         input_skew_s: float = 2.0,
         groups: Iterable[Hashable] = (),
         alpha: float = 0.01,
+        new_job_grace_s: float = 0.0,
     ) -> None:
         if not (math.isfinite(pane_s) and pane_s > 0):
             raise ConfigError(f"pane_s must be > 0 seconds, got {pane_s!r}")
         for name, v in (("source_idle_s", source_idle_s), ("forget_after_s", forget_after_s)):
             if not (v > 0):
                 raise ConfigError(f"{name} must be > 0 seconds, got {v!r}")
-        if not (math.isfinite(input_skew_s) and input_skew_s >= 0):
-            raise ConfigError(f"input_skew_s must be >= 0 seconds, got {input_skew_s!r}")
+        for name, v in (("input_skew_s", input_skew_s), ("new_job_grace_s", new_job_grace_s)):
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"{name} must be >= 0 seconds, got {v!r}")
+        self._grace_ns = round(new_job_grace_s * NS)
         self._init_state(round(pane_s * NS), alpha)
         self._skew_ns = round(input_skew_s * NS)
         self._groups = tuple(groups)
@@ -234,6 +237,9 @@ class WindowSet(WindowCore):
             return
         tmin, tmax = int(ts.min()), int(ts.max())
         src = self._reg.source(batch.job_id, batch.node, batch.kind)
+        job = self._reg.jobs[batch.job_id]
+        if job.born < 0:
+            job.born = int(wall_ns)
         src.wm = max(src.wm, tmax)
         src.seen = max(src.seen, int(wall_ns))
         src.sent = max(src.sent, int(sent_ns))
@@ -364,6 +370,8 @@ class WindowSet(WindowCore):
                 active.append(t)
         if not effective:
             return None
+        if job.born >= 0 and wall_ns - job.born < self._grace_ns:
+            return -1  # a new job: its other sources may not have shown up yet
         wm = min(active) if active else max(effective)
         return self._unseen_bound(job, wm)
 
@@ -447,6 +455,7 @@ class WindowSet(WindowCore):
                 "skew_ns": self._skew_ns,
                 "groups": list(self._groups),
                 "forget_ns": self._forget_ns,
+                "grace_ns": self._grace_ns,
                 "alpha": self._mapping.alpha,
             },
             "registry": registry,
@@ -468,6 +477,7 @@ class WindowSet(WindowCore):
         self._init_state(cfg["pane_ns"], cfg["alpha"])
         self._idle_ns, self._forget_ns = cfg["idle_ns"], cfg["forget_ns"]
         self._skew_ns = cfg.get("skew_ns", 2 * NS)
+        self._grace_ns = cfg.get("grace_ns", 0)
         self._groups = tuple(cfg.get("groups", ()))
         self._lateness_ns = cfg["lateness_ns"]
         self._metrics = {k: tuple(v) for k, v in cfg["metrics"].items()}

@@ -159,6 +159,38 @@ def test_a_kind_published_later_on_the_same_node_is_not_made_late() -> None:
     assert [(r["ts_ns"] - T0) // NS for r in out] == [0, 1]
 
 
+@pytest.mark.parametrize("grace_s", [0.0, 2.0])
+def test_a_new_job_waits_new_job_grace_s_for_its_other_kinds(grace_s: float) -> None:
+    # A job's GPU samples come first; its steps (of the same seconds) reach the worker 1.5 s
+    # (wall) later, while the GPU source has gone quiet with its input read to the end.
+    ws = WindowSet(
+        "1",
+        lateness_s=0,
+        metrics={"gpu": "power_w", "step": "step_time_ms"},
+        new_job_grace_s=grace_s,
+    )
+    gpu = batch(
+        "gpu", ts_ns=[T0 + k * NS for k in range(10)], rank=[0] * 10, device=[0] * 10,
+        power_w=[300.0] * 10,
+    )  # fmt: skip
+    ws.observe(gpu, wall_ns=T0 + 10 * NS)
+    early = WindowSet()  # a worker restored in the job's first second keeps waiting
+    early.restore(pickle.loads(pickle.dumps(ws.snapshot())))
+    assert (early.watermark_ns("j", T0 + 11 * NS) == -1) is bool(grace_s)
+    before = ws.advance(T0 + int(11.0 * NS))
+    ws.observe(steps([0.5, 8.5], [100.0, 120.0]), wall_ns=T0 + int(11.5 * NS))
+    after = ws.advance(T0 + 13 * NS)
+    out = rows(after, metric="step_time_ms")
+    if grace_s:  # nothing closed before the steps came: none is late
+        assert len(before["ts_ns"]) == 0
+        assert ws.late_samples == 0 and [(r["ts_ns"] - T0) // NS for r in out] == [0, 8]
+    else:  # the GPU source alone closed the job's first seconds: the steps there are late
+        assert len(before["ts_ns"]) > 0
+        assert ws.late_samples == 2 and out == []
+    # then time moves on: the steps (8.5 s, silent 1.5 s since) hold the job at 10 s
+    assert ws.watermark_ns("j", T0 + 13 * NS) == T0 + 10 * NS
+
+
 def test_a_source_idle_past_source_idle_s_no_longer_holds_the_job_back() -> None:
     ws = only_step_time(specs="1", lateness_s=0, source_idle_s=5)
     ws.observe(steps([0.5], [1.0]), wall_ns=T0)  # n0 sends once; its clock lags by 100 s
