@@ -7,18 +7,23 @@ everything published since `perfloop up`; `bench/broker_growth.py` measures the 
 million samples, `perfloop status` reports the broker's resident memory, and
 `perfloop down && perfloop up` releases it.
 
-Its CPU grows with what it holds, too. Measured with tansu 0.6.0 (one partition, a consumer
-reading at its end while 50 messages a second arrive): a fetch costs the broker time in
-proportion to the record batches the partition holds, ~0.65 µs each (~6.5 ms a fetch at 10k
-batches); a fetch at the end of a partition is answered after about half its
-``fetch.wait.max.ms`` whether or not input arrives meanwhile; and ListOffsets also scans
-the batches and reports the last batch's base offset as the end. A consumer of many
-partitions pays for all of them in each fetch: in `bench/soak.py --rate 40000` the sink's
-fetch of every topic cost the broker ~40 ms after 4.5 min (~5 a second: half its CPU), and
-the broker's CPU grew by ~0.07 cores a minute (0.76 cores after 9 min). The stream worker
-and the sink bound how often they fetch (`fetch_max_wait_ms`, the sink's
-`fetch_min_bytes`), and producers batch samples into few messages; a long-running embedded
-stack still costs more every minute until `perfloop down && perfloop up`.
+Its CPU grows with what it holds, too. In tansu 0.6.0 (its source: `DynoStore::fetch` in
+tansu-storage/src/dynostore.rs, `FetchService` in tansu-storage/src/service/fetch.rs) a fetch
+lists every record batch stored for each requested partition that has records past the
+fetch offset, and, while fewer than the fetch's ``min_bytes`` were found, sleeps and does it
+all again (at 0, 1/2, 3/4, ... of ``max_wait_ms``); a partition already read to its end costs
+no listing. Measured (one partition, a consumer reading at its end while 50 messages a
+second arrive): ~0.65 µs per stored batch per listing (~6.5 ms a fetch at 10k batches); a
+fetch at the end of a partition is answered after about half its ``fetch.wait.max.ms``
+whether or not input arrives meanwhile; and ListOffsets also scans the batches and reports
+the last batch's base offset as the end. So the broker's CPU grows with the batches stored
+times the fetches that find new records: in `bench/soak.py --rate 40000` the sink's fetch of
+every topic cost the broker ~40 ms after 4.5 min (~5 a second: half its CPU), and the
+broker's CPU grew by ~0.07 cores a minute (0.76 cores after 9 min). The stream worker and
+the sink bound how often they fetch (`fetch_max_wait_ms`, the sink's `fetch_min_bytes`), the
+sink reads telemetry in rounds, one per flush (`SinkSettings.telemetry_in_rounds`), and
+producers batch samples into few messages; a long-running embedded stack still costs more
+every minute until `perfloop down && perfloop up`.
 """
 
 from __future__ import annotations
