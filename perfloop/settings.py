@@ -172,6 +172,11 @@ class SinkSettings(BaseServiceSettings):
     and a fetch would return at once: ~5 fetches a second instead of dozens. Each costs the
     embedded broker time in proportion to what the partitions hold (`perfloop.broker`); the
     sink's fetches were most of the broker's CPU in a soak."""
+    telemetry_in_rounds: bool = True
+    """Read the telemetry topics in rounds, one per flush, each partition paused once read to
+    its end (`perfloop.streams.sink`), instead of fetching them continuously. It keeps the
+    embedded broker's fetch cost, which grows with what a partition holds, from growing
+    faster than the log; it can be turned off on a Kafka cluster."""
 
 
 class ActuatorSettings(BaseServiceSettings):

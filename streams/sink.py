@@ -22,6 +22,14 @@ under ``max_batch_bytes`` plus two messages (at most 4 MiB each); the messages r
 yet taken, and librdkafka's prefetch, add at most twice ``PREFETCH_KIB`` KiB (plus one
 fetch).
 
+Telemetry is read in rounds, one per flush (``telemetry_in_rounds``): its partitions are
+resumed shortly before the flush and each is paused again once read to its end, so a
+partition is fetched about once a flush instead of several times a second. Each fetch of a
+partition with new records costs the embedded broker time in proportion to what the
+partition holds (its memory storage lists every stored batch), so this keeps the broker's CPU
+from growing several times faster than its log. A partition still behind is not paused: a
+backlog is read at full speed. The topics in `FAST_TOPICS` are always read.
+
 Bad input never stops the sink. A message that does not decode goes to ``perfloop.dlq`` with
 the reason and the source in its headers and is committed past. A batch the warehouse refuses
 as data (the server is up, the error is not transient) is split: each message is inserted on
@@ -84,6 +92,12 @@ FAST_TABLES = frozenset(t for topic in FAST_TOPICS for t in TABLES[topic])
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 5.0
 STATS_EVERY_S = 10.0
+ROUND_LEAD_S = 0.4
+"""A round of reading the telemetry partitions opens this long before the flush it feeds."""
+ROUND_IDLE_S = 0.3
+"""A round's telemetry partitions found at their end this long (plus twice the fetch wait:
+a fetch has answered since; at most 0.8 flush intervals) after it opened are paused, whether
+or not they told their end."""
 
 # ClickHouse error codes that say "not now" rather than "not this data": the insert is
 # retried. Unknown table/database/column means the warehouse is not migrated yet: retried too.
@@ -115,6 +129,7 @@ class SinkStats:
     duplicates: int = 0
     pauses: int = 0
     paused_s: float = 0.0
+    rounds: int = 0  # rounds of reading that resumed telemetry partitions (`Sink._pace`)
     failed_inserts: int = 0
     max_pending_rows: int = 0  # rows held: the batch in the air and the one being filled
     max_pending_bytes: int = 0
@@ -167,6 +182,7 @@ class Sink:
                 "fetch.max.bytes": PREFETCH_KIB << 10,
                 "fetch.min.bytes": settings.fetch_min_bytes,
                 "fetch.wait.max.ms": settings.fetch_max_wait_ms,
+                "enable.partition.eof": True,  # a round's partition is paused at its end
             },
         )
         self._dlq = dlq_producer or producer(settings)
@@ -185,6 +201,15 @@ class Sink:
         self._stats_at = 0.0
         self._trim = libc_trim()
         self._trimmed_at = 0.0
+        # Rounds of reading telemetry (`_pace`): the flush the last round was opened for,
+        # when, whether its partitions at their end were paused, and those paused since.
+        self._round_for = -1.0
+        self._round_opened = 0.0
+        self._round_idle_checked = True
+        self._round_idle_s = min(
+            ROUND_IDLE_S + 2 * settings.fetch_max_wait_ms / 1000, 0.8 * settings.flush_interval_s
+        )
+        self._held: set[tuple[str, int]] = set()
 
     @property
     def paused(self) -> bool:
@@ -238,6 +263,8 @@ class Sink:
             if time.monotonic() >= self._retry_at:
                 self._retry()
         else:
+            if self.settings.telemetry_in_rounds:
+                self._pace(now)
             self._read(now)
             self._land(wait=False)
             now = time.monotonic()
@@ -271,6 +298,50 @@ class Sink:
 
     # -- reading ---------------------------------------------------------------------------
 
+    def _pace(self, now: float) -> None:
+        """Read the telemetry partitions in rounds, one per flush: resume them
+        ``ROUND_LEAD_S`` before the flush, and pause each again when it tells its end, or
+        when it is found at its end (its position at the end the last fetch saw) a while
+        into the round (a partition with nothing new does not tell its end again). A
+        partition still behind stays resumed, so a backlog is read at full speed."""
+        if now >= self._next_flush - ROUND_LEAD_S and self._round_for != self._next_flush:
+            self._round_for = self._next_flush
+            self._round_opened = now
+            self._round_idle_checked = False
+            held = [TopicPartition(t, p) for t, p in self._held]
+            self._held.clear()
+            if held:
+                assigned = {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+                held = [tp for tp in held if (tp.topic, tp.partition) in assigned]
+                if held:
+                    self._consumer.resume(held)
+                    self.stats.rounds += 1
+        elif self._carry:  # not reading (the batch is full): nothing can count as idle yet
+            self._round_opened = now
+        elif not self._round_idle_checked and now - self._round_opened >= self._round_idle_s:
+            self._round_idle_checked = True
+            open_ = [
+                tp
+                for tp in self._consumer.assignment()
+                if tp.topic not in FAST_TOPICS and (tp.topic, tp.partition) not in self._held
+            ]
+            if open_:
+                at = self._consumer.position(open_)
+                idle = [tp for tp, pos in zip(open_, at, strict=True) if self._at_end(pos)]
+                if idle:
+                    self._hold(idle)
+
+    def _at_end(self, pos: TopicPartition) -> bool:
+        """Whether the partition was read up to the end its last fetch saw (False if either
+        is not known: nothing read since it was assigned, or not fetched yet)."""
+        _low, high = self._consumer.get_watermark_offsets(pos, cached=True)
+        return pos.offset >= 0 and high >= 0 and pos.offset >= high
+
+    def _hold(self, parts: list[TopicPartition]) -> None:
+        """Pause telemetry partitions until the next round (`_pace`)."""
+        self._consumer.pause(parts)
+        self._held.update((tp.topic, tp.partition) for tp in parts)
+
     def _read(self, now: float) -> None:
         due = self._next_flush
         if self._fast_since is not None:
@@ -298,6 +369,13 @@ class Sink:
         if err:
             if err.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer error: %s", err)
+            elif (
+                self.settings.telemetry_in_rounds
+                and msg.topic() not in FAST_TOPICS
+                and not self.paused
+                and (msg.topic(), msg.partition()) not in self._held
+            ):
+                self._hold([TopicPartition(msg.topic(), msg.partition())])
             return
         topic, partition, off = msg.topic(), msg.partition(), msg.offset()
         value = msg.value() or b""
@@ -565,6 +643,7 @@ class Sink:
         self.stats.paused_s += paused_s
         self._paused_since = None
         self._consumer.resume(self._consumer.assignment())
+        self._held.clear()  # every partition is read again, telemetry until its end
         log.warning(
             "warehouse back after %.1f s: inserted, committed, consumption resumed", paused_s
         )
@@ -593,7 +672,8 @@ class Sink:
         self._stats_at = time.monotonic() + STATS_EVERY_S
         log.info(
             "sink stats: %d inserts, %d rows (%.0f rows/insert, max %d), %d dead letters, "
-            "%d refused, %d duplicates, paused %d times for %.1f s, max pending %d rows; "
+            "%d refused, %d duplicates, paused %d times for %.1f s, max pending %d rows, "
+            "%d rounds of telemetry (%d partitions held now); "
             "seconds reading %.1f, decoding %.1f, inserting %.1f (in its thread), waiting for "
             "it %.1f, committing %.1f",
             st.inserts,
@@ -606,6 +686,8 @@ class Sink:
             st.pauses,
             st.paused_s,
             st.max_pending_rows,
+            st.rounds,
+            len(self._held),
             st.read_s,
             st.decode_s,
             st.insert_s,

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError, DataError, OperationalError
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, TopicPartition
 
 from perfloop.catalog import Topics
 from perfloop.kafka import dlq_headers
@@ -90,7 +90,7 @@ class Broker:
 
     def __init__(self) -> None:
         self.log: list[Msg] = []
-        self.position = 0
+        self.cursor = 0
         self.paused: set[tuple[str, int]] = set()
         self.commits: list[dict[tuple[str, int], int]] = []
         self.on_revoke: Callable[..., None] | None = None
@@ -115,20 +115,31 @@ class Broker:
 
     def consume(self, n: int, timeout: float) -> list[Msg]:
         out: list[Msg] = []
-        while self.position < len(self.log) and len(out) < n:
-            m = self.log[self.position]
+        while self.cursor < len(self.log) and len(out) < n:
+            m = self.log[self.cursor]
             if (m.topic(), m.partition()) in self.paused:
                 break  # one partition in these tests: paused means nothing is read
             out.append(m)
-            self.position += 1
+            self.cursor += 1
         if not out:
             time.sleep(min(timeout, 0.001))
         return out
 
+    def position(self, parts: list[TopicPartition]) -> list[TopicPartition]:
+        read = self.log[: self.cursor]
+        return [
+            TopicPartition(tp.topic, tp.partition, sum(1 for m in read if m.topic() == tp.topic
+                                                       and m.partition() == tp.partition))
+            for tp in parts
+        ]  # fmt: skip
+
+    def get_watermark_offsets(self, tp: TopicPartition, cached: bool) -> tuple[int, int]:
+        return 0, sum(1 for m in self.log if (m.topic(), m.partition()) == (tp.topic, tp.partition))
+
     def seek(self, tp: TopicPartition) -> None:
         for i, m in enumerate(self.log):
             if (m.topic(), m.partition(), m.offset()) == (tp.topic, tp.partition, tp.offset):
-                self.position = min(self.position, i)
+                self.cursor = min(self.cursor, i)
 
     def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
         self.commits.append({(tp.topic, tp.partition): tp.offset for tp in offsets})
@@ -273,7 +284,7 @@ def test_warehouse_down_pauses_bounds_memory_and_loses_nothing() -> None:
     # the message that filled each (one message per consume call here).
     assert 0 < sink.pending_rows <= 3 * ROWS + 2 * ROWS
     assert sink.stats.max_pending_rows <= 3 * ROWS + 2 * ROWS
-    assert broker.position < len(broker.log)  # the backlog waits in the broker
+    assert broker.cursor < len(broker.log)  # the backlog waits in the broker
     assert broker.commits == [] and wh.calls > 3  # retried; nothing committed
     for i in range(40, 80):  # a backlog builds up in the broker
         broker.add(Topics.STEP, step_batch(i))
@@ -422,7 +433,7 @@ def test_revoked_while_down_forgets_what_it_read_so_it_is_read_again() -> None:
     broker.on_revoke(broker, broker.assignment())
     assert sink.pending_rows == 0 and broker.commits == []
     # The group hands the partition back from its committed offset: the rows land once.
-    broker.position, broker.paused = 0, set()
+    broker.cursor, broker.paused = 0, set()
     wh.down = False
     run_until(sink, lambda: broker.committed(Topics.STEP) == 1)
     assert len(wh.ids()) == ROWS and sink.stats.duplicates == 0
@@ -458,7 +469,7 @@ def test_the_next_batch_is_read_while_one_is_being_inserted() -> None:
         broker.add(Topics.STEP, step_batch(i))
     for _ in range(20):
         sink.step()
-    assert broker.position == 4 and wh.ids() == []  # read and decoded, not yet inserted
+    assert broker.cursor == 4 and wh.ids() == []  # read and decoded, not yet inserted
     assert sink.pending_rows == 4 * ROWS and broker.commits == []
     release.set()
     run_until(sink, lambda: broker.committed(Topics.STEP) == 4)
@@ -513,3 +524,128 @@ def test_a_flight_can_be_sized_while_the_insert_thread_drops_its_landed_batches(
         stop.set()
         reader.join()
     assert errors == []
+
+
+class Eof(Msg):
+    """librdkafka's end-of-partition event (``enable.partition.eof``)."""
+
+    def __init__(self, topic: str, partition: int, offset: int) -> None:
+        super().__init__(topic, partition, offset, b"")
+
+    def error(self) -> KafkaError:  # type: ignore[override]
+        return KafkaError(KafkaError._PARTITION_EOF)
+
+
+class Partitioned(Broker):
+    """A consumer with a position per partition: it reads only resumed partitions, at most
+    ``per_read`` messages of each per call, and tells a partition's end once per new end;
+    ``reads`` counts the calls that returned messages of each partition (the fetches that
+    cost the embedded broker a listing of the partition)."""
+
+    def __init__(self, per_read: int = 100) -> None:
+        super().__init__()
+        self.per_read = per_read
+        self.at: dict[tuple[str, int], int] = {}
+        self.told_end: dict[tuple[str, int], int] = {}
+        self.reads: dict[tuple[str, int], int] = {}
+        self.ever_paused: set[tuple[str, int]] = set()
+
+    def pause(self, parts: list[TopicPartition]) -> None:
+        super().pause(parts)
+        self.ever_paused |= self.paused
+
+    def position(self, parts: list[TopicPartition]) -> list[TopicPartition]:  # type: ignore[override]
+        return [TopicPartition(tp.topic, tp.partition, self.at.get((tp.topic, tp.partition), -1001))
+                for tp in parts]  # fmt: skip
+
+    def consume(self, n: int, timeout: float) -> list[Msg]:
+        out: list[Msg] = []
+        for tp in sorted({(m.topic(), m.partition()) for m in self.log}):
+            if tp in self.paused:
+                continue
+            mine = [m for m in self.log if (m.topic(), m.partition()) == tp]
+            at = self.at.get(tp, 0)
+            take = mine[at : at + min(self.per_read, n - len(out))]
+            out += take
+            if take:
+                self.reads[tp] = self.reads.get(tp, 0) + 1
+            self.at[tp] = at = at + len(take)
+            if at == len(mine) and self.told_end.get(tp) != at:
+                self.told_end[tp] = at
+                out.append(Eof(*tp, at))
+        if not out:
+            time.sleep(min(timeout, 0.001))
+        return out
+
+
+def rounds_sink(
+    monkeypatch: pytest.MonkeyPatch, **settings: Any
+) -> tuple[Sink, Partitioned, Warehouse]:
+    monkeypatch.setattr(sink_mod, "ROUND_LEAD_S", 0.02)
+    monkeypatch.setattr(sink_mod, "ROUND_IDLE_S", 0.02)
+    broker, wh = Partitioned(), Warehouse()
+    conf = SinkSettings(**({"flush_interval_s": 0.1, "fetch_max_wait_ms": 1} | settings))
+    sink = Sink(conf, consumer_=broker, dlq_producer=DeadLetters(), warehouse=wh)  # type: ignore[arg-type]
+    sink.start()
+    return sink, broker, wh
+
+
+def run_for(sink: Sink, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sink.step()
+
+
+@pytest.mark.parametrize("rounds", [True, False])
+def test_telemetry_is_read_in_rounds_and_nothing_is_lost(
+    monkeypatch: pytest.MonkeyPatch, rounds: bool
+) -> None:
+    sink, broker, wh = rounds_sink(monkeypatch, telemetry_in_rounds=rounds)
+    step, windows = (Topics.STEP, 0), (Topics.WINDOWS, 0)
+    n = 0
+    end = time.monotonic() + 0.5  # ~5 rounds; a message arrives at every turn of the loop
+    while time.monotonic() < end:
+        broker.add(Topics.STEP, step_batch(n, n=2))
+        broker.add(Topics.WINDOWS, windows_message(1, rank=[n]))
+        n += 1
+        sink.step()
+    run_until(sink, lambda: broker.committed(Topics.STEP) == n)
+    assert len(wh.ids()) == len(set(wh.ids())) == 2 * n
+    assert len(wh.tables["windows"]) == n
+    assert windows not in broker.ever_paused  # rows someone waits for are always read
+    if rounds:  # the telemetry partition: read about once a round, paused at its end
+        assert 3 <= sink.stats.rounds <= 8 and step in broker.ever_paused
+        assert broker.reads[step] <= 2 * sink.stats.rounds + 2 < n / 10
+    else:  # ... or at every turn that found a new message
+        assert sink.stats.rounds == 0 and not broker.ever_paused
+        assert broker.reads[step] > n / 2
+
+
+def test_a_partition_behind_is_not_paused_until_it_reaches_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sink, broker, wh = rounds_sink(monkeypatch)
+    broker.per_read = 1
+    for i in range(40):
+        broker.add(Topics.STEP, step_batch(i, n=5))
+    turns = 0
+    while broker.committed(Topics.STEP) < 40:
+        assert (Topics.STEP, 0) not in broker.paused or broker.at[(Topics.STEP, 0)] == 40
+        sink.step()
+        turns += 1
+    assert len(wh.ids()) == 200 and (Topics.STEP, 0) in broker.ever_paused
+    assert turns < 200  # read at one message a turn, not one a round
+
+
+def test_an_idle_telemetry_partition_is_paused_and_read_again_next_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sink, broker, wh = rounds_sink(monkeypatch)
+    idle = (Topics.STEP, 1)
+    broker.add(Topics.STEP, step_batch(0), partition=1)  # read before this sink started:
+    broker.at[idle] = broker.told_end[idle] = 1  # nothing new, its end already told
+    broker.add(Topics.STEP, step_batch(1))
+    run_until(sink, lambda: idle in broker.paused)
+    broker.add(Topics.STEP, step_batch(2), partition=1)
+    run_until(sink, lambda: broker.committed(Topics.STEP, 1) == 2)
+    assert sink.stats.rounds >= 1 and len(wh.ids()) == 2 * ROWS
