@@ -152,6 +152,11 @@ class StreamsSettings(BaseServiceSettings):
     fetch costs it time in proportion to what the partitions hold (`perfloop.broker`): a
     shorter wait delivers input sooner and costs the broker more. At most 1 s: the worker
     trusts a partition's end only if it was fetched in the last 1.5 s."""
+    fetch_min_interval_ms: int = Field(500, ge=0, le=1000)
+    """The least time between two of the worker's fetches. A fetch returns as soon as any
+    partition has new records, so without it the worker fetches each time a producer
+    publishes, and the embedded broker lists every batch of such a partition for each fetch
+    (`perfloop.broker`). 0: fetch again at once."""
 
 
 class SinkSettings(BaseServiceSettings):

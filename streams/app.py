@@ -46,6 +46,7 @@ from perfloop.streams.windows import WindowColumns, split_by_job
 __all__ = [
     "StreamsService",
     "create_app",
+    "pace_fetches",
     "sent_ns",
     "set_fetch_wait",
     "snapshot_path",
@@ -92,6 +93,45 @@ def set_fetch_wait(app: faust.App, wait_ms: int) -> bool:
         return False
     fetcher._fetch_max_wait_ms = wait_ms
     return True
+
+
+def pace_fetches(app: faust.App, interval_ms: int) -> dict[str, Any] | None:
+    """Send the app's consumer fetches at least ``interval_ms`` apart (per broker); return
+    the pacing state (``interval_s``, ``fetches``), or None until its fetcher exists.
+
+    A fetch is answered as soon as any of its partitions has new records, so the consumer
+    would fetch again each time a producer publishes; the embedded broker lists every stored
+    batch of each such partition per fetch (`perfloop.broker`). Waiting before the next
+    fetch lets the records of several publishes come in one. Calling it again changes the
+    interval.
+    """
+    try:
+        fetcher = app.consumer._thread._ensure_consumer()._fetcher
+    except Exception:  # not started yet, or another consumer driver
+        return None
+    if fetcher is None or not hasattr(fetcher, "_proc_fetch_request"):
+        return None
+    state: dict[str, Any] | None = getattr(fetcher, "_perfloop_pace", None)
+    if state is not None:
+        state["interval_s"] = interval_ms / 1000
+        return state
+    pace: dict[str, Any] = {"interval_s": interval_ms / 1000, "fetches": 0, "last": {}}
+    send = fetcher._proc_fetch_request
+
+    async def paced(assignment: Any, node_id: int, request: Any) -> Any:
+        wait = pace["last"].get(node_id, -1e9) + pace["interval_s"] - time.monotonic()
+        if wait > 0:
+            try:
+                await asyncio.sleep(wait)
+            except asyncio.CancelledError:  # closed or unassigned meanwhile: as aiokafka does
+                return False
+        pace["last"][node_id] = time.monotonic()
+        pace["fetches"] += 1
+        return await send(assignment, node_id, request)
+
+    fetcher._proc_fetch_request = paced
+    fetcher._perfloop_pace = pace
+    return pace
 
 
 def snapshot_path(settings: StreamsSettings) -> Path:
@@ -261,6 +301,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
         try:
             now = time.time_ns()
             set_fetch_wait(app, settings.fetch_max_wait_ms)
+            pace_fetches(app, settings.fetch_min_interval_ms)
             if time.monotonic() - loop["free_at"] > BLOCKED_TICKS * settings.tick_interval_s:
                 hold_all(now)  # the loop was blocked: the partition ends known may be stale
             await check_inputs(now)
@@ -316,7 +357,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
             "stream stats: %d messages, %d samples, %d events, %d rejected, %d late samples %s, "
             "%d window rows, %d phase events, %d diagnoses, %d recommendations; %d held, "
             "%d read behind their partition's end, %d partitions behind now; snapshots every "
-            "%.1f s (%.1f MB, serialised in %.0f ms)",
+            "%.1f s (%.1f MB, serialised in %.0f ms); %d fetches",
             st["messages"],
             st["samples"],
             st["events"],
@@ -333,6 +374,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
             snap["every"],
             snap["bytes"] / 1e6,
             snap["dumps_s"] * 1000,
+            (pace_fetches(app, settings.fetch_min_interval_ms) or {}).get("fetches", 0),
         )
 
     app.perfloop_engine = engine  # type: ignore[attr-defined]
