@@ -21,7 +21,7 @@ times the fetches that find new records: in `bench/soak.py --rate 40000` the sin
 every topic cost the broker ~40 ms after 4.5 min (~5 a second: half its CPU), and the
 broker's CPU grew by ~0.07 cores a minute (0.76 cores after 9 min). The stream worker and
 the sink bound how often they fetch (`fetch_max_wait_ms`, the sink's `fetch_min_bytes`, the
-worker's `fetch_min_interval_ms`), the sink reads telemetry in rounds, one per flush
+worker's `fetch_min_interval_ms`), the sink can read telemetry in rounds, one per flush
 (`SinkSettings.telemetry_in_rounds`), and
 producers batch samples into few messages; a long-running embedded stack still costs more
 every minute until `perfloop down && perfloop up`.

@@ -22,7 +22,8 @@ under ``max_batch_bytes`` plus two messages (at most 4 MiB each); the messages r
 yet taken, and librdkafka's prefetch, add at most twice ``PREFETCH_KIB`` KiB (plus one
 fetch).
 
-Telemetry is read in rounds, one per flush (``telemetry_in_rounds``): its partitions are
+With ``telemetry_in_rounds`` (off by default: see `SinkSettings`), telemetry is read in
+rounds, one per flush: its partitions are
 resumed shortly before the flush and each is paused again once read to its end, so a
 partition is fetched about once a flush instead of several times a second. Each fetch of a
 partition with new records costs the embedded broker time in proportion to what the

@@ -584,7 +584,8 @@ def rounds_sink(
     monkeypatch.setattr(sink_mod, "ROUND_LEAD_S", 0.02)
     monkeypatch.setattr(sink_mod, "ROUND_IDLE_S", 0.02)
     broker, wh = Partitioned(), Warehouse()
-    conf = SinkSettings(**({"flush_interval_s": 0.1, "fetch_max_wait_ms": 1} | settings))
+    defaults = {"flush_interval_s": 0.1, "fetch_max_wait_ms": 1, "telemetry_in_rounds": True}
+    conf = SinkSettings(**(defaults | settings))
     sink = Sink(conf, consumer_=broker, dlq_producer=DeadLetters(), warehouse=wh)  # type: ignore[arg-type]
     sink.start()
     return sink, broker, wh
