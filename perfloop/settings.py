@@ -181,8 +181,8 @@ class SinkSettings(BaseServiceSettings):
     """Read the telemetry topics in rounds, one per flush, each partition paused once read to
     its end (`perfloop.streams.sink`), instead of fetching them continuously: the embedded
     broker's fetch cost grows with what a partition holds. Off by default: after the broker
-    restarted empty, a partition paused and resumed around the rebalance went back to its
-    position in the old log, and the sink stalled (tests/integration/test_broker_loss.py)."""
+    restarted empty, the sink stalled (tests/integration/test_broker_loss.py), likely because
+    a partition paused and resumed around the rebalance went back to its old-log position."""
 
 
 class ActuatorSettings(BaseServiceSettings):
