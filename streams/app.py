@@ -79,17 +79,23 @@ def sent_ns(msg: Any) -> int:
     return int(ts * 1e9) if isinstance(ts, int | float) and ts > 0 else -1
 
 
+def _fetcher(app: faust.App, needs: str) -> Any:
+    """The app's aiokafka fetcher if it exists and has attribute ``needs``, else None."""
+    try:
+        fetcher = app.consumer._thread._ensure_consumer()._fetcher
+    except Exception:  # not started yet, or another consumer driver
+        return None
+    return fetcher if fetcher is not None and hasattr(fetcher, needs) else None
+
+
 def set_fetch_wait(app: faust.App, wait_ms: int) -> bool:
     """Give the app's consumer fetches this longest wait; False until its fetcher exists.
 
     Faust fixes it at 1.5 s, which on the embedded broker delays input by ~0.4 s at the
     median (`perfloop.broker`); the fetcher reads the value for each fetch it builds.
     """
-    try:
-        fetcher = app.consumer._thread._ensure_consumer()._fetcher
-    except Exception:  # not started yet, or another consumer driver
-        return False
-    if fetcher is None or not hasattr(fetcher, "_fetch_max_wait_ms"):
+    fetcher = _fetcher(app, "_fetch_max_wait_ms")
+    if fetcher is None:
         return False
     fetcher._fetch_max_wait_ms = wait_ms
     return True
@@ -105,11 +111,8 @@ def pace_fetches(app: faust.App, interval_ms: int) -> dict[str, Any] | None:
     fetch lets the records of several publishes come in one. Calling it again changes the
     interval.
     """
-    try:
-        fetcher = app.consumer._thread._ensure_consumer()._fetcher
-    except Exception:  # not started yet, or another consumer driver
-        return None
-    if fetcher is None or not hasattr(fetcher, "_proc_fetch_request"):
+    fetcher = _fetcher(app, "_proc_fetch_request")
+    if fetcher is None:
         return None
     state: dict[str, Any] | None = getattr(fetcher, "_perfloop_pace", None)
     if state is not None:
