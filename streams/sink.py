@@ -183,7 +183,8 @@ class Sink:
                 "fetch.max.bytes": PREFETCH_KIB << 10,
                 "fetch.min.bytes": settings.fetch_min_bytes,
                 "fetch.wait.max.ms": settings.fetch_max_wait_ms,
-                "enable.partition.eof": True,  # a round's partition is paused at its end
+                # a round's partition is paused at its end (`_pace`)
+                "enable.partition.eof": settings.telemetry_in_rounds,
             },
         )
         self._dlq = dlq_producer or producer(settings)
