@@ -76,12 +76,16 @@ def test_telemetry_is_queryable_and_windowed(stack: StackSettings) -> None:
     assert pub.flush(10) == 0
     assert pub.stats.delivered == 2
 
+    # The two tables are inserted one after the other: wait for both.
     wait_for(
-        lambda: _count(stack, "SELECT count() FROM steps WHERE job_id = {j:String}", j=job) == 600,
+        lambda: (
+            _count(stack, "SELECT count() FROM steps WHERE job_id = {j:String}", j=job) == 600
+            and _count(stack, "SELECT count() FROM gpu_samples WHERE job_id = {j:String}", j=job)
+            == 600
+        ),
         30,
-        "600 step rows",
+        "600 step rows and 600 GPU rows",
     )
-    assert _count(stack, "SELECT count() FROM gpu_samples WHERE job_id = {j:String}", j=job) == 600
     ch = client(stack)
     try:
         r = ch.query(
