@@ -22,14 +22,18 @@ under ``max_batch_bytes`` plus two messages (at most 4 MiB each); the messages r
 yet taken, and librdkafka's prefetch, add at most twice ``PREFETCH_KIB`` KiB (plus one
 fetch).
 
-With ``telemetry_in_rounds`` (off by default: see `SinkSettings`), telemetry is read in
-rounds, one per flush: its partitions are
-resumed shortly before the flush and each is paused again once read to its end, so a
-partition is fetched about once a flush instead of several times a second. Each fetch of a
-partition with new records costs the embedded broker time in proportion to what the
-partition holds (its memory storage lists every stored batch), so this keeps the broker's CPU
-from growing several times faster than its log. A partition still behind is not paused: a
-backlog is read at full speed. The topics in `FAST_TOPICS` are always read.
+With ``telemetry_in_rounds`` (the default, see `SinkSettings`), telemetry is read in
+rounds, one per flush: its partitions are resumed shortly before the flush and each is
+paused again once read to its end, so a partition is fetched about once a flush instead of
+several times a second. Each fetch of a partition with new records costs the embedded broker
+time in proportion to what the partition holds (its memory storage lists every stored
+batch), so this keeps the broker's CPU from growing several times faster than its log. A
+partition still behind is not paused: a backlog is read at full speed. The topics in
+`FAST_TOPICS` are always read. Only a partition a message was taken from since its latest
+assignment is paused, and only at exactly its end: librdkafka resumes a partition at the
+last position taken, so a position from before a rebalance, or from a log the broker lost
+when it restarted empty, must never be the one resumed. A held partition being revoked is
+resumed first (a pause outlives the assignment).
 
 Bad input never stops the sink. A message that does not decode goes to ``perfloop.dlq`` with
 the reason and the source in its headers and is committed past. A batch the warehouse refuses
@@ -212,6 +216,10 @@ class Sink:
             ROUND_IDLE_S + 2 * settings.fetch_max_wait_ms / 1000, 0.8 * settings.flush_interval_s
         )
         self._held: set[tuple[str, int]] = set()
+        # Partitions a message was taken from since their latest assignment: only these are
+        # paused, so a partition is never paused at a position that is not its own (one kept
+        # from before a rebalance or a broker restart, to which resuming would seek back).
+        self._taken: set[tuple[str, int]] = set()
 
     @property
     def paused(self) -> bool:
@@ -233,7 +241,7 @@ class Sink:
 
     def start(self) -> None:
         # Land and commit what was read from partitions before they move to another sink.
-        self._consumer.subscribe(list(TABLES), on_revoke=self._on_revoke)
+        self._consumer.subscribe(list(TABLES), on_assign=self._on_assign, on_revoke=self._on_revoke)
         now = time.monotonic()
         self._next_flush = now + self.settings.flush_interval_s
         self._stats_at = now + STATS_EVERY_S
@@ -329,15 +337,22 @@ class Sink:
             ]
             if open_:
                 at = self._consumer.position(open_)
-                idle = [tp for tp, pos in zip(open_, at, strict=True) if self._at_end(pos)]
+                idle = [pos for pos in at if self._at_end(pos, self._cached_end(pos))]
                 if idle:
                     self._hold(idle)
 
-    def _at_end(self, pos: TopicPartition) -> bool:
-        """Whether the partition was read up to the end its last fetch saw (False if either
-        is not known: nothing read since it was assigned, or not fetched yet)."""
-        _low, high = self._consumer.get_watermark_offsets(pos, cached=True)
-        return pos.offset >= 0 and high >= 0 and pos.offset >= high
+    def _cached_end(self, tp: TopicPartition) -> int:
+        """The partition's end as its last fetch saw it (-1: not known)."""
+        return int(self._consumer.get_watermark_offsets(tp, cached=True)[1])
+
+    def _at_end(self, pos: TopicPartition, end: int) -> bool:
+        """Whether the partition may be paused as read to ``end``: a message was taken from it
+        since its latest assignment and its position is exactly there. A position past the
+        end means the log was lost (a broker restarted empty): the consumer's reset to the
+        new log's start shows only when it next takes a message, and pausing before then would
+        send it back to the old position at every round."""
+        key = (pos.topic, pos.partition)
+        return key in self._taken and key not in self._held and end >= 0 and pos.offset == end
 
     def _hold(self, parts: list[TopicPartition]) -> None:
         """Pause telemetry partitions until the next round (`_pace`)."""
@@ -371,16 +386,14 @@ class Sink:
         if err:
             if err.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer error: %s", err)
-            elif (
-                self.settings.telemetry_in_rounds
-                and msg.topic() not in FAST_TOPICS
-                and not self.paused
-                and (msg.topic(), msg.partition()) not in self._held
-            ):
-                self._hold([TopicPartition(msg.topic(), msg.partition())])
+            elif self.settings.telemetry_in_rounds and msg.topic() not in FAST_TOPICS:
+                tp = TopicPartition(msg.topic(), msg.partition())
+                if not self.paused and self._at_end(self._consumer.position([tp])[0], msg.offset()):
+                    self._hold([tp])
             return
         topic, partition, off = msg.topic(), msg.partition(), msg.offset()
         value = msg.value() or b""
+        self._taken.add((topic, partition))
         try:
             if topic == Topics.DLQ:
                 _, ts_ms = msg.timestamp()
@@ -650,7 +663,20 @@ class Sink:
             "warehouse back after %.1f s: inserted, committed, consumption resumed", paused_s
         )
 
-    def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Partitions (re)assigned are read from their committed offsets: none counts as
+        taken from until a message of the new assignment is."""
+        self._taken -= {(tp.topic, tp.partition) for tp in partitions}
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # A pause outlives the assignment in librdkafka: resume the held ones while they are
+        # still assigned, or one assigned again would never be read.
+        keys = {(tp.topic, tp.partition) for tp in partitions}
+        held = [TopicPartition(t, p) for t, p in self._held & keys]
+        if held and not self.paused:
+            consumer.resume(held)
+        self._held -= keys
+        self._taken -= keys
         self._carry = []  # not taken: read again from the committed offsets
         if self._flush():
             return

@@ -94,6 +94,7 @@ class Broker:
         self.paused: set[tuple[str, int]] = set()
         self.commits: list[dict[tuple[str, int], int]] = []
         self.on_revoke: Callable[..., None] | None = None
+        self.on_assign: Callable[..., None] | None = None
 
     def add(self, topic: str, value: bytes, partition: int = 0, **kw: Any) -> Msg:
         offset = sum(1 for m in self.log if (m.topic(), m.partition()) == (topic, partition))
@@ -101,8 +102,13 @@ class Broker:
         self.log.append(msg)
         return msg
 
-    def subscribe(self, topics: list[str], on_revoke: Callable[..., None]) -> None:
-        self.on_revoke = on_revoke
+    def subscribe(
+        self,
+        topics: list[str],
+        on_revoke: Callable[..., None],
+        on_assign: Callable[..., None] | None = None,
+    ) -> None:
+        self.on_assign, self.on_revoke = on_assign, on_revoke
 
     def assignment(self) -> list[TopicPartition]:
         return [TopicPartition(t, p) for t, p in {(m.topic(), m.partition()) for m in self.log}]
@@ -646,7 +652,48 @@ def test_an_idle_telemetry_partition_is_paused_and_read_again_next_round(
     broker.add(Topics.STEP, step_batch(0), partition=1)  # read before this sink started:
     broker.at[idle] = broker.told_end[idle] = 1  # nothing new, its end already told
     broker.add(Topics.STEP, step_batch(1))
-    run_until(sink, lambda: idle in broker.paused)
+    run_until(sink, lambda: (Topics.STEP, 0) in broker.paused)
+    run_for(sink, 0.3)  # ~3 rounds
+    # Nothing taken from it since it was assigned: its position may be another assignment's,
+    # and an idle partition costs the broker nothing to fetch anyway.
+    assert idle not in broker.ever_paused
     broker.add(Topics.STEP, step_batch(2), partition=1)
-    run_until(sink, lambda: broker.committed(Topics.STEP, 1) == 2)
-    assert sink.stats.rounds >= 1 and len(wh.ids()) == 2 * ROWS
+    run_until(sink, lambda: idle in broker.paused)  # taken from, then at its end
+    broker.add(Topics.STEP, step_batch(3), partition=1)
+    run_until(sink, lambda: broker.committed(Topics.STEP, 1) == 3)
+    assert sink.stats.rounds >= 1 and len(wh.ids()) == 3 * ROWS
+
+
+def test_a_partition_past_its_end_is_never_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broker restarted empty: the consumer's position is in the old log, past the new
+    end, until it takes a message of the new one. Pausing there would seek back each round."""
+    sink, broker, _ = rounds_sink(monkeypatch)
+    step = (Topics.STEP, 0)
+    broker.add(Topics.STEP, step_batch(0))
+    run_until(sink, lambda: step in broker.paused)
+    broker.log.clear()
+    broker.at[step] = 500  # where the lost log ended
+    broker.paused.clear()
+    broker.ever_paused.clear()
+    broker.told_end[step] = 0
+    broker.add(Topics.STEP, step_batch(1))  # the new log: its end is 1, the position 500
+    broker.at[step] = 500
+    run_for(sink, 0.3)
+    assert step not in broker.ever_paused
+
+
+def test_a_held_partition_revoked_is_resumed_and_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pause outlives the assignment (librdkafka): a held partition revoked is resumed
+    first, and once assigned again it is not paused before a message of it is taken."""
+    sink, broker, _ = rounds_sink(monkeypatch)
+    step = TopicPartition(Topics.STEP, 0)
+    broker.add(Topics.STEP, step_batch(0))
+    run_until(sink, lambda: (Topics.STEP, 0) in broker.paused)
+    assert broker.on_revoke is not None and broker.on_assign is not None
+    broker.on_revoke(broker, [step])
+    assert (Topics.STEP, 0) not in broker.paused
+    broker.on_assign(broker, [step])
+    broker.ever_paused.clear()
+    broker.told_end.clear()  # the end told again, with nothing taken since the assignment
+    run_for(sink, 0.3)
+    assert (Topics.STEP, 0) not in broker.ever_paused
