@@ -177,12 +177,10 @@ class SinkSettings(BaseServiceSettings):
     and a fetch would return at once: ~5 fetches a second instead of dozens. Each costs the
     embedded broker time in proportion to what the partitions hold (`perfloop.broker`); the
     sink's fetches were most of the broker's CPU in a soak."""
-    telemetry_in_rounds: bool = False
+    telemetry_in_rounds: bool = True
     """Read the telemetry topics in rounds, one per flush, each partition paused once read to
     its end (`perfloop.streams.sink`), instead of fetching them continuously: the embedded
-    broker's fetch cost grows with what a partition holds. Off by default: after the broker
-    restarted empty, the sink stalled (tests/integration/test_broker_loss.py), likely because
-    a partition paused and resumed around the rebalance went back to its old-log position."""
+    broker's fetch cost grows with what a partition holds. False: fetch them continuously."""
 
 
 class ActuatorSettings(BaseServiceSettings):
