@@ -59,8 +59,10 @@ log = logging.getLogger("perfloop.streams")
 # A tick later than this many intervals means the loop was blocked (see hold_all).
 BLOCKED_TICKS = 2
 HOLD_FRESH_S = 1.0
-"""After a hold, how long until the consumer's view of a partition's end counts again (more
-than a fetch's wait on an idle partition, at most `StreamsSettings.fetch_max_wait_ms`)."""
+"""After a hold, how long until the consumer's view of a partition's end counts again when
+the fetches cannot be watched (`pace_fetches` not in place): more than a fetch's wait on an
+idle partition, at most `StreamsSettings.fetch_max_wait_ms`. Where they can, the view counts
+again as soon as a fetch sent after the hold has been answered for the partition."""
 POLL_FRESH_S = 1.5
 """A partition's end counts as known only if the consumer fetched it this recently (an idle
 partition is fetched at least every `StreamsSettings.fetch_max_wait_ms`)."""
@@ -103,7 +105,9 @@ def set_fetch_wait(app: faust.App, wait_ms: int) -> bool:
 
 def pace_fetches(app: faust.App, interval_ms: int) -> dict[str, Any] | None:
     """Send the app's consumer fetches at least ``interval_ms`` apart (per broker); return
-    the pacing state (``interval_s``, ``fetches``), or None until its fetcher exists.
+    the pacing state, or None until its fetcher exists: ``interval_s``, ``fetches`` (sent)
+    and ``answered`` (per (topic, partition), the `time.monotonic` at which the latest fetch
+    whose answer gave the partition's end was sent: that end is at least that recent).
 
     A fetch is answered as soon as any of its partitions has new records, so the consumer
     would fetch again each time a producer publishes; the embedded broker lists every stored
@@ -118,7 +122,12 @@ def pace_fetches(app: faust.App, interval_ms: int) -> dict[str, Any] | None:
     if state is not None:
         state["interval_s"] = interval_ms / 1000
         return state
-    pace: dict[str, Any] = {"interval_s": interval_ms / 1000, "fetches": 0, "last": {}}
+    pace: dict[str, Any] = {
+        "interval_s": interval_ms / 1000,
+        "fetches": 0,
+        "last": {},
+        "answered": {},  # (topic, partition): when the latest fetch answered for it was sent
+    }
     send = fetcher._proc_fetch_request
 
     async def paced(assignment: Any, node_id: int, request: Any) -> Any:
@@ -128,9 +137,20 @@ def pace_fetches(app: faust.App, interval_ms: int) -> dict[str, Any] | None:
                 await asyncio.sleep(wait)
             except asyncio.CancelledError:  # closed or unassigned meanwhile: as aiokafka does
                 return False
-        pace["last"][node_id] = time.monotonic()
+        sent, sent_ms = time.monotonic(), int(time.time() * 1000)
+        pace["last"][node_id] = sent
         pace["fetches"] += 1
-        return await send(assignment, node_id, request)
+        result = await send(assignment, node_id, request)
+        answered = pace["answered"]
+        for topic, parts in request.topics:
+            for partition, *_ in parts:
+                try:  # the partition's end was taken from this answer (aiokafka stamps it)
+                    stamp = assignment.state_value(TP(topic, partition)).timestamp
+                except Exception:  # unassigned meanwhile
+                    continue
+                if stamp is not None and stamp >= sent_ms:
+                    answered[(topic, partition)] = sent
+        return result
 
     fetcher._proc_fetch_request = paced
     fetcher._perfloop_pace = pace
@@ -184,20 +204,35 @@ def create_app(settings: StreamsSettings) -> faust.App:
     # When the loop is blocked (a long tick, a snapshot, a run of messages) the consumer does
     # not fetch, so the partition ends it knows go stale: a partition that looked read to its
     # end may have new input waiting. After such a block every telemetry partition is held
-    # (its sources' silence not counted) until a fetch at least HOLD_FRESH_S later shows it
-    # read to its end: a busy worker never closes windows on data it has not read yet.
+    # (its sources' silence not counted) until a fetch sent after the block shows it read to
+    # its end (`fresh`): a busy worker never closes windows on data it has not read yet. The
+    # hold is "unsure" (`WindowSet.set_channel`): once it ends, the silence counts from before
+    # it, so a worker whose own window closes block it does not keep restarting the silence
+    # that closes the last windows of a job that stopped.
     loop = {"free_at": time.monotonic()}
     held_at: dict[tuple[str, int], float] = {}
 
     def fresh(tp: TP) -> bool:
-        """Whether what the consumer knows of the partition's end postdates the last hold."""
-        return time.monotonic() - held_at.get((tp.topic, tp.partition), -1e9) >= HOLD_FRESH_S
+        """Whether what the consumer knows of the partition's end postdates the last hold:
+        a fetch sent after it was answered (or, fetches not watched, HOLD_FRESH_S passed)."""
+        key = (tp.topic, tp.partition)
+        at = held_at.get(key)
+        if at is None:
+            return True
+        pace = pace_fetches(app, settings.fetch_min_interval_ms)
+        if pace is not None:
+            ok = pace["answered"].get(key, -1e9) >= at
+        else:
+            ok = time.monotonic() - at >= HOLD_FRESH_S
+        if ok:
+            del held_at[key]
+        return ok
 
     def hold_all(now: int) -> None:
         start = time.monotonic()
         for tp in app.consumer.assignment():
             if tp.topic in TELEMETRY_TOPICS:
-                engine.set_input(tp.topic, tp.partition, caught_up=False, wall_ns=now)
+                engine.set_input(tp.topic, tp.partition, caught_up=False, wall_ns=now, unsure=True)
                 held_at[(tp.topic, tp.partition)] = start
 
     def highwater(tp: TP) -> int | None:
@@ -244,8 +279,11 @@ def create_app(settings: StreamsSettings) -> faust.App:
         )
         for tp, at in zip(unread, fetched, strict=True):
             hw = highwater(tp)  # unknown, or not fetched to its end: input left to read
-            behind = hw is None or not isinstance(at, int) or at < hw or not fresh(tp)
-            engine.set_input(tp.topic, tp.partition, caught_up=not behind, wall_ns=now)
+            behind = hw is None or not isinstance(at, int) or at < hw
+            unsure = not behind and not fresh(tp)
+            engine.set_input(
+                tp.topic, tp.partition, caught_up=not (behind or unsure), wall_ns=now, unsure=unsure
+            )
 
     async def emit(o: Outputs) -> None:
         if o.windows is not None:
@@ -272,12 +310,13 @@ def create_app(settings: StreamsSettings) -> faust.App:
         async for event in stream.noack().events():
             msg = event.message
             value = event.value if isinstance(event.value, bytes) else b""
+            at_end = caught_up(msg.tp, msg.offset)
+            unsure = at_end and not fresh(msg.tp)
             try:
                 engine.ingest(
                     msg.topic, value, wall_ns=time.time_ns(), partition=msg.partition,
-                    offset=msg.offset,
-                    caught_up=caught_up(msg.tp, msg.offset) and fresh(msg.tp),
-                    sent_ns=sent_ns(msg),
+                    offset=msg.offset, caught_up=at_end and not unsure, sent_ns=sent_ns(msg),
+                    unsure=unsure,
                 )  # fmt: skip
                 reason = ""
             except SchemaError as e:

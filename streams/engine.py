@@ -169,6 +169,7 @@ class StreamEngine:
         offset: int = -1,
         caught_up: bool = True,
         sent_ns: int = -1,
+        unsure: bool = False,
     ) -> int:
         """Take one message; return its samples (0 for an event or a skipped message).
 
@@ -176,7 +177,8 @@ class StreamEngine:
         (the app compares the offset with the partition's high-water mark); while it has not,
         the sources that come by it are silent only as far as its messages read since theirs
         were sent later (``sent_ns``: the message's timestamp, -1 unknown; see
-        `perfloop.streams.windows`).
+        `perfloop.streams.windows`). ``unsure``: not known to be read to its end only because
+        the app could not look lately (`WindowSet.set_channel`).
 
         Raise `SchemaError` with a one-line reason if the message is bad; nothing of it is
         then applied, and the engine's state is as if it had never arrived.
@@ -188,12 +190,16 @@ class StreamEngine:
             if offset < self._resume.get(tp, -1):
                 self.stats["replayed"] += 1
                 if topic in TELEMETRY_TOPICS:
-                    self.windows.set_channel(tp, caught_up=caught_up, wall_ns=wall_ns, group=topic)
+                    self.windows.set_channel(
+                        tp, caught_up=caught_up, wall_ns=wall_ns, group=topic, unsure=unsure
+                    )
                 return 0
             self._offsets[tp] = max(self._offsets.get(tp, 0), offset + 1)
         if topic in TELEMETRY_TOPICS:
             batch = self._batch(topic, data, wall_ns)
-            self.windows.set_channel(tp, caught_up=caught_up, wall_ns=wall_ns, group=topic)
+            self.windows.set_channel(
+                tp, caught_up=caught_up, wall_ns=wall_ns, group=topic, unsure=unsure
+            )
             self.windows.observe(batch, wall_ns, tp, sent_ns)
             if len(batch):
                 ts = batch.columns["ts_ns"]
@@ -222,14 +228,16 @@ class StreamEngine:
             return 0
         raise SchemaError(f"the stream worker does not read {topic}")
 
-    def set_input(self, topic: str, partition: int, *, caught_up: bool, wall_ns: int) -> None:
+    def set_input(
+        self, topic: str, partition: int, *, caught_up: bool, wall_ns: int, unsure: bool = False
+    ) -> None:
         """Say whether a telemetry partition has input left to read, between messages: the app
         checks each tick the partitions it has not read from yet (a job waits for a topic it has
         sent nothing on while one of its partitions has input left) and the held ones (the
-        message that reached the end may have been rejected)."""
+        message that reached the end may have been rejected). ``unsure``: see `ingest`."""
         group = topic if topic in TELEMETRY_TOPICS else None
         self.windows.set_channel(
-            (topic, partition), caught_up=caught_up, wall_ns=wall_ns, group=group
+            (topic, partition), caught_up=caught_up, wall_ns=wall_ns, group=group, unsure=unsure
         )
 
     @property

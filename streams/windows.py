@@ -298,20 +298,36 @@ class WindowSet(WindowCore):
 
     # -- time -----------------------------------------------------------------------------
     def set_channel(
-        self, channel: Hashable, *, caught_up: bool, wall_ns: int, group: Hashable = None
+        self,
+        channel: Hashable,
+        *,
+        caught_up: bool,
+        wall_ns: int,
+        group: Hashable = None,
+        unsure: bool = False,
     ) -> None:
         """Say whether ``channel`` (an input: the engine's topic partition, in ``group``, its
         topic) has been read to its end. While it has not, its sources' silence is not counted
-        in wall time (see the module docstring); once it has, their silence counts from now."""
+        in wall time (see the module docstring); once it has, their silence counts from now.
+
+        ``unsure`` (with ``caught_up`` False): a channel read to its end may have new input
+        the reader has not seen (it could not look for a while). Its sources' silence is held
+        as for input left; once it is known read to its end again, everything that came in
+        meanwhile has been read in order, so their silence counts from when it was first
+        read to its end, not from now. Input left for real (``unsure`` False) overrides."""
         ch = self._channels.get(channel)
         if ch is None:
             self._channels[channel] = [int(not caught_up), int(wall_ns), -1, group, -1]
             return
         ch[3] = group if group is not None else ch[3]
-        if caught_up and ch[0]:
-            ch[0], ch[1] = 0, int(wall_ns)
-        elif not caught_up:
+        if caught_up:
+            if ch[0] == 1:
+                ch[1] = int(wall_ns)
+            ch[0] = 0
+        elif not unsure:
             ch[0] = 1
+        elif ch[0] == 0:
+            ch[0] = 2
 
     @property
     def held_channels(self) -> list[Hashable]:

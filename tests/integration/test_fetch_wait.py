@@ -99,3 +99,39 @@ def test_fetches_are_paced_and_every_record_still_arrives(
         assert fetches <= 2.0 / 0.3 + 3  # the 2 s of sending, and the drain after it
     else:
         assert fetches > 12
+
+
+def test_the_pacing_tells_when_a_partition_end_was_last_fetched(stack: StackSettings) -> None:
+    """`answered` holds, per partition, when the latest fetch that gave its end was sent: a
+    mark taken now is passed only by a fetch sent after it (the worker's hold after a blocked
+    loop ends there), which on an idle partition takes about a fetch's wait."""
+    topic = "perfloop.test.pace-answered"
+    ensure_topics(stack, [topic])
+
+    async def run() -> tuple[float, float, float]:
+        c = AIOKafkaConsumer(
+            bootstrap_servers=stack.kafka_bootstrap, enable_auto_commit=False, fetch_max_wait_ms=100
+        )
+        app: Any = SimpleNamespace(consumer=SimpleNamespace(_thread=SimpleNamespace(
+            _ensure_consumer=lambda: c)))  # fmt: skip
+        await c.start()
+        try:
+            pace = pace_fetches(app, 200)
+            assert pace is not None
+            tp = TopicPartition(topic, 0)
+            c.assign([tp])
+            await c.seek_to_end(tp)
+            await c.getmany(timeout_ms=500)
+            key = (topic, 0)
+            first = pace["answered"][key]
+            mark = time.monotonic()
+            assert pace["answered"][key] < mark
+            while pace["answered"].get(key, -1.0) < mark and time.monotonic() - mark < 5.0:
+                await c.getmany(timeout_ms=20)
+            return first, mark, pace["answered"][key] - mark
+        finally:
+            await c.stop()
+
+    first, mark, after = asyncio.run(run())
+    assert first < mark
+    assert 0 <= after < 1.0  # a fetch sent after the mark answered (interval 0.2 s, wait 0.1 s)

@@ -221,6 +221,31 @@ def test_a_source_whose_input_has_more_to_read_is_not_silent() -> None:
     assert ws.held_channels == [] and ws.late_samples == 0
 
 
+def test_an_unsure_hold_keeps_the_silence_counted_before_it() -> None:
+    """The reader could not look at its input for a while (its loop was blocked): its sources'
+    silence is held, and once the input is known read to its end again it counts from when it
+    first was, not from then; input left for real still restarts it."""
+    ws = only_step_time(specs="1", lateness_s=1)
+    ws.set_channel("p0", caught_up=True, wall_ns=T0)
+    ws.observe(steps([0.5], [1.0]), wall_ns=T0, channel="p0")
+    assert ws.watermark_ns("j", T0 + NS) == T0 + int(1.5 * NS)
+    ws.set_channel("p0", caught_up=False, wall_ns=T0 + NS, unsure=True)
+    assert ws.held_channels == ["p0"]
+    assert ws.watermark_ns("j", T0 + 3 * NS) == T0 + NS // 2, "held: no silence counted"
+    assert rows(ws.advance(T0 + 3 * NS)) == []
+    ws.set_channel("p0", caught_up=True, wall_ns=T0 + 3 * NS)
+    assert ws.watermark_ns("j", T0 + 3 * NS) == T0 + int(3.5 * NS), "3 s of silence, not 0"
+    assert [r["ts_ns"] for r in rows(ws.advance(T0 + 3 * NS))] == [T0]
+    # An unsure hold turned real (input left found meanwhile): the silence counts from then.
+    ws.set_channel("p0", caught_up=False, wall_ns=T0 + 4 * NS, unsure=True)
+    ws.set_channel("p0", caught_up=False, wall_ns=T0 + 4 * NS)
+    ws.set_channel("p0", caught_up=False, wall_ns=T0 + 5 * NS, unsure=True)  # stays real
+    ws.set_channel("p0", caught_up=True, wall_ns=T0 + 6 * NS)
+    assert ws.watermark_ns("j", T0 + 6 * NS) == T0 + NS // 2
+    assert ws.watermark_ns("j", T0 + 7 * NS) == T0 + int(1.5 * NS)
+    assert ws.late_samples == 0
+
+
 def test_a_source_waits_for_its_input_however_far_other_sources_read_on_it_got() -> None:
     ws = only_step_time(specs="1", lateness_s=0)
     ws.set_channel("p0", caught_up=False, wall_ns=T0)
