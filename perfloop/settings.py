@@ -168,6 +168,9 @@ class SinkSettings(BaseServiceSettings):
     """How long closed windows, diagnoses and other rows someone waits for may wait for more
     before they are inserted on their own (telemetry waits ``flush_interval_s``)."""
     max_batch_rows: int = Field(200_000, gt=0)
+    max_batch_bytes: int = Field(64 << 20, ge=1 << 20)
+    """Bound on the message bytes the sink holds (the batch in the air and the one being
+    filled, each flushed at half of it), beside ``max_batch_rows``; plus two messages."""
     dedup_window_messages: int = Field(200_000, gt=0)
     session_timeout_ms: int = Field(6000, ge=1000)
     fetch_min_bytes: int = Field(1 << 20, ge=1)

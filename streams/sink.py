@@ -79,8 +79,6 @@ CONSUME_MESSAGES = 500
 """Messages taken per `consume` call."""
 PREFETCH_KIB = 4 << 10
 """librdkafka's bound on prefetched messages (``queued.max.messages.kbytes``)."""
-MAX_BATCH_BYTES = 64 << 20
-"""Default bound on the message bytes held (the batch in the air and the one being filled)."""
 FAST_TOPICS = frozenset(TABLES) - {
     Topics.GPU,
     Topics.HOST,
@@ -169,13 +167,12 @@ class Sink:
         self,
         settings: SinkSettings,
         *,
-        max_batch_bytes: int = MAX_BATCH_BYTES,
         consumer_: Consumer | None = None,
         dlq_producer: Producer | None = None,
         warehouse: Client | None = None,
     ) -> None:
         self.settings = settings
-        self.max_batch_bytes = max_batch_bytes
+        self.max_batch_bytes = settings.max_batch_bytes
         self.stats = SinkStats()
         self._stop = threading.Event()
         self._consumer = consumer_ or consumer(

@@ -457,6 +457,20 @@ def test_small_messages_do_not_make_a_read_overshoot_the_batch() -> None:
     assert len(wh.tables["job_lifecycle"]) == 50
 
 
+def test_the_bytes_held_are_bounded_by_max_batch_bytes() -> None:
+    """A batch is flushed once it holds half of ``max_batch_bytes`` message bytes, however few
+    rows that is (here the row bound alone would let the whole backlog in)."""
+    sink, broker, wh, _ = make_sink(
+        max_batch_rows=10_000 * ROWS, max_batch_bytes=1 << 20, flush_interval_s=0.3
+    )
+    one = step_batch(0, n=2000)
+    for i in range(30):
+        broker.add(Topics.STEP, step_batch(i, n=2000))
+    run_until(sink, lambda: len(wh.ids()) == 30 * 2000)
+    assert sink.stats.max_pending_bytes <= (1 << 20) + 2 * len(one)
+    assert sink.stats.inserts > 1
+
+
 def test_the_next_batch_is_read_while_one_is_being_inserted() -> None:
     sink, broker, wh, _ = make_sink(flush_interval_s=0.01, max_batch_rows=20 * ROWS)
     release = threading.Event()
