@@ -186,21 +186,27 @@ class Supervisor:
             self.stop()
 
     def stop(self) -> None:
-        """Stop the children in reverse order: SIGTERM, then SIGKILL after the timeout."""
+        """Stop the services first and the broker and warehouse after them, so that what the
+        services do on SIGTERM (the sink's last insert and commit, the stream worker's last
+        outputs and snapshot) still reaches both: SIGTERM, then SIGKILL once
+        ``stop_timeout_s`` has passed since the stop began."""
         self._stop.set()
-        for child in reversed(self._children):
-            if child.proc is not None and child.proc.poll() is None:
-                child.proc.terminate()
         deadline = time.monotonic() + self.settings.stop_timeout_s
-        for child in reversed(self._children):
-            if child.proc is None:
-                continue
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait()
-            child.state = "stopped"
+        services = [c for c in self._children if c.name in SERVICES]
+        rest = [c for c in self._children if c.name not in SERVICES]
+        for wave in (services, rest):
+            for child in reversed(wave):
+                if child.proc is not None and child.proc.poll() is None:
+                    child.proc.terminate()
+            for child in reversed(wave):
+                if child.proc is None:
+                    continue
+                try:
+                    child.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait()
+                child.state = "stopped"
         self._children.clear()
         with contextlib.suppress(FileNotFoundError):
             (self.home / STATE_FILE).unlink()
