@@ -117,6 +117,11 @@ def build_change(
     from perfloop.schemas import ConfigChange
 
     target = target or default_target(key)
+    if target == "streams" and job != "*" and not key.startswith("detect."):
+        raise ConfigError(
+            f"{key} applies to every job: only detect.* settings can be set for one job "
+            "(leave out --job)"
+        )
     if target == "producers":
         from perfloop.producers.adaptive import sampling_value
 

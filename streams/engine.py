@@ -374,14 +374,28 @@ class StreamEngine:
         if change.target != "streams":
             return  # sampling changes are for the producers
         try:
-            old, new = self.configure(change.key, change.value)
+            old, new = self.configure(change.key, change.value, job=change.applies_to)
         except ConfigError as e:
             raise SchemaError(f"config change {change.key}={change.value!r} refused: {e}") from None
-        log.info("config %s: %r -> %r (by %s)", change.key, old, new, change.author or "?")
+        log.info(
+            "config %s for %s: %r -> %r (by %s)",
+            change.key,
+            "every job" if change.applies_to == "*" else change.applies_to,
+            old,
+            new,
+            change.author or "?",
+        )
         self.applied = [*self.applied[-99:], (change, old, new)]
 
-    def configure(self, key: str, value: Any) -> tuple[Any, Any]:
-        """Change one setting live; raise `ConfigError` naming the valid keys if unknown."""
+    def configure(self, key: str, value: Any, job: str = "*") -> tuple[Any, Any]:
+        """Change one setting live, for every job ("*") or for ``job`` alone (the detectors'
+        ``detect.*`` settings only); raise `ConfigError` naming the valid keys if unknown."""
+        if job != "*":
+            if not key.startswith("detect."):
+                raise ConfigError(
+                    f"{key} applies to every job: only detect.* settings can be set for one job"
+                )
+            return self.funnel.configure(key, value, job=job)
         if key == "windows.metrics.derived":
             names = value.split(",") if isinstance(value, str) else list(value)
             new = tuple(dict.fromkeys(str(n).strip() for n in names if str(n).strip()))

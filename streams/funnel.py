@@ -33,7 +33,9 @@ ended jobs are measured on the receive clock itself. ``tick(wall_ns, jobs)`` eva
 named jobs (the engine ticks each job at its own event time).
 
 Settings are `DetectConfig` fields, changed live with ``configure("detect.<detector>.<param>",
-value)``.
+value)`` for every job, or with ``job=<job id>`` for one job: a job's own values override the
+shared ones (a later change for every job leaves them as they are) and are kept until the job
+has ended and is forgotten.
 """
 
 from __future__ import annotations
@@ -142,6 +144,8 @@ class Funnel:
 
     def __init__(self, config: DetectConfig | None = None) -> None:
         self.config = config or DetectConfig()
+        self._overrides: dict[str, dict[str, Any]] = {}  # job → its own values, by key
+        self._job_config: dict[str, DetectConfig] = {}  # job → config with them applied
         self._jobs: dict[str, JobState] = {}
         self._open: dict[str, dict[str, _Open]] = {}
         self._held: dict[str, dict[str, int]] = {}
@@ -157,10 +161,15 @@ class Funnel:
             self._apply_thresholds(job)
         return job
 
+    def config_for(self, job_id: str) -> DetectConfig:
+        """The settings the job's detectors use: the shared ones with the job's own applied."""
+        return self._job_config.get(job_id, self.config)
+
     def _apply_thresholds(self, job: JobState) -> None:
-        job.det["clock_drop"] = self.config.throttle.min_clock_drop
-        job.det["cpu_threshold"] = self.config.cpu.threshold_pct
-        job.det["straggler_threshold"] = self.config.straggler.score_threshold
+        cfg = self.config_for(job.job_id)
+        job.det["clock_drop"] = cfg.throttle.min_clock_drop
+        job.det["cpu_threshold"] = cfg.cpu.threshold_pct
+        job.det["straggler_threshold"] = cfg.straggler.score_threshold
 
     def observe(self, batch: Batch, wall_ns: int) -> None:
         """Fold one decoded telemetry batch in (kinds this component does not read are skipped)."""
@@ -213,16 +222,17 @@ class Funnel:
         ``jobs``: only these jobs are evaluated; None: every job.
         """
         out: list[Diagnosis] = []
-        idle_ns = int(self.config.funnel.idle_job_s * NS)
         names = list(self._jobs) if jobs is None else [j for j in jobs if j in self._jobs]
         for job_id in names:
             job = self._jobs[job_id]
+            cfg = self.config_for(job_id)
+            idle_ns = int(cfg.funnel.idle_job_s * NS)
             ended = job.ended or (job.last_wall_ns and wall_ns - job.last_wall_ns > idle_ns)
             now = job.now(wall_ns)
             if not ended:
-                step_detectors(job, self.config)
-                device_detectors(job, self.config)
-            hang_detector(job, self.config, now)
+                step_detectors(job, cfg)
+                device_detectors(job, cfg)
+            hang_detector(job, cfg, now)
             out.extend(self._reconcile(job, now, final=bool(ended)))
             if ended:
                 del self._jobs[job_id]
@@ -230,8 +240,10 @@ class Funnel:
                 self._held.pop(job_id, None)
                 self._ended[job_id] = wall_ns
         for job_id, t in list(self._ended.items()):
-            if wall_ns - t > idle_ns:
+            if wall_ns - t > int(self.config_for(job_id).funnel.idle_job_s * NS):
                 del self._ended[job_id]
+                self._overrides.pop(job_id, None)  # the job is forgotten, and its settings
+                self._job_config.pop(job_id, None)
         return out
 
     def _cause(self, f: Finding, active: list[Finding]) -> str:
@@ -246,7 +258,7 @@ class Funnel:
         return best
 
     def _reconcile(self, job: JobState, now_ns: int, *, final: bool) -> list[Diagnosis]:
-        cfg = self.config.funnel
+        cfg = self.config_for(job.job_id).funnel
         opened = self._open.setdefault(job.job_id, {})
         held = self._held.setdefault(job.job_id, {})
         active = list(job.findings.values())
@@ -326,16 +338,33 @@ class Funnel:
         )
 
     # -- live settings and snapshots ---------------------------------------------------------
-    def configure(self, key: str, value: Any) -> tuple[Any, Any]:
-        """Change ``detect.<detector>.<param>`` live; return (old, new)."""
+    def configure(self, key: str, value: Any, job: str = "*") -> tuple[Any, Any]:
+        """Change ``detect.<detector>.<param>`` live, for every job ("*") or for ``job``
+        alone; return (old, new) as that job (or every job without its own) sees it."""
         if not key.startswith("detect."):
             raise ConfigError(f"unknown setting {key}; the funnel's settings start with detect.")
         sub = key[len("detect.") :]
-        old = self.config.get_key(sub)
-        self.config = self.config.replace_key(sub, value)
-        for job in self._jobs.values():
-            self._apply_thresholds(job)
-        return old, self.config.get_key(sub)
+        if job == "*":
+            old = self.config.get_key(sub)
+            self.config = self.config.replace_key(sub, value)
+            for j in list(self._overrides):
+                self._rebuild(j)
+            for state in self._jobs.values():
+                self._apply_thresholds(state)
+            return old, self.config.get_key(sub)
+        old = self.config_for(job).get_key(sub)
+        self.config_for(job).replace_key(sub, value)  # refused here, before anything changes
+        self._overrides.setdefault(job, {})[sub] = value
+        self._rebuild(job)
+        if job in self._jobs:
+            self._apply_thresholds(self._jobs[job])
+        return old, self.config_for(job).get_key(sub)
+
+    def _rebuild(self, job: str) -> None:
+        cfg = self.config
+        for sub, value in self._overrides.get(job, {}).items():
+            cfg = cfg.replace_key(sub, value)
+        self._job_config[job] = cfg
 
     def snapshot(self) -> dict[str, Any]:
         """Durable state: settings, every job's state, open diagnoses (builtins + numpy)."""
@@ -352,6 +381,7 @@ class Funnel:
             },
             "held": {j: dict(h) for j, h in self._held.items()},
             "ended": dict(self._ended),
+            "overrides": {j: dict(o) for j, o in self._overrides.items()},
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -366,6 +396,10 @@ class Funnel:
         }
         self._held = {j: dict(h) for j, h in state["held"].items()}
         self._ended = dict(state["ended"])
+        self._overrides = {j: dict(o) for j, o in state.get("overrides", {}).items()}
+        self._job_config = {}
+        for j in self._overrides:
+            self._rebuild(j)
 
 
 def _overlap(scope: str, cause: Finding, symptom: Finding) -> bool:

@@ -86,6 +86,13 @@ def test_a_bad_change_is_refused_before_it_is_sent(args: tuple, message: str) ->
     assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_only_detector_settings_can_be_set_for_one_job() -> None:
+    assert build_change("detect.hang.after_s", 30, job="llm-7").applies_to == "llm-7"
+    with pytest.raises(ConfigError, match=r"windows\.specs applies to every job"):
+        build_change("windows.specs", "1,10", job="llm-7")
+    assert build_change("windows.specs", "1,10").applies_to == "*"
+
+
 def test_a_bad_job_is_refused_naming_the_option() -> None:
     with pytest.raises(ConfigError, match=r"invalid --job 'a b'"):
         build_change("detect.hang.after_s", 30, job="a b")

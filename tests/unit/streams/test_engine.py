@@ -44,10 +44,17 @@ def _engine(**kw: object) -> StreamEngine:
     return StreamEngine(StreamsSettings(**kw))
 
 
-def _config(key: str, value: object, target: str = "streams") -> bytes:
+def _config(key: str, value: object, target: str = "streams", job: str = "*") -> bytes:
     return encode_event(
         ConfigChange(
-            ts_ns=NOW, job_id="ops", node="t", rank=-1, target=target, key=key, value=value
+            ts_ns=NOW,
+            job_id="ops" if job == "*" else job,
+            node="t",
+            rank=-1,
+            target=target,
+            key=key,
+            value=value,
+            applies_to=job,
         )
     )
 
@@ -63,6 +70,12 @@ BAD_INPUT = [
     ("command-like junk on control", Topics.CONTROL, b'{"kind": "nope"}', "unknown kind"),
     ("unknown stream setting", Topics.CONTROL, _config("windows.nope", 1), "windows.nope"),
     ("bad value for a setting", Topics.CONTROL, _config("windows.lateness_s", -3), "lateness"),
+    (
+        "a window setting for one job",
+        Topics.CONTROL,
+        _config("windows.lateness_s", 2, job="j"),
+        "only detect.* settings can be set for one job",
+    ),
     ("batch on the job topic", Topics.JOB, _steps(), "got an Arrow telemetry batch"),
     ("a topic it does not read", Topics.WINDOWS, _steps(), "does not read"),
 ]
@@ -104,6 +117,15 @@ def test_live_config_changes_apply_and_sampling_changes_are_left_to_producers() 
         eng.ingest(Topics.STEP, _steps(t0=NOW + 120 * NS), wall_ns=NOW)
     with pytest.raises(ConfigError, match="valid prefixes"):
         eng.configure("nonsense", 1)
+
+
+def test_a_detector_setting_for_one_job_reaches_that_job_only() -> None:
+    eng = _engine()
+    eng.ingest(Topics.CONTROL, _config("detect.hang.floor_s", 45, job="j1"), wall_ns=NOW)
+    [(change, old, new)] = eng.applied
+    assert (change.applies_to, old, new) == ("j1", eng.funnel.config.hang.floor_s, 45)
+    assert eng.funnel.config_for("j1").hang.floor_s == 45
+    assert eng.funnel.config_for("j2").hang.floor_s == eng.funnel.config.hang.floor_s != 45
 
 
 def _run(

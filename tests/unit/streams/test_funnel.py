@@ -143,6 +143,32 @@ def test_configure_changes_detection_live() -> None:
     assert [d for d in out if d.bottleneck == "straggler" and d.state == "open"]
 
 
+def test_a_setting_for_one_job_applies_to_that_job_alone() -> None:
+    items, _ = _messages(RunSpec("straggler", 2, 1, 4, duration_s=30.0))
+    job = items[0][1].job_id
+
+    def stragglers(f: Funnel) -> list[Diagnosis]:
+        out, _ = _feed(f, items, items[0][0])
+        return [d for d in out if d.bottleneck == "straggler" and d.state == "open"]
+
+    mine = Funnel()
+    assert mine.configure("detect.straggler.score_threshold", 0.5, job=job) == (0.12, 0.5)
+    # a later change for every job leaves the job's own value as it is
+    assert mine.configure("detect.straggler.score_threshold", 0.3) == (0.12, 0.3)
+    assert mine.config_for(job).straggler.score_threshold == 0.5
+    assert mine.config_for("another").straggler.score_threshold == 0.3
+    restored = Funnel()
+    restored.restore(pickle.loads(pickle.dumps(mine.snapshot())))
+    assert restored.config_for(job).straggler.score_threshold == 0.5
+    assert not stragglers(restored), "the straggler's score is < 0.5 for this job"
+    other = Funnel()
+    other.configure("detect.straggler.score_threshold", 0.5, job="another-job")
+    assert stragglers(other), "another job's setting changes nothing here"
+    with pytest.raises(ConfigError, match="must be in"):
+        mine.configure("detect.straggler.score_threshold", 2.0, job=job)
+    assert mine.config_for(job).straggler.score_threshold == 0.5
+
+
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
