@@ -186,6 +186,11 @@ class JobState:
         self.ended = False
         self.findings: dict[str, Finding] = {}
         self.det: dict[str, Any] = {}  # detectors' own state (baselines, hysteresis)
+        # Input folded in so far (batches and events): the funnel runs the step and device
+        # detectors again only when it changed (or their settings did). Not in snapshots: a
+        # restored job is evaluated at its first tick.
+        self.version = 0
+        self.evaluated: tuple[int, Any] | None = None
 
     def now(self, wall_ns: int) -> int:
         """The job's event-time clock at receive time ``wall_ns`` (never going back): its newest
@@ -275,6 +280,7 @@ class JobState:
         self.lag_ns = max(0.0, lag if self.lag_ns < 0 else self.lag_ns + 0.1 * (lag - self.lag_ns))
         if wall_ns > self.last_wall_ns:
             self.last_wall_ns = wall_ns
+        self.version += 1
         getattr(self, handler)(self.node_index(node), cols)
 
     def _per_step(

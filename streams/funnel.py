@@ -185,6 +185,7 @@ class Funnel:
             job = self._job(event.job_id)
             if job is not None:
                 job.last_wall_ns = max(job.last_wall_ns, wall_ns)
+                job.version += 1
                 job.declared_world = max(job.declared_world, event.world_size)
                 job.gpu_mem_bytes = float(event.gpu_mem_bytes or job.gpu_mem_bytes)
                 job.node_index(event.node)
@@ -193,6 +194,7 @@ class Funnel:
             if job is None:
                 return
             job.last_wall_ns = max(job.last_wall_ns, wall_ns)
+            job.version += 1
             if event.state == "failed" and _OOM.search(event.message or ""):
                 self._oom(job, event)
             if event.rank == -1 and event.state in _ENDED:
@@ -229,9 +231,12 @@ class Funnel:
             idle_ns = int(cfg.funnel.idle_job_s * NS)
             ended = job.ended or (job.last_wall_ns and wall_ns - job.last_wall_ns > idle_ns)
             now = job.now(wall_ns)
-            if not ended:
+            seen = job.evaluated
+            if not ended and (seen is None or seen[0] != job.version or seen[1] is not cfg):
+                # Functions of the job's input and the settings: nothing new, same result.
                 step_detectors(job, cfg)
                 device_detectors(job, cfg)
+                job.evaluated = (job.version, cfg)
             hang_detector(job, cfg, now)
             out.extend(self._reconcile(job, now, final=bool(ended)))
             if ended:

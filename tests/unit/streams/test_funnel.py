@@ -143,6 +143,47 @@ def test_configure_changes_detection_live() -> None:
     assert [d for d in out if d.bottleneck == "straggler" and d.state == "open"]
 
 
+@pytest.mark.parametrize("scenario", ["thermal_throttle", "straggler", "dataloader_starvation"])
+def test_detectors_run_again_only_on_new_input_and_find_the_same(
+    scenario: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step and device detectors are skipped at a tick with nothing new for the job (no
+    batch, no event, the same settings): the diagnoses are those of running them every tick."""
+    import perfloop.streams.funnel as funnel_mod
+
+    items, _ = _messages(RunSpec(scenario, 5, 1, 4, duration_s=30.0))
+    # delivered in bursts, 3 s of input at a time (a producer that batches, a backlog read):
+    # most ticks then have nothing new
+    t0 = items[0][0]
+    items = [(t0 + (w - t0) // (3 * 10**9 + 1) * 3 * 10**9 + 3 * 10**9, it) for w, it in items]
+
+    class EveryTick(Funnel):
+        def tick(self, wall_ns: int, jobs: Any = None) -> list[Diagnosis]:
+            for job in self._jobs.values():
+                job.evaluated = None
+            return super().tick(wall_ns, jobs)
+
+    runs = [0]
+    real = funnel_mod.step_detectors
+
+    def counted(job: Any, cfg: Any) -> None:
+        runs[0] += 1
+        real(job, cfg)
+
+    every, _ = _feed(EveryTick(), items, items[0][0])
+    monkeypatch.setattr(funnel_mod, "step_detectors", counted)
+    ticks = [0]
+
+    class Counted(Funnel):
+        def tick(self, wall_ns: int, jobs: Any = None) -> list[Diagnosis]:
+            ticks[0] += len(self._jobs)
+            return super().tick(wall_ns, jobs)
+
+    skipping, _ = _feed(Counted(), items, items[0][0])
+    assert every and _strip(skipping) == _strip(every)
+    assert 0 < runs[0] < ticks[0] / 2, (runs, ticks)
+
+
 def test_a_setting_for_one_job_applies_to_that_job_alone() -> None:
     items, _ = _messages(RunSpec("straggler", 2, 1, 4, duration_s=30.0))
     job = items[0][1].job_id
