@@ -343,6 +343,7 @@ def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[s
         )
     finally:
         ch.close()
+        pub.close()  # before the stack goes down, or its thread reports the broker lost
     crashes = _stream_crashes(home)
     if crashes:
         say(f"  ! the stream worker logged {len(crashes)} errors (streams.log): {crashes[0][:300]}")
@@ -458,6 +459,7 @@ def bench_naive(args: argparse.Namespace, settings: Any, home: Path) -> dict[str
             f"in {e2e_s:.2f} s → {rate:,.0f} events/s end to end"
         )
     finally:
+        pub.close()
         worker.terminate()
         try:
             worker.wait(20)

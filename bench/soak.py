@@ -143,6 +143,7 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
         for t in threads:
             t.join(30)
     pub.flush(60)
+    pub.close()  # before the stack goes down, or its thread reports the broker lost
     samples = sum(j.samples for j in jobs)
     elapsed = time.monotonic() - t0
     job_ids = [j.cfg.job_id for j in jobs]
