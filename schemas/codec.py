@@ -419,7 +419,7 @@ def _check_arrow_column(
     if c.dtype is np.int64 and value.dtype.kind != "i":
         raise SchemaError(f"{kind} batch: column {c.name!r} must hold integers, got float")
     if not values:
-        return value.astype(c.dtype, copy=False)
+        return value.astype(c.dtype, copy=False)  # type: ignore[no-any-return]
     if c.dtype is np.float64 and not c.nullable and np.isnan(value).any():
         i = int(np.argmax(np.isnan(value)))
         raise SchemaError(f"{kind} batch: column {c.name!r} sample {i} is null, not finite")
