@@ -219,6 +219,8 @@ class StepAnalysis:
         self._jobs: dict[str, _Job] = {}
         self._pending: list[tuple[Batch, int]] = []
         self._done: list[StepRecord] = []
+        self.last_done: list[StepRecord] = []
+        """The steps the latest `tick` completed, in completion order (any job's)."""
         self._wall = 0
         self.late_rows = 0
         self.dropped_steps = 0
@@ -253,6 +255,7 @@ class StepAnalysis:
             if (idle or ended) and not (job.slot_step[~job.slot_done] >= 0).any():
                 del self._jobs[job_id]
         done, self._done = self._done, []
+        self.last_done = done
         return metric_columns(done) if done else _NO_METRICS
 
     def configure(self, key: str, value: Any) -> tuple[Any, Any]:
@@ -383,47 +386,61 @@ class StepAnalysis:
                     if not keep.any():
                         continue
                     c = {k: v[keep] for k, v in c.items()}
-            cols = job.columns(c["rank"], c["node"])
-            slots = self._slots(job, c["step"], wall_ns, is_step=kind == "step")
-            ok = slots >= 0
-            if not ok.all():
-                self.late_rows += int((~ok).sum())
-                if not ok.any():
-                    continue
-                cols, slots = cols[ok], slots[ok]
-                c = {k: v[ok] for k, v in c.items()}
-            job.slot_last[slots] = wall_ns
-            job.kinds[cols] |= _KIND_FLAG[kind]
-            if kind == "step":
-                job.end_ns[slots, cols] = c["ts_ns"]
-                job.f[0, slots, cols] = c["step_time_ms"]
-                job.f[1, slots, cols] = c["data_wait_ms"]
-                new = (job.flags[slots, cols] & _STEP) == 0
-                job.flags[slots, cols] |= _STEP
-                job.seen_wall[cols] = wall_ns
-                np.add.at(job.nsteps, cols[new], 1)
-            elif kind == "span":
-                codes = np.fromiter(map(_PH.get, c["phase"], repeat(_USER)), np.int64, len(cols))
-                first = (job.flags[slots, cols] & _SPAN) == 0
-                job.phase[slots[first], cols[first]] = 0.0
-                np.add.at(job.phase, (slots, cols, codes), c["duration_ms"])
-                job.flags[slots, cols] |= _SPAN
-            elif kind == "kernel":
-                every = c["kernel_class"] == "all"
-                union = every & (c["stream"] == -1)
-                job.f[2, slots[union], cols[union]] = c["busy_ms"][union]
-                job.flags[slots[union], cols[union]] |= _UNION
-                per = every & (c["stream"] >= 0)
-                s, k = slots[per], cols[per]
-                fresh = (job.flags[s, k] & _STREAMS) == 0
-                job.f[3, s[fresh], k[fresh]] = 0.0
-                np.add.at(job.f[3], (s, k), c["busy_ms"][per])
-                job.flags[s, k] |= _STREAMS
-            else:  # collective
-                fresh = (job.flags[slots, cols] & _COLL) == 0
-                job.f[4, slots[fresh], cols[fresh]] = 0.0
-                np.add.at(job.f[4], (slots, cols), c["duration_ms"])
-                job.flags[slots, cols] |= _COLL
+            steps = c["step"]
+            width = max(1, job.cap // 2)
+            if len(steps) and int(steps.max()) - int(steps.min()) >= width:
+                # more steps than the ring holds: fold them in slices of half the ring, so
+                # the oldest complete with their data (a ring-full slot completes as it is)
+                part = (steps - steps.min()) // width
+                for k in np.unique(part).tolist():
+                    sel = part == k
+                    self._fold(job, kind, {n: v[sel] for n, v in c.items()}, wall_ns)
+            else:
+                self._fold(job, kind, c, wall_ns)
+
+    def _fold(self, job: _Job, kind: str, c: dict[str, np.ndarray], wall_ns: int) -> None:
+        """Fold one batch's rows (at most half the ring's steps) into the job's step table."""
+        cols = job.columns(c["rank"], c["node"])
+        slots = self._slots(job, c["step"], wall_ns, is_step=kind == "step")
+        ok = slots >= 0
+        if not ok.all():
+            self.late_rows += int((~ok).sum())
+            if not ok.any():
+                return
+            cols, slots = cols[ok], slots[ok]
+            c = {k: v[ok] for k, v in c.items()}
+        job.slot_last[slots] = wall_ns
+        job.kinds[cols] |= _KIND_FLAG[kind]
+        if kind == "step":
+            job.end_ns[slots, cols] = c["ts_ns"]
+            job.f[0, slots, cols] = c["step_time_ms"]
+            job.f[1, slots, cols] = c["data_wait_ms"]
+            new = (job.flags[slots, cols] & _STEP) == 0
+            job.flags[slots, cols] |= _STEP
+            job.seen_wall[cols] = wall_ns
+            np.add.at(job.nsteps, cols[new], 1)
+        elif kind == "span":
+            codes = np.fromiter(map(_PH.get, c["phase"], repeat(_USER)), np.int64, len(cols))
+            first = (job.flags[slots, cols] & _SPAN) == 0
+            job.phase[slots[first], cols[first]] = 0.0
+            np.add.at(job.phase, (slots, cols, codes), c["duration_ms"])
+            job.flags[slots, cols] |= _SPAN
+        elif kind == "kernel":
+            every = c["kernel_class"] == "all"
+            union = every & (c["stream"] == -1)
+            job.f[2, slots[union], cols[union]] = c["busy_ms"][union]
+            job.flags[slots[union], cols[union]] |= _UNION
+            per = every & (c["stream"] >= 0)
+            s, k = slots[per], cols[per]
+            fresh = (job.flags[s, k] & _STREAMS) == 0
+            job.f[3, s[fresh], k[fresh]] = 0.0
+            np.add.at(job.f[3], (s, k), c["busy_ms"][per])
+            job.flags[s, k] |= _STREAMS
+        else:  # collective
+            fresh = (job.flags[slots, cols] & _COLL) == 0
+            job.f[4, slots[fresh], cols[fresh]] = 0.0
+            np.add.at(job.f[4], (slots, cols), c["duration_ms"])
+            job.flags[slots, cols] |= _COLL
 
     def _slots(self, job: _Job, steps: np.ndarray, wall_ns: int, *, is_step: bool) -> np.ndarray:
         """The ring slot of each row's step, claiming slots for new steps; -1 for late rows."""

@@ -264,3 +264,24 @@ def test_snapshot_and_restore_continue_exactly() -> None:
     for col in ("rank", "step", "metric", "value"):
         assert sorted(map(str, got[col])) == sorted(map(str, want[col])), col
     assert c.scores(cfg.job_id) == pytest.approx(a.scores(cfg.job_id))
+
+
+def test_a_batch_of_more_steps_than_the_ring_holds_completes_every_step() -> None:
+    # A backlog or a producer that batches long: 400 steps of 2 ranks in one batch, against a
+    # ring of 64 open steps. Every step completes with its data (it used to complete 64 and
+    # drop the rest: their slots were taken before their rows were written).
+    n = 400
+    steps = {
+        "ts_ns": [T0 + i * 100 * MS + r * MS for i in range(n) for r in (0, 1)],
+        "rank": [r for _ in range(n) for r in (0, 1)],
+        "step": [i for i in range(n) for _ in (0, 1)],
+        "step_time_ms": [100.0 + (i % 3) for i in range(n) for _ in (0, 1)],
+    }
+    sa = StepAnalysis(max_open_steps=64)
+    wall = T0 + n * 100 * MS
+    sa.observe(decode_batch(encode_batch("step", steps, job_id="j", node="n")), wall)
+    sa.tick(wall + 60 * 10**9)
+    done = sa.last_done
+    assert sorted(r.step for r in done) == list(range(n))
+    assert sa.dropped_steps == 0 and sa.late_rows == 0
+    assert all(list(r.step_ms) == [100.0 + (r.step % 3)] * 2 for r in done)
