@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from perfloop import __version__
 from perfloop._config_cli import add_config_parser, config_command
+from perfloop._plan_cli import add_plan_parser, plan_command
 from perfloop.exceptions import ConfigError, PerfloopError
 
 __all__ = ["build_parser", "main"]
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("name", choices=SERVICE_NAMES)
 
     add_config_parser(sub, _Parser)
+    add_plan_parser(sub)
     return p
 
 
@@ -345,6 +347,7 @@ _COMMANDS = {
     "dlq": _dlq,
     "service": _service,
     "config": config_command,
+    "plan": plan_command,
 }
 
 
