@@ -71,6 +71,7 @@ KIND_TOPICS: dict[str, str] = {
     "actuation": Topics.ACTUATIONS,
     "phase": Topics.PHASES,
     "diagnosis": Topics.DIAGNOSES,
+    "prediction": Topics.PREDICTIONS,
     "config": Topics.CONTROL,
 }
 
@@ -92,6 +93,7 @@ KIND_TABLES: dict[str, str] = {
     "actuation": "actuations",
     "phase": "phases",
     "diagnosis": "diagnoses",
+    "prediction": "predictions",
     "config": "config_changes",
 }
 
@@ -526,6 +528,70 @@ MIGRATIONS = (
             f"ALTER TABLE {t} MODIFY SETTING merge_selector_base = {MERGE_SELECTOR_BASE}"
             for t in _MERGE_TREE_TABLES
         ),
+        tuning=True,
+    ),
+)
+
+
+# -- migration 5: predictions ------------------------------------------------------------------
+_PREDICTION_ACCURACY = """CREATE VIEW IF NOT EXISTS prediction_accuracy AS
+SELECT
+    p.job_id AS job_id,
+    p.rank AS rank,
+    p.model AS model,
+    p.target AS target,
+    p.prediction_id AS prediction_id,
+    p.ts AS predicted_at,
+    p.step AS step,
+    p.value AS predicted,
+    p.baseline AS baseline,
+    r.came AS realised,
+    r.came_at AS realised_at,
+    abs(p.value - r.came) AS abs_error,
+    abs(p.value - r.came) / nullIf(abs(r.came), 0) AS ape,
+    abs(p.baseline - r.came) / nullIf(abs(r.came), 0) AS baseline_ape
+FROM
+(
+    SELECT job_id, rank, model, target, prediction_id, ts, step, value, baseline
+    FROM predictions
+    WHERE state = 'predicted'
+    LIMIT 1 BY prediction_id
+) AS p
+INNER JOIN
+(
+    SELECT prediction_id, any(realised) AS came, min(ts) AS came_at
+    FROM predictions
+    WHERE state = 'realised' AND realised IS NOT NULL
+    GROUP BY prediction_id
+) AS r USING (prediction_id)"""
+
+MIGRATIONS = (
+    *MIGRATIONS,
+    Migration(
+        5,
+        "predictions: the online models' forecasts and realised values, and their accuracy",
+        (
+            _table(
+                "predictions",
+                """    prediction_id String,
+    model LowCardinality(String),
+    target LowCardinality(String),
+    state LowCardinality(String),
+    value Float64,
+    realised Nullable(Float64),
+    baseline Nullable(Float64),
+    step UInt64,
+    for_ts Nullable(DateTime64(9, 'UTC')),
+    evidence Map(String, Float64),
+    summary String""",
+            ).replace("SETTINGS", "TTL toDateTime(ts) + INTERVAL 30 DAY\nSETTINGS"),
+            _PREDICTION_ACCURACY,
+        ),
+    ),
+    Migration(
+        6,
+        f"merge less often on predictions: merge_selector_base = {MERGE_SELECTOR_BASE}",
+        (f"ALTER TABLE predictions MODIFY SETTING merge_selector_base = {MERGE_SELECTOR_BASE}",),
         tuning=True,
     ),
 )

@@ -9,7 +9,8 @@ names. The catalog:
 - job-level events, one per message (`encode_event`, `decode_event`): `JobInfo`,
   `JobLifecycle`, `CapabilityReport`, `ProducerStats`, `GroundTruth`;
 - control events: `Recommendation`, `Command`, `ActuationResult`;
-- stream-tier conclusions and live changes: `PhaseChange`, `Diagnosis`, `ConfigChange`.
+- stream-tier conclusions and live changes: `PhaseChange`, `Diagnosis`, `Prediction`,
+  `ConfigChange`.
 
 Bad input raises `SchemaError` with a one-line message naming the field and the value.
 `export_json_schemas` writes JSON Schema for consumers in other languages.
@@ -22,6 +23,7 @@ from perfloop.schemas.analysis import (
     ConfigChange,
     Diagnosis,
     PhaseChange,
+    Prediction,
 )
 from perfloop.schemas.base import Event, new_event_id, now_ns
 from perfloop.schemas.codec import (
@@ -90,6 +92,7 @@ __all__ = [
     "KnobValue",
     "PhaseChange",
     "PhaseSpan",
+    "Prediction",
     "ProducerStats",
     "Recommendation",
     "SchemaError",

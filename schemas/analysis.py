@@ -1,8 +1,9 @@
 """What the stream tier concludes: phases, diagnoses, and the live changes made to it.
 
 These are events, one JSON object per message (`encode_event` / `decode_event`):
-`PhaseChange` on ``perfloop.phases``, `Diagnosis` on ``perfloop.diagnoses`` and `ConfigChange`
-on ``perfloop.control`` (job agents ignore it; stream workers and producers apply it).
+`PhaseChange` on ``perfloop.phases``, `Diagnosis` on ``perfloop.diagnoses``, `Prediction` on
+``perfloop.predictions`` and `ConfigChange` on ``perfloop.control`` (job agents ignore it;
+stream workers and producers apply it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "ConfigChange",
     "Diagnosis",
     "PhaseChange",
+    "Prediction",
 ]
 
 Short = Annotated[str, Field(max_length=256)]
@@ -145,3 +147,37 @@ class ConfigChange(Event):
     value: KnobValue | list[list[float]]
     author: Short = ""
     reason: str = Field("", max_length=1000)
+
+
+class Prediction(Event):
+    """What an online model forecast for a job (``rank`` -1) or a rank, and later what came.
+
+    A prediction is published twice with the same ``prediction_id``: ``state`` "predicted"
+    when it is made (``ts_ns``, the job's event time then), and "realised" once the value it
+    forecast is known, with ``realised`` set — so its accuracy is a join away (the warehouse
+    view ``prediction_accuracy``). ``target`` names what is forecast, unit in the name
+    (``step_time_ms``, ``forward_ms``, ``time_to_oom_s``, ``next_phase_s``, ``anomaly_score``,
+    ``regime_change``); ``model`` the model class. ``step`` is the step it is for (0: not
+    step-based) and ``for_ts_ns`` the event time it is expected at (0: not time-based).
+    ``baseline`` is the moving-average baseline's forecast of the same value, when there is
+    one, so a model's gain over it can be queried too.
+
+    >>> p = Prediction(ts_ns=5, job_id="j", node="n", rank=-1, prediction_id="j:st:8",
+    ...                model="StepTimeForecaster", target="step_time_ms", value=101.5, step=8)
+    >>> p.state, p.realised
+    ('predicted', None)
+    """
+
+    KIND: ClassVar[str] = "prediction"
+
+    prediction_id: Annotated[str, Field(min_length=1, max_length=128)]
+    model: Annotated[str, Field(min_length=1, max_length=128)]
+    target: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[a-z0-9_.:]+$")]
+    state: Literal["predicted", "realised"] = "predicted"
+    value: float = Field(allow_inf_nan=False, description="The forecast, in the target's unit.")
+    realised: float | None = Field(None, allow_inf_nan=False)
+    baseline: float | None = Field(None, allow_inf_nan=False)
+    step: int = Field(0, ge=0)
+    for_ts_ns: int = Field(0, ge=0)
+    evidence: dict[str, float] = Field(default_factory=dict)
+    summary: str = Field("", max_length=2000)

@@ -39,7 +39,7 @@ import orjson
 from pydantic import ValidationError
 
 from perfloop.schemas._arrow_batch import decode_arrow, encode_arrow, is_arrow
-from perfloop.schemas.analysis import ConfigChange, Diagnosis, PhaseChange
+from perfloop.schemas.analysis import ConfigChange, Diagnosis, PhaseChange, Prediction
 from perfloop.schemas.base import JOB_ID_PATTERN, Event, new_event_id
 from perfloop.schemas.control import ActuationResult, Command, Recommendation
 from perfloop.schemas.exceptions import SchemaError
@@ -93,6 +93,7 @@ EVENT_KINDS: dict[str, type[Event]] = {
         PhaseChange,
         Diagnosis,
         ConfigChange,
+        Prediction,
     )
 }
 _ENVELOPE = ("schema_version", "event_id", "job_id", "node")

@@ -260,6 +260,10 @@ def _diagnosis(row: dict[str, Any]) -> None:
     row["onset"] = row.pop("onset_ns")
 
 
+def _prediction(row: dict[str, Any]) -> None:
+    row["for_ts"] = row.pop("for_ts_ns") or None
+
+
 def _config(row: dict[str, Any]) -> None:
     # A string value is stored as it is; a number, a bool or a list as JSON.
     value = row["value"]
@@ -273,6 +277,7 @@ _EVENT_SHAPES: dict[str, Callable[[dict[str, Any]], None]] = {
     "ground_truth": _ground_truth,
     "phase": _phase,
     "diagnosis": _diagnosis,
+    "prediction": _prediction,
     "config": _config,
 }
 

@@ -315,7 +315,7 @@ BAD_EVENTS: dict[str, tuple[str, bytes, str]] = {
         "does not belong on perfloop.telemetry.gpu",
     ),
     "telemetry garbage": (Topics.STEP, b"garbage", "not valid JSON"),
-    "a topic without a table": (Topics.PREDICTIONS, b"{}", "has no table"),
+    "a topic without a table": ("perfloop.unknown", b"{}", "has no table"),
 }
 
 
