@@ -9,8 +9,8 @@ partition's high-water mark from the consumer's last fetch): while a backlog is 
 sources it carries are not silent, so nothing closes early (see `perfloop.streams.engine`). A
 timer ticks the engine every ``tick_interval_s`` (first telling it which partitions it has not
 read from yet have input waiting, and which held ones have since been read to their end) and
-publishes closed windows (``perfloop.windows``), phase changes, diagnoses and
-recommendations, keyed by job.
+publishes closed windows (``perfloop.windows``), phase changes, diagnoses, the online models'
+predictions (``perfloop.predictions``) and recommendations, keyed by job.
 
 Processing is at least once, with durable state: input is read without automatic
 acknowledgement; every ``snapshot_interval_s`` (longer for a large state, see `SNAPSHOT_SHARE`)
@@ -189,9 +189,10 @@ def create_app(settings: StreamsSettings) -> faust.App:
         return app.topic(name, value_serializer="raw", key_serializer="raw")
 
     windows_out, phases_out = out(Topics.WINDOWS), out(Topics.PHASES)
-    diagnoses_out, recs_out, dlq = (
+    diagnoses_out, recs_out, predictions_out, dlq = (
         out(Topics.DIAGNOSES),
         out(Topics.RECOMMENDATIONS),
+        out(Topics.PREDICTIONS),
         out(Topics.DLQ),
     )
     engine = StreamEngine(settings)
@@ -293,6 +294,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
             (phases_out, o.phases),
             (diagnoses_out, o.diagnoses),
             (recs_out, o.recommendations),
+            (predictions_out, o.predictions),
         ):
             for ev in events:
                 await topic.send(key=ev.job_id.encode(), value=encode_event(ev))

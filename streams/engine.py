@@ -68,6 +68,7 @@ from perfloop.schemas import (
     ConfigChange,
     Diagnosis,
     PhaseChange,
+    Prediction,
     Recommendation,
     SchemaError,
     decode_batch,
@@ -79,6 +80,7 @@ from perfloop.streams._phase_clock import JobClock, QueueEntry
 from perfloop.streams._phase_steps import DERIVED_METRICS
 from perfloop.streams.funnel import Funnel
 from perfloop.streams.phases import PhaseMachine
+from perfloop.streams.predict import PredictionHost
 from perfloop.streams.rules import DataWaitRule
 from perfloop.streams.steps import StepAnalysis
 from perfloop.streams.windows import NS, WindowSet, parse_specs
@@ -112,16 +114,28 @@ class Outputs:
     phases: list[PhaseChange] = field(default_factory=list)
     diagnoses: list[Diagnosis] = field(default_factory=list)
     recommendations: list[Recommendation] = field(default_factory=list)
+    predictions: list[Prediction] = field(default_factory=list)
 
     @property
     def window_rows(self) -> int:
         return 0 if not self.windows else len(self.windows["ts_ns"])
 
     def __bool__(self) -> bool:
-        return bool(self.window_rows or self.phases or self.diagnoses or self.recommendations)
+        return bool(
+            self.window_rows
+            or self.phases
+            or self.diagnoses
+            or self.recommendations
+            or self.predictions
+        )
 
 
-_EVENT_OUTPUTS = {"phases": PhaseChange, "diagnoses": Diagnosis, "recommendations": Recommendation}
+_EVENT_OUTPUTS = {
+    "phases": PhaseChange,
+    "diagnoses": Diagnosis,
+    "recommendations": Recommendation,
+    "predictions": Prediction,
+}
 
 
 class StreamEngine:
@@ -138,6 +152,7 @@ class StreamEngine:
         self.steps = StepAnalysis()
         self.phases = PhaseMachine()
         self.funnel = Funnel()
+        self.predict = PredictionHost()
         self.rule = DataWaitRule(
             threshold=settings.data_wait_share_threshold,
             cooldown_s=settings.recommendation_cooldown_s,
@@ -335,12 +350,14 @@ class StreamEngine:
             self.steps.observe(item, jt.evt)
             self.phases.observe(item, jt.evt)
             self.funnel.observe(item, jt.evt)
+            self.predict.observe(item, jt.evt)
             if item.kind == "step":
                 self.rule.observe_workers(item.job_id, int(item.columns["num_workers"][-1]))
         else:
             self.steps.observe_event(item, jt.evt)
             self.phases.observe_event(item, jt.evt)
             self.funnel.observe_event(item, jt.evt)
+            self.predict.observe_event(item, jt.evt)
 
     def _analyse(self, job: str, now: int, wall_ns: int) -> None:
         """Tick the analyses for one job at event time ``now``."""
@@ -351,10 +368,15 @@ class StreamEngine:
         # the derived metrics still to come are of open steps and of step batches queued
         pending = [self.steps.open_since(job), self._time[job].queued_steps_since()]
         self.windows.set_clock(job, "derived", min([now, *(t for t in pending if t is not None)]))
-        self._out.phases.extend(self.phases.tick(now, jobs))
+        phases = self.phases.tick(now, jobs)
+        self._out.phases.extend(phases)
         diagnoses = self.funnel.tick(now, jobs)
         self._out.diagnoses.extend(diagnoses)
         self._out.recommendations.extend(self.rule.evaluate(diagnoses))
+        if self.predict.enabled:
+            self.predict.steps(self.steps.last_done)
+            self.predict.phases(phases)
+            self._out.predictions.extend(self.predict.tick(now, jobs))
 
     def _forget_time(self, job: str, wall_ns: int) -> bool:
         """Whether the job's clock can go: the windows forgot it and every analysis has had
@@ -413,6 +435,7 @@ class StreamEngine:
             "phases": self.phases,
             "detect": self.funnel,
             "rules": self.rule,
+            "predict": self.predict,
         }.get(head)
         if target is not None:
             return target.configure(key, value)
@@ -424,7 +447,7 @@ class StreamEngine:
             return old, v
         raise ConfigError(
             f"unknown stream setting {key!r}; valid prefixes: windows., steps., phases., "
-            "detect., rules., and ingest.max_skew_s, ingest.max_age_s"
+            "detect., rules., predict., and ingest.max_skew_s, ingest.max_age_s"
         )
 
     # -- output ------------------------------------------------------------------------------
@@ -436,6 +459,7 @@ class StreamEngine:
             self._advance(job, wall_ns)
             if self._forget_time(job, wall_ns):
                 del self._time[job]
+                self.predict.forget(job)
         out, self._out = self._out, Outputs()
         cols = self.windows.advance(wall_ns)
         if cols is not None and len(cols["ts_ns"]):
@@ -444,6 +468,7 @@ class StreamEngine:
         self.stats["phase_events"] += len(out.phases)
         self.stats["diagnoses"] += len(out.diagnoses)
         self.stats["recommendations"] += len(out.recommendations)
+        self.stats["predictions"] += len(out.predictions)
         return out
 
     def _add_derived(self, d: dict[str, Any], wall_ns: int) -> None:
@@ -478,6 +503,7 @@ class StreamEngine:
             "phases": self.phases.snapshot(),
             "funnel": self.funnel.snapshot(),
             "rule": self.rule.snapshot(),
+            "predict": self.predict.snapshot(),
             "derived_metrics": self.derived_metrics,
             "stats": dict(self.stats),
             "time": {job: jt.state() for job, jt in self._time.items()},
@@ -496,6 +522,7 @@ class StreamEngine:
         self.phases.restore(state["phases"])
         self.funnel.restore(state["funnel"])
         self.rule.restore(state["rule"])
+        self.predict.restore(state.get("predict", {}))
         self.derived_metrics = tuple(state.get("derived_metrics", DEFAULT_DERIVED))
         self._offsets = dict(state["offsets"])
         self._resume = dict(state["offsets"])
@@ -505,7 +532,7 @@ class StreamEngine:
         self._time = {job: JobClock.from_state(d) for job, d in state["time"].items()}
         self._seq = state["seq"]
         self._out = Outputs(
-            **{k: [t(**e) for e in state["out"][k]] for k, t in _EVENT_OUTPUTS.items()}
+            **{k: [t(**e) for e in state["out"].get(k, [])] for k, t in _EVENT_OUTPUTS.items()}
         )
         self._restored = True
 

@@ -1,0 +1,432 @@
+"""The online models hosted in the stream worker: forecasts per job, published with what came.
+
+`PredictionHost` is a stream-tier component (no I/O, picklable state) that the engine feeds on
+each job's event-time clock, as it feeds the other analyses:
+
+- **next step** — each completed step of a job (`StepAnalysis`: the median over ranks of its
+  step time and of each phase's time) teaches one `StepTimeForecaster` per target
+  (`STEP_TARGETS`) and its `Ewma` baseline, then forecasts the next step: one `Prediction`
+  per target (``step`` = the next step, ``baseline`` = the moving average's forecast). When that
+  step completes, the prediction is published again as "realised" with the step's value.
+- **regime change** — the same steps (step time and phase shares) go to a `RegimeDetector`;
+  a change is published as target ``regime_change`` (value 1, the features that moved in
+  ``evidence``): the slow loop's trigger.
+- **time to OOM** — every rank's step events (peak or allocated memory) with the device
+  memory from its GPU samples teach a `TimeToOOM` per rank; when it warns (the forecast is
+  under ``oom_horizon_s``) a ``time_to_oom_s`` prediction is published, at most every
+  ``oom_every_s`` per rank. A job that then fails out of memory realises each warning with the
+  seconds it actually had.
+- **anomaly** — per job and second of event time, the mean step time, phase shares and idle
+  share of the steps that ended in it and the mean SM utilisation and power of its GPU samples
+  are scored by a `WindowAnomaly`; a score at or above ``anomaly_threshold`` is published as
+  ``anomaly_score``, at most every ``anomaly_every_s`` per job.
+- **next phase** — each run-level `PhaseChange` teaches a `PhaseTransitionForecaster`, which
+  forecasts the seconds until the new phase ends (``next_phase_s``), realised at the next
+  change.
+
+Models live as long as their job (forgotten with it) and travel in `snapshot`, so a restarted
+worker keeps what it learned. Live settings: ``predict.enabled`` and the ``predict.*`` numbers
+above (`configure`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from perfloop.exceptions import ConfigError
+from perfloop.models.anomaly import WindowAnomaly
+from perfloop.models.drift import RegimeDetector
+from perfloop.models.oom import TimeToOOM
+from perfloop.models.phase import PhaseTransitionForecaster
+from perfloop.models.steptime import Ewma, StepTimeForecaster
+from perfloop.schemas.analysis import RUN_PHASES, PhaseChange, Prediction
+from perfloop.schemas.base import Event
+from perfloop.schemas.codec import Batch
+from perfloop.schemas.job import JobLifecycle
+from perfloop.streams._phase_steps import PHASE_NAMES, StepRecord
+
+__all__ = ["STEP_TARGETS", "PredictionHost"]
+
+NS = 1_000_000_000
+STEP_TARGETS = (
+    "step_time_ms",
+    "data_wait_ms",
+    "forward_ms",
+    "backward_ms",
+    "comm_ms",
+    "optimizer_ms",
+)
+"""What is forecast for a job's next step (the median over its ranks)."""
+_PHASE_COL = {f"{p}_ms": i for i, p in enumerate(PHASE_NAMES)}
+_SHARES = ("data_wait", "forward", "backward", "comm", "optimizer")
+_RUN_CODE = {p: i for i, p in enumerate(RUN_PHASES)}
+_OOM_WORDS = ("out of memory", "outofmemory", "oom")
+_PARAMS: dict[str, tuple[type, float, float]] = {
+    "enabled": (bool, 0, 1),
+    "oom_horizon_s": (float, 1, 86_400),
+    "oom_every_s": (float, 0, 3_600),
+    "anomaly_threshold": (float, 0.5, 1),
+    "anomaly_every_s": (float, 0, 3_600),
+}
+_MAX_OPEN_WARNINGS = 64
+
+
+@dataclass
+class _Job:
+    node: str
+    last_step: int = -1
+    forecasters: dict[str, StepTimeForecaster] = field(default_factory=dict)
+    baselines: dict[str, Ewma] = field(default_factory=dict)
+    pending: dict[str, Prediction] = field(default_factory=dict)  # target → for the next step
+    regime: RegimeDetector = field(default_factory=RegimeDetector)
+    oom: dict[int, TimeToOOM] = field(default_factory=dict)
+    mem_total: dict[int, float] = field(default_factory=dict)
+    oom_last: dict[int, float] = field(default_factory=dict)  # rank → event time of last warning
+    warnings: list[Prediction] = field(default_factory=list)
+    anomaly: WindowAnomaly = field(default_factory=WindowAnomaly)
+    sec: int = -1  # the second being gathered for the anomaly scorer
+    sums: dict[str, list[float]] = field(default_factory=dict)  # feature → [sum, n]
+    anomaly_last: float = -math.inf
+    phase: PhaseTransitionForecaster = field(default_factory=PhaseTransitionForecaster)
+    phase_pending: Prediction | None = None
+
+
+class PredictionHost:
+    """Feeds the online models per job; `tick` returns the `Prediction` events due."""
+
+    def __init__(
+        self,
+        *,
+        enabled: bool = True,
+        oom_horizon_s: float = 120.0,
+        oom_every_s: float = 30.0,
+        anomaly_threshold: float = 0.9999,
+        anomaly_every_s: float = 10.0,
+    ) -> None:
+        self.enabled = enabled
+        self.oom_horizon_s = oom_horizon_s
+        self.oom_every_s = oom_every_s
+        self.anomaly_threshold = anomaly_threshold
+        self.anomaly_every_s = anomaly_every_s
+        self._jobs: dict[str, _Job] = {}
+        self._out: list[Prediction] = []
+        self.stats = {"predictions": 0, "realised": 0}
+
+    # -- input -------------------------------------------------------------------------------
+    def observe(self, batch: Batch, now_ns: int) -> None:
+        """Step batches (memory per rank) and GPU batches (device memory, utilisation)."""
+        if not self.enabled or batch.kind not in ("step", "gpu"):
+            return
+        job = self._job(batch.job_id, batch.node)
+        c = batch.columns
+        ranks = np.asarray(c["rank"], dtype=np.int64)
+        ts = np.asarray(c["ts_ns"], dtype=np.int64)
+        if batch.kind == "gpu":
+            total = np.asarray(c["mem_total_bytes"], dtype=np.float64)
+            for r, t in zip(ranks.tolist(), total.tolist(), strict=True):
+                if t > 0:
+                    job.mem_total[r] = t
+            self._gather(job, ts, {"sm_util_pct": c["sm_util_pct"], "power_w": c["power_w"]})
+            return
+        peak = np.asarray(c["mem_peak_bytes"], dtype=np.float64)
+        alloc = np.asarray(c["mem_allocated_bytes"], dtype=np.float64)
+        used = np.where(peak > 0, peak, alloc)
+        for r, t, u in zip(ranks.tolist(), ts.tolist(), used.tolist(), strict=True):
+            total = job.mem_total.get(r, 0.0)
+            if u <= 0 or total <= 0:
+                continue
+            model = job.oom.get(r)
+            if model is None:
+                model = job.oom[r] = TimeToOOM()
+            x = {"ts_s": t / NS, "mem_peak_bytes": u, "mem_total_bytes": total}
+            model.learn_one(x)
+            if t / NS - job.oom_last.get(r, -math.inf) < self.oom_every_s:
+                continue
+            if model.warning(x, self.oom_horizon_s):
+                job.oom_last[r] = t / NS
+                left = model.predict_one(x)
+                self._warn(batch.job_id, job, r, t, left, u, total)
+
+    def observe_event(self, event: Event, now_ns: int) -> None:
+        """A job that fails out of memory realises its time-to-OOM warnings."""
+        if not (isinstance(event, JobLifecycle) and event.state == "failed"):
+            return
+        job = self._jobs.get(event.job_id)
+        msg = (event.message or "").lower()
+        if job is None or not any(w in msg for w in _OOM_WORDS):
+            return
+        for p in job.warnings:
+            had = max(0.0, (event.ts_ns - p.ts_ns) / NS)
+            self._emit(_realised(p, had), realised=True)
+        job.warnings = []
+
+    def steps(self, records: Iterable[StepRecord]) -> None:
+        """Steps just completed (`StepAnalysis.last_done`), in completion order; a step at or
+        before the last one seen for its job is skipped."""
+        if not self.enabled:
+            return
+        for r in records:
+            job = self._job(r.job_id, r.nodes[0] if r.nodes else "?")
+            if r.step <= job.last_step:
+                continue
+            job.last_step = r.step
+            self._step(r.job_id, job, r)
+
+    def phases(self, changes: Iterable[PhaseChange]) -> None:
+        """Run-level phase changes teach the job's transition forecaster."""
+        if not self.enabled:
+            return
+        for ch in changes:
+            if ch.level != "run" or ch.phase not in _RUN_CODE:
+                continue
+            job = self._job(ch.job_id, ch.node)
+            t = ch.since_ns / NS
+            if job.phase_pending is not None:
+                p = job.phase_pending
+                had = max(0.0, (ch.since_ns - p.ts_ns) / NS)
+                self._emit(_realised(p, had), True)
+                job.phase_pending = None
+            job.phase.learn_one({"ts_s": t, "phase": float(_RUN_CODE[ch.phase])})
+            left = job.phase.predict_one({"ts_s": ch.ts_ns / NS})
+            if math.isfinite(left):
+                p = _new(
+                    ts_ns=ch.ts_ns,
+                    job_id=ch.job_id,
+                    node=ch.node,
+                    rank=-1,
+                    prediction_id=f"{ch.job_id}:next_phase_s:{ch.since_ns}",
+                    model="PhaseTransitionForecaster",
+                    target="next_phase_s",
+                    value=left,
+                    for_ts_ns=ch.ts_ns + int(left * NS),
+                    summary=f"{ch.phase} expected to end in {left:.0f} s",
+                )
+                job.phase_pending = p
+                self._emit(p)
+
+    def tick(self, now_ns: int, jobs: Iterable[str] | None = None) -> list[Prediction]:
+        """Close the anomaly seconds the clock passed; return the predictions due."""
+        for job_id in self._jobs if jobs is None else jobs:
+            job = self._jobs.get(job_id)
+            if job is not None and job.sec >= 0 and now_ns // NS > job.sec:
+                self._score(job_id, job)
+        out, self._out = self._out, []
+        return out
+
+    def forget(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+
+    # -- settings and state --------------------------------------------------------------------
+    def configure(self, key: str, value: Any) -> tuple[Any, Any]:
+        name = key.removeprefix("predict.")
+        if name not in _PARAMS:
+            raise ConfigError(
+                f"unknown setting {key!r}; valid: predict.{', predict.'.join(_PARAMS)}"
+            )
+        kind, lo, hi = _PARAMS[name]
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key} must be true or false, got {value!r}")
+        elif (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or not lo <= value <= hi
+        ):
+            raise ConfigError(f"{key} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+        old = getattr(self, name)
+        setattr(self, name, kind(value))
+        return old, kind(value)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "params": {k: getattr(self, k) for k in _PARAMS},
+            "jobs": self._jobs,
+            "stats": dict(self.stats),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        for k, v in state.get("params", {}).items():
+            if k in _PARAMS:
+                setattr(self, k, v)
+        self._jobs = state.get("jobs", {})
+        self.stats.update(state.get("stats", {}))
+
+    # -- internals -------------------------------------------------------------------------------
+    def _job(self, job_id: str, node: str) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            job = self._jobs[job_id] = _Job(node=node)
+        return job
+
+    def _emit(self, p: Prediction, realised: bool = False) -> None:
+        self._out.append(p)
+        self.stats["realised" if realised else "predictions"] += 1
+
+    def _step(self, job_id: str, job: _Job, r: StepRecord) -> None:
+        end_ns = int(np.max(r.end_ns)) if len(r.end_ns) else 0
+        x = _step_features(r)
+        for target, p in list(job.pending.items()):
+            if p.step == r.step and target in x:
+                self._emit(_realised(p, x[target]), True)
+        job.pending.clear()
+        for target in STEP_TARGETS:
+            if target not in x:
+                continue
+            f = job.forecasters.get(target)
+            if f is None:
+                f = job.forecasters[target] = StepTimeForecaster(target=target)
+                job.baselines[target] = Ewma(target=target)
+            f.learn_one(x)
+            job.baselines[target].learn_one(x)
+            value = f.predict_one(x)
+            if f.n_seen < f.warmup or not value > 0:
+                continue
+            nxt = r.step + 1
+            p = _new(
+                ts_ns=end_ns,
+                job_id=job_id,
+                node=job.node,
+                rank=-1,
+                prediction_id=f"{job_id}:{target}:{nxt}",
+                model="StepTimeForecaster",
+                target=target,
+                value=value,
+                baseline=job.baselines[target].predict_one(x),
+                step=nxt,
+            )
+            job.pending[target] = p
+            self._emit(p)
+        job.regime.learn_one(x)
+        if job.regime.changed:
+            moved = {k: round(x[k], 4) for k in job.regime.changed if k in x}
+            self._emit(
+                _new(
+                    ts_ns=end_ns,
+                    job_id=job_id,
+                    node=job.node,
+                    rank=-1,
+                    prediction_id=f"{job_id}:regime_change:{r.step}",
+                    model="RegimeDetector",
+                    target="regime_change",
+                    value=1.0,
+                    step=r.step,
+                    evidence=moved,
+                    summary=f"regime change at step {r.step}: {', '.join(job.regime.changed)}",
+                )
+            )
+        self._gather(
+            job, r.end_ns, {k: [v] * len(r.end_ns) for k, v in _window_features(x).items()}
+        )
+
+    def _gather(self, job: _Job, ts: np.ndarray, cols: dict[str, Any]) -> None:
+        """Add samples to the job's per-second sums (the seconds before the newest are closed
+        at the next tick)."""
+        if not len(ts):
+            return
+        sec = int(np.max(ts)) // NS
+        if job.sec < 0:
+            job.sec = sec
+        for name, values in cols.items():
+            v = np.asarray(values, dtype=np.float64)
+            ok = np.isfinite(v)
+            if ok.any():
+                s = job.sums.setdefault(name, [0.0, 0.0])
+                s[0] += float(v[ok].sum())
+                s[1] += float(ok.sum())
+
+    def _score(self, job_id: str, job: _Job) -> None:
+        x = {k: s[0] / s[1] for k, s in job.sums.items() if s[1] > 0}
+        job.sums = {}
+        sec, job.sec = job.sec, -1
+        if not x:
+            return
+        score = job.anomaly.score_one(x)
+        job.anomaly.learn_one(x)
+        if score < self.anomaly_threshold or sec - job.anomaly_last < self.anomaly_every_s:
+            return
+        job.anomaly_last = sec
+        self._emit(
+            _new(
+                ts_ns=(sec + 1) * NS,
+                job_id=job_id,
+                node=job.node,
+                rank=-1,
+                prediction_id=f"{job_id}:anomaly_score:{sec}",
+                model="WindowAnomaly",
+                target="anomaly_score",
+                value=round(score, 6),
+                evidence={k: round(v, 4) for k, v in x.items()},
+                summary=f"unusual second for this job (score {score:.3f})",
+            )
+        )
+
+    def _warn(
+        self, job_id: str, job: _Job, rank: int, ts_ns: int, left: float, used: float, total: float
+    ) -> None:
+        left = min(left, 1e9)
+        p = _new(
+            ts_ns=ts_ns,
+            job_id=job_id,
+            node=job.node,
+            rank=rank,
+            prediction_id=f"{job_id}:time_to_oom_s:{rank}:{ts_ns}",
+            model="TimeToOOM",
+            target="time_to_oom_s",
+            value=round(left, 3),
+            for_ts_ns=ts_ns + int(left * NS),
+            evidence={"mem_peak_bytes": used, "mem_total_bytes": total},
+            summary=f"rank {rank} runs out of memory in ~{left:.0f} s at its current trend",
+        )
+        job.warnings = [*job.warnings[-(_MAX_OPEN_WARNINGS - 1) :], p]
+        self._emit(p)
+
+
+def _event_id(prediction_id: str, state: str) -> str:
+    """A prediction's event id, from its id and state: the same prediction emitted again
+    (after a worker restart) is the same event, which the sink stores once."""
+    return hashlib.blake2b(f"{prediction_id}|{state}".encode(), digest_size=16).hexdigest()
+
+
+def _new(**fields: Any) -> Prediction:
+    return Prediction(event_id=_event_id(fields["prediction_id"], "predicted"), **fields)
+
+
+def _realised(p: Prediction, value: float) -> Prediction:
+    """``p`` again, realised: the same ``prediction_id``, its own ``event_id``."""
+    eid = _event_id(p.prediction_id, "realised")
+    return p.model_copy(update={"state": "realised", "realised": value, "event_id": eid})
+
+
+def _step_features(r: StepRecord) -> dict[str, float]:
+    """The job-level view of one step: medians over ranks (NaN-free), ms and shares."""
+    x: dict[str, float] = {}
+    step = r.step_ms[np.isfinite(r.step_ms)]
+    if not len(step):
+        return x
+    x["step_time_ms"] = float(np.median(step))
+    for target, col in _PHASE_COL.items():
+        if target not in STEP_TARGETS:
+            continue
+        v = r.phase_ms[:, col]
+        v = v[np.isfinite(v)]
+        if len(v):
+            x[target] = float(np.median(v))
+    for p in _SHARES:
+        if f"{p}_ms" in x and x["step_time_ms"] > 0:
+            x[f"{p}_share"] = x[f"{p}_ms"] / x["step_time_ms"]
+    idle = r.idle_share[np.isfinite(r.idle_share)]
+    if len(idle):
+        x["idle_share"] = float(np.median(idle))
+    return x
+
+
+def _window_features(x: dict[str, float]) -> dict[str, float]:
+    keep = ("step_time_ms", "idle_share", *(f"{p}_share" for p in _SHARES))
+    return {k: x[k] for k in keep if k in x}

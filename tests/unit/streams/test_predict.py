@@ -1,0 +1,155 @@
+"""The online models hosted in the stream engine: predictions, their realisation, their state."""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import pytest
+
+from perfloop.catalog import KIND_TOPICS, Topics
+from perfloop.exceptions import ConfigError
+from perfloop.schemas import JobLifecycle, Prediction, decode_event, encode_event
+from perfloop.schemas.codec import Batch, encode_batch
+from perfloop.settings import StreamsSettings
+from perfloop.streams.engine import StreamEngine
+from perfloop.streams.predict import STEP_TARGETS, PredictionHost
+from tests.helpers import simulate
+
+NS = 1_000_000_000
+
+
+def _feed(
+    eng: StreamEngine, messages: list[Any], *, final: bool = True, first: int = 0
+) -> list[Prediction]:
+    """Messages in order (offsets = their index from ``first``), the receive clock just after
+    each one's newest sample, a tick every 4 messages; with ``final``, a last tick far ahead."""
+    out: list[Prediction] = []
+    wall = 0
+    for i, m in enumerate(messages, first):
+        if isinstance(m, Batch):
+            wall = max(wall, int(m.columns["ts_ns"].max()) + 300_000_000)
+            topic = KIND_TOPICS[m.kind]
+            data = encode_batch(m.kind, m.columns, job_id=m.job_id, node=m.node)
+        else:
+            topic, data = Topics.JOB, encode_event(m)
+        eng.ingest(topic, data, wall_ns=wall, offset=i)
+        if i % 4 == 0:
+            out.extend(eng.tick(wall).predictions)
+    if final:
+        out.extend(eng.tick(wall + 120 * NS).predictions)
+    return out
+
+
+def _step_medians(messages: list[Any]) -> dict[int, float]:
+    per_step: dict[int, list[float]] = defaultdict(list)
+    for m in messages:
+        if isinstance(m, Batch) and m.kind == "step":
+            for s, v in zip(m.columns["step"], m.columns["step_time_ms"], strict=True):
+                per_step[int(s)].append(float(v))
+    return {s: float(np.median(v)) for s, v in per_step.items()}
+
+
+@pytest.fixture(scope="module")
+def starvation() -> tuple[list[Any], list[Prediction]]:
+    _, messages = simulate("dataloader_starvation", 40.0)
+    return messages, _feed(StreamEngine(StreamsSettings()), messages)
+
+
+def test_next_step_times_are_predicted_and_realised_with_the_step_that_came(
+    starvation: tuple[list[Any], list[Prediction]],
+) -> None:
+    messages, preds = starvation
+    medians = _step_medians(messages)
+    made = {p.prediction_id: p for p in preds if p.state == "predicted"}
+    done = [p for p in preds if p.state == "realised" and p.target == "step_time_ms"]
+    assert {p.target for p in made.values()} >= {"step_time_ms", "forward_ms", "data_wait_ms"}
+    assert len(done) > 100
+    for p in done:
+        first = made[p.prediction_id]  # realised after it was predicted, same forecast
+        assert (p.value, p.step, p.baseline) == (first.value, first.step, first.baseline)
+        assert p.realised == pytest.approx(medians[p.step])
+        assert p.step >= 1 and p.ts_ns >= first.ts_ns
+    # forecasts are near what came (the starvation makes steps 2-3x longer mid-run)
+    ape = [abs(p.value - p.realised) / p.realised for p in done]  # type: ignore[operator]
+    assert float(np.median(ape)) < 0.1
+
+
+def test_a_regime_change_is_flagged_when_the_loader_starves(
+    starvation: tuple[list[Any], list[Prediction]],
+) -> None:
+    _, preds = starvation
+    changes = [p for p in preds if p.target == "regime_change"]
+    assert changes, "the starvation moves step time and data-wait share"
+    assert all(p.model == "RegimeDetector" and p.evidence for p in changes)
+
+
+def test_a_memory_leak_is_warned_before_the_oom_and_realised_by_it() -> None:
+    _, messages = simulate("memory_leak", 180.0, ranks_per_node=2)
+    eng = StreamEngine(StreamsSettings())
+    preds = _feed(eng, messages)
+    oom = [
+        m for m in messages if isinstance(m, JobLifecycle) and m.state == "failed" and m.rank == -1
+    ]
+    warned = [p for p in preds if p.target == "time_to_oom_s" and p.state == "predicted"]
+    assert oom and warned
+    first = min(p.ts_ns for p in warned)
+    assert (oom[0].ts_ns - first) / NS >= 30, "the first warning comes at least 30 s ahead"
+    realised = [p for p in preds if p.target == "time_to_oom_s" and p.state == "realised"]
+    assert {p.prediction_id for p in realised} == {p.prediction_id for p in warned}
+    for p in realised:
+        assert p.realised == pytest.approx((oom[0].ts_ns - p.ts_ns) / NS)
+
+
+def test_a_healthy_job_gets_no_oom_warning_and_no_regime_change() -> None:
+    _, messages = simulate("healthy", 90.0)
+    preds = _feed(StreamEngine(StreamsSettings()), messages)
+    assert any(p.target == "step_time_ms" for p in preds)
+    assert not [p for p in preds if p.target in ("time_to_oom_s", "regime_change")]
+
+
+def test_models_survive_a_snapshot_and_predict_as_before(
+    starvation: tuple[list[Any], list[Prediction]],
+) -> None:
+    messages, whole = starvation
+    half = len(messages) // 2
+    first = StreamEngine(StreamsSettings())
+    before = _feed(first, messages[:half], final=False)
+    again = StreamEngine(StreamsSettings())
+    again.restore(pickle.loads(first.dumps()))
+    after = _feed(again, messages[half:], first=half)
+    ids = [p.prediction_id + p.state for p in before + after]
+    want = [p.prediction_id + p.state for p in whole]
+    assert sorted(ids) == sorted(want)
+    values = {p.prediction_id + p.state: p.value for p in whole}
+    assert all(values[p.prediction_id + p.state] == p.value for p in after)
+
+
+def test_predictions_can_be_turned_off_live_and_bad_settings_are_refused() -> None:
+    _, messages = simulate("healthy", 30.0)
+    eng = StreamEngine(StreamsSettings())
+    assert eng.configure("predict.enabled", False) == (True, False)
+    assert _feed(eng, messages) == []
+    host = PredictionHost()
+    assert host.configure("predict.oom_horizon_s", 300) == (120.0, 300.0)
+    for key, value in [
+        ("predict.enabled", 1),
+        ("predict.oom_horizon_s", -1),
+        ("predict.anomaly_threshold", math.nan),
+        ("predict.nope", 1),
+    ]:
+        with pytest.raises(ConfigError, match="predict"):
+            host.configure(key, value)
+
+
+def test_predictions_travel_as_events_and_keep_their_targets(
+    starvation: tuple[list[Any], list[Prediction]],
+) -> None:
+    _, preds = starvation
+    for p in preds[:50]:
+        back = decode_event(encode_event(p))
+        assert back == p
+    assert {p.target for p in preds if p.model == "StepTimeForecaster"} <= set(STEP_TARGETS)
