@@ -35,10 +35,12 @@ import faust
 from faust.types import TP
 
 from perfloop.catalog import Topics
+from perfloop.exceptions import WarehouseError
 from perfloop.kafka import cluster_id, dlq_headers
 from perfloop.schemas import SchemaError, encode_event
 from perfloop.settings import StreamsSettings
 from perfloop.streams._heap import libc_trim
+from perfloop.streams._history import load_history
 from perfloop.streams._windows_wire import encode_windows
 from perfloop.streams.engine import INPUT_TOPICS, TELEMETRY_TOPICS, Outputs, StreamEngine
 from perfloop.streams.windows import WindowColumns, split_by_job
@@ -199,6 +201,12 @@ def create_app(settings: StreamsSettings) -> faust.App:
     path = snapshot_path(settings)
     if engine.load(path):
         log.info("resumed from %s (%d partitions)", path, len(engine.snapshot()["offsets"]))
+    if engine.predict.enabled and engine.predict.cross_step.n_seen == 0:
+        try:
+            n = engine.predict.learn_history(load_history(settings))
+            log.info("cross-run models learned from %d finished jobs in the warehouse", n)
+        except WarehouseError as e:
+            log.warning("cross-run models start without the warehouse's history: %s", e)
     engine.use_cluster(cluster_id(settings))
     held: list[Any] = []
     trim = libc_trim()

@@ -460,6 +460,7 @@ class StreamEngine:
             if self._forget_time(job, wall_ns):
                 del self._time[job]
                 self.predict.forget(job)
+        self._out.predictions.extend(self.predict.drain())
         out, self._out = self._out, Outputs()
         cols = self.windows.advance(wall_ns)
         if cols is not None and len(cols["ts_ns"]):

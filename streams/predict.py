@@ -23,6 +23,13 @@ each job's event-time clock, as it feeds the other analyses:
 - **next phase** — each run-level `PhaseChange` teaches a `PhaseTransitionForecaster`, which
   forecasts the seconds until the new phase ends (``next_phase_s``), realised at the next
   change.
+- **cross-run** — a job's `JobInfo` (model size, world size, batch size, GPU memory,
+  precision, …; `job_features`) asks two `CrossRunPredictor` shared by all jobs for its median
+  step time and its peak memory (``job_step_time_ms``, ``job_mem_peak_bytes``); when the job
+  ends (or is forgotten) they learn what it realised — the median of its last
+  ``_RING_STEPS`` job-level step times and the highest per-step peak of any rank — and the
+  predictions are realised. The stream worker first teaches them the warehouse's history of
+  finished jobs (`learn_history`, fed by the app).
 
 Models live as long as their job (forgotten with it) and travel in `snapshot`, so a restarted
 worker keeps what it learned. Live settings: ``predict.enabled`` and the ``predict.*`` numbers
@@ -41,6 +48,7 @@ import numpy as np
 
 from perfloop.exceptions import ConfigError
 from perfloop.models.anomaly import WindowAnomaly
+from perfloop.models.crossrun import CrossRunPredictor
 from perfloop.models.drift import RegimeDetector
 from perfloop.models.oom import TimeToOOM
 from perfloop.models.phase import PhaseTransitionForecaster
@@ -48,10 +56,10 @@ from perfloop.models.steptime import Ewma, StepTimeForecaster
 from perfloop.schemas.analysis import RUN_PHASES, PhaseChange, Prediction
 from perfloop.schemas.base import Event
 from perfloop.schemas.codec import Batch
-from perfloop.schemas.job import JobLifecycle
+from perfloop.schemas.job import JobInfo, JobLifecycle
 from perfloop.streams._phase_steps import PHASE_NAMES, StepRecord
 
-__all__ = ["STEP_TARGETS", "PredictionHost"]
+__all__ = ["STEP_TARGETS", "PredictionHost", "job_features"]
 
 NS = 1_000_000_000
 STEP_TARGETS = (
@@ -75,6 +83,9 @@ _PARAMS: dict[str, tuple[type, float, float]] = {
     "anomaly_every_s": (float, 0, 3_600),
 }
 _MAX_OPEN_WARNINGS = 64
+_RING_STEPS = 2048
+_ENDED = frozenset({"finished", "failed", "killed"})
+_BITS = {"fp32": 32.0, "tf32": 19.0, "bf16": 16.0, "fp16": 16.0, "amp_bf16": 16.0, "amp_fp16": 16.0}
 
 
 @dataclass
@@ -95,6 +106,10 @@ class _Job:
     anomaly_last: float = -math.inf
     phase: PhaseTransitionForecaster = field(default_factory=PhaseTransitionForecaster)
     phase_pending: Prediction | None = None
+    features: dict[str, float] | None = None  # from JobInfo, for the cross-run models
+    step_ring: list[float] = field(default_factory=list)  # job-level step times, newest last
+    peak: float = 0.0  # highest per-step memory peak of any rank
+    cross_pending: list[Prediction] = field(default_factory=list)
 
 
 class PredictionHost:
@@ -116,6 +131,8 @@ class PredictionHost:
         self.anomaly_every_s = anomaly_every_s
         self._jobs: dict[str, _Job] = {}
         self._out: list[Prediction] = []
+        self.cross_step = CrossRunPredictor(target="step_time_ms")
+        self.cross_mem = CrossRunPredictor(target="mem_peak_bytes")
         self.stats = {"predictions": 0, "realised": 0}
 
     # -- input -------------------------------------------------------------------------------
@@ -137,6 +154,8 @@ class PredictionHost:
         peak = np.asarray(c["mem_peak_bytes"], dtype=np.float64)
         alloc = np.asarray(c["mem_allocated_bytes"], dtype=np.float64)
         used = np.where(peak > 0, peak, alloc)
+        if len(used):
+            job.peak = max(job.peak, float(used.max()))
         for r, t, u in zip(ranks.tolist(), ts.tolist(), used.tolist(), strict=True):
             total = job.mem_total.get(r, 0.0)
             if u <= 0 or total <= 0:
@@ -154,17 +173,36 @@ class PredictionHost:
                 self._warn(batch.job_id, job, r, t, left, u, total)
 
     def observe_event(self, event: Event, now_ns: int) -> None:
-        """A job that fails out of memory realises its time-to-OOM warnings."""
-        if not (isinstance(event, JobLifecycle) and event.state == "failed"):
+        """A job's info asks the cross-run models; its end teaches them, and a failure out of
+        memory realises its time-to-OOM warnings."""
+        if not self.enabled:
+            return
+        if isinstance(event, JobInfo):
+            self._job_info(event)
+            return
+        if not (isinstance(event, JobLifecycle) and event.state in _ENDED):
             return
         job = self._jobs.get(event.job_id)
-        msg = (event.message or "").lower()
-        if job is None or not any(w in msg for w in _OOM_WORDS):
+        if job is None:
             return
-        for p in job.warnings:
-            had = max(0.0, (event.ts_ns - p.ts_ns) / NS)
-            self._emit(_realised(p, had), realised=True)
-        job.warnings = []
+        msg = (event.message or "").lower()
+        if event.state == "failed" and any(w in msg for w in _OOM_WORDS):
+            for p in job.warnings:  # a rank (or the job) ran out of memory
+                had = max(0.0, (event.ts_ns - p.ts_ns) / NS)
+                self._emit(_realised(p, had), realised=True)
+            job.warnings = []
+        if event.rank == -1:
+            self._finish(job)
+
+    def learn_history(self, jobs: Iterable[tuple[dict[str, float], float, float]]) -> int:
+        """Teach the cross-run models finished jobs: ``(features, median step ms, peak
+        bytes)`` each (NaN where unknown). Returns how many were learned from."""
+        n = 0
+        for x, step_ms, peak in jobs:
+            self.cross_step.learn_one(x, step_ms)
+            self.cross_mem.learn_one(x, peak)
+            n += 1
+        return n
 
     def steps(self, records: Iterable[StepRecord]) -> None:
         """Steps just completed (`StepAnalysis.last_done`), in completion order; a step at or
@@ -220,7 +258,16 @@ class PredictionHost:
         return out
 
     def forget(self, job_id: str) -> None:
-        self._jobs.pop(job_id, None)
+        """The job is gone: the cross-run models learn what it realised (if it did not say it
+        ended); what that realises comes out of the next `drain` or `tick`."""
+        job = self._jobs.pop(job_id, None)
+        if job is not None:
+            self._finish(job)
+
+    def drain(self) -> list[Prediction]:
+        """The predictions made since the last `tick` or `drain`."""
+        out, self._out = self._out, []
+        return out
 
     # -- settings and state --------------------------------------------------------------------
     def configure(self, key: str, value: Any) -> tuple[Any, Any]:
@@ -248,6 +295,7 @@ class PredictionHost:
         return {
             "params": {k: getattr(self, k) for k in _PARAMS},
             "jobs": self._jobs,
+            "cross": (self.cross_step, self.cross_mem),
             "stats": dict(self.stats),
         }
 
@@ -256,6 +304,8 @@ class PredictionHost:
             if k in _PARAMS:
                 setattr(self, k, v)
         self._jobs = state.get("jobs", {})
+        if "cross" in state:
+            self.cross_step, self.cross_mem = state["cross"]
         self.stats.update(state.get("stats", {}))
 
     # -- internals -------------------------------------------------------------------------------
@@ -269,9 +319,58 @@ class PredictionHost:
         self._out.append(p)
         self.stats["realised" if realised else "predictions"] += 1
 
+    def _job_info(self, info: JobInfo) -> None:
+        job = self._job(info.job_id, info.node)
+        if job.features is not None:
+            return  # a job's info is sent more than once; the first one counts
+        job.features = job_features(info)
+        for model, target in (
+            (self.cross_step, "job_step_time_ms"),
+            (self.cross_mem, "job_mem_peak_bytes"),
+        ):
+            if model.n_seen == 0 or not job.features:
+                continue
+            value = model.predict_one(job.features)
+            if not value > 0:
+                continue
+            p = _new(
+                ts_ns=info.ts_ns,
+                job_id=info.job_id,
+                node=info.node,
+                rank=-1,
+                prediction_id=f"{info.job_id}:{target}",
+                model="CrossRunPredictor",
+                target=target,
+                value=value,
+                evidence=dict(job.features),
+                summary=f"{target} from the {min(model.k, model.n_seen)} most similar past jobs",
+            )
+            job.cross_pending.append(p)
+            self._emit(p)
+
+    def _finish(self, job: _Job) -> None:
+        """The job ended: realise its cross-run predictions and teach the models (once)."""
+        if job.features is None:
+            return
+        step_ms = float(np.median(job.step_ring)) if job.step_ring else math.nan
+        peak = job.peak if job.peak > 0 else math.nan
+        for p in job.cross_pending:
+            came = step_ms if p.target == "job_step_time_ms" else peak
+            if math.isfinite(came):
+                self._emit(_realised(p, came), realised=True)
+        job.cross_pending = []
+        if job.features:
+            self.cross_step.learn_one(job.features, step_ms)
+            self.cross_mem.learn_one(job.features, peak)
+        job.features = None
+
     def _step(self, job_id: str, job: _Job, r: StepRecord) -> None:
         end_ns = int(np.max(r.end_ns)) if len(r.end_ns) else 0
         x = _step_features(r)
+        if "step_time_ms" in x:
+            job.step_ring.append(x["step_time_ms"])
+            if len(job.step_ring) > _RING_STEPS:
+                del job.step_ring[: len(job.step_ring) - _RING_STEPS]
         for target, p in list(job.pending.items()):
             if p.step == r.step and target in x:
                 self._emit(_realised(p, x[target]), True)
@@ -386,6 +485,32 @@ class PredictionHost:
         )
         job.warnings = [*job.warnings[-(_MAX_OPEN_WARNINGS - 1) :], p]
         self._emit(p)
+
+
+def job_features(info: JobInfo) -> dict[str, float]:
+    """What the cross-run models compare jobs by, from what a job says about itself at start
+    (figures it left at 0 are unknown, so left out).
+
+    >>> from perfloop.schemas.job import JobInfo
+    >>> job_features(JobInfo(ts_ns=1, job_id="j", node="n", rank=-1, model_params=7 * 10**9,
+    ...                      world_size=8, batch_size=32, precision="bf16"))
+    {'params': 7000000000.0, 'world': 8.0, 'batch_size': 32.0, 'precision_bits': 16.0}
+    """
+    x = {
+        "params": float(info.model_params),
+        "world": float(info.world_size),
+        "batch_size": float(info.batch_size),
+        "grad_accum_steps": float(info.grad_accum_steps),
+        "gpu_memory_bytes": float(info.gpu_mem_bytes),
+        "tp_size": float(info.tp_size),
+        "pp_size": float(info.pp_size),
+        "precision_bits": _BITS.get(info.precision, 0.0),
+    }
+    keep = {k: v for k, v in x.items() if v > 0}
+    for k in ("grad_accum_steps", "tp_size", "pp_size"):
+        if keep.get(k) == 1.0:
+            del keep[k]  # the default: says nothing about the job
+    return keep
 
 
 def _event_id(prediction_id: str, state: str) -> str:

@@ -10,8 +10,9 @@ import pytest
 
 from perfloop.catalog import Topics
 from perfloop.producers import Publisher
-from perfloop.schemas import BatchBuilder
+from perfloop.schemas import BatchBuilder, JobInfo, JobLifecycle, encode_event
 from perfloop.settings import StackSettings
+from perfloop.streams._history import load_history
 from perfloop.warehouse import client
 
 from .conftest import wait_for
@@ -71,3 +72,44 @@ def test_step_time_forecasts_are_realised_and_beat_the_baseline_in_sql(
         assert mape < 0.02 < base, f"learned {mape:.4f} against the baseline's {base:.4f}"
     finally:
         ch.close()
+
+
+def test_the_history_of_finished_jobs_is_read_back_for_the_cross_run_models(
+    stack: StackSettings,
+) -> None:
+    job = f"hist-{uuid.uuid4().hex[:8]}"
+    t0 = time.time_ns() - 20 * 10**9
+    info = JobInfo(
+        ts_ns=t0,
+        job_id=job,
+        node="n0",
+        rank=-1,
+        model_params=350_000_000,
+        world_size=2,
+        batch_size=64,
+        precision="bf16",
+    )
+    steps = BatchBuilder("step", job_id=job, node="n0", producer_id="test")
+    for i in range(50):
+        for rank in (0, 1):
+            steps.add(
+                ts_ns=t0 + i * 100_000_000,
+                rank=rank,
+                step=i,
+                step_time_ms=100.0 + i % 2,
+                mem_peak_bytes=(10 + rank) << 30,
+            )
+    end = JobLifecycle(ts_ns=t0 + 6 * 10**9, job_id=job, node="n0", rank=-1, state="finished")
+    pub = Publisher(stack)
+    assert pub.publish(Topics.JOB, job, encode_event(info))
+    assert pub.publish(Topics.STEP, job, steps.encode())
+    assert pub.publish(Topics.JOB, job, encode_event(end))
+    assert pub.flush(10) == 0
+
+    def mine() -> list[tuple[dict[str, float], float, float]]:
+        return [h for h in load_history(stack) if h[0].get("params") == 350_000_000]
+
+    ((features, med, peak),) = wait_for(mine, 30, "the finished job in the history")
+    assert features == {"params": 350e6, "world": 2.0, "batch_size": 64.0, "precision_bits": 16.0}
+    assert 100.0 <= med <= 101.0
+    assert peak == float(11 << 30)

@@ -153,3 +153,33 @@ def test_predictions_travel_as_events_and_keep_their_targets(
         back = decode_event(encode_event(p))
         assert back == p
     assert {p.target for p in preds if p.model == "StepTimeForecaster"} <= set(STEP_TARGETS)
+
+
+def test_a_new_job_is_predicted_from_the_jobs_that_ran_before() -> None:
+    # Past jobs of three model sizes whose compute scales with the size; a fourth job like
+    # the second is predicted from them, and realised when it ends.
+    eng = StreamEngine(StreamsSettings())
+    sizes = [(3e8, 15.0, 29.0), (6e8, 30.0, 58.0), (1.2e9, 60.0, 116.0), (6e8, 30.0, 58.0)]
+    preds: list[Prediction] = []
+    for i, (params, fwd, bwd) in enumerate(sizes):
+        _, messages = simulate(
+            "healthy",
+            20.0,
+            job_id=f"job-{i}",
+            model_params=int(params),
+            forward_ms=fwd,
+            backward_ms=bwd,
+            load_ms=10.0,
+            seed=10 + i,
+        )
+        preds += _feed(eng, messages, first=10_000 * i)
+    cross = [p for p in preds if p.model == "CrossRunPredictor"]
+    assert not [p for p in cross if p.job_id in ("job-0",)], "nothing to compare the first with"
+    made = {p.target: p for p in cross if p.job_id == "job-3" and p.state == "predicted"}
+    came = {p.target: p for p in cross if p.job_id == "job-3" and p.state == "realised"}
+    assert set(made) == set(came) == {"job_step_time_ms", "job_mem_peak_bytes"}
+    step = came["job_step_time_ms"]
+    assert abs(step.value - step.realised) / step.realised < 0.05  # type: ignore[operator]
+    assert eng.predict.cross_step.n_seen == 4  # every job taught it when it ended
+    assert eng.predict.learn_history([({"params": 1e9}, 100.0, 2e10)]) == 1
+    assert eng.predict.cross_step.n_seen == 5
