@@ -53,7 +53,13 @@ import numpy as np
 
 from perfloop.models.base import Features, Scorer, feature, register
 
-__all__ = ["WindowAnomaly", "chi2_cdf"]
+__all__ = ["ALARM_SCORE", "WindowAnomaly", "chi2_cdf"]
+
+ALARM_SCORE = 0.9999
+"""The score from which a window is reported as anomalous (the stream worker's default,
+``predict.anomaly_threshold``): about 1 in 10,000 usual windows for independent Gaussian
+features. Real features move together (step time, collective time and power rise at once), so
+usual windows reach it more often than that; bench/models.py measures how often."""
 
 
 def chi2_cdf(q: float, k: int) -> float:

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from perfloop.exceptions import ConfigError
-from perfloop.models.anomaly import WindowAnomaly
+from perfloop.models.anomaly import ALARM_SCORE, WindowAnomaly
 from perfloop.models.crossrun import CrossRunPredictor
 from perfloop.models.drift import RegimeDetector
 from perfloop.models.oom import TimeToOOM
@@ -84,6 +84,7 @@ _PARAMS: dict[str, tuple[type, float, float]] = {
 }
 _MAX_OPEN_WARNINGS = 64
 _RING_STEPS = 2048
+_WARMUP_STEPS = 10  # steps a job-level forecaster learns from before its forecasts go out
 _ENDED = frozenset({"finished", "failed", "killed"})
 _BITS = {"fp32": 32.0, "tf32": 19.0, "bf16": 16.0, "fp16": 16.0, "amp_bf16": 16.0, "amp_fp16": 16.0}
 
@@ -121,7 +122,7 @@ class PredictionHost:
         enabled: bool = True,
         oom_horizon_s: float = 120.0,
         oom_every_s: float = 30.0,
-        anomaly_threshold: float = 0.9999,
+        anomaly_threshold: float = ALARM_SCORE,
         anomaly_every_s: float = 10.0,
     ) -> None:
         self.enabled = enabled
@@ -385,7 +386,7 @@ class PredictionHost:
             f.learn_one(x)
             job.baselines[target].learn_one(x)
             value = f.predict_one(x)
-            if f.n_seen < f.warmup or not value > 0:
+            if f.n_seen < _WARMUP_STEPS or not value > 0:
                 continue
             nxt = r.step + 1
             p = _new(
