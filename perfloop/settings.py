@@ -157,6 +157,11 @@ class StreamsSettings(BaseServiceSettings):
     partition has new records, so without it the worker fetches each time a producer
     publishes, and the embedded broker lists every batch of such a partition for each fetch
     (`perfloop.broker`). 0: fetch again at once."""
+    predictions: bool = True
+    """Host the online models (`perfloop.streams.predict`) and publish their predictions;
+    ``predict.enabled`` changes it live."""
+    prediction_every_s: float = Field(5.0, ge=0, le=3600)
+    """Event-time seconds between two step-time forecasts of a job (``predict.every_s``)."""
 
 
 class SinkSettings(BaseServiceSettings):

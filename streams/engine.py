@@ -152,7 +152,9 @@ class StreamEngine:
         self.steps = StepAnalysis()
         self.phases = PhaseMachine()
         self.funnel = Funnel()
-        self.predict = PredictionHost()
+        self.predict = PredictionHost(
+            enabled=settings.predictions, every_s=settings.prediction_every_s
+        )
         self.rule = DataWaitRule(
             threshold=settings.data_wait_share_threshold,
             cooldown_s=settings.recommendation_cooldown_s,

@@ -161,7 +161,8 @@ class PredictionHost:
         ts = np.asarray(c["ts_ns"], dtype=np.int64)
         if batch.kind == "gpu":
             total = np.asarray(c["mem_total_bytes"], dtype=np.float64)
-            for r, t in zip(ranks.tolist(), total.tolist(), strict=True):
+            known, first = np.unique(ranks, return_index=True)  # a device's memory is fixed
+            for r, t in zip(known.tolist(), total[first].tolist(), strict=True):
                 if t > 0:
                     job.mem_total[r] = t
             self._gather(job, ts, {"sm_util_pct": c["sm_util_pct"], "power_w": c["power_w"]})

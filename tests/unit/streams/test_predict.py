@@ -194,3 +194,15 @@ def test_a_new_job_is_predicted_from_the_jobs_that_ran_before() -> None:
     assert eng.predict.cross_step.n_seen == 4  # every job taught it when it ended
     assert eng.predict.learn_history([({"params": 1e9}, 100.0, 2e10)]) == 1
     assert eng.predict.cross_step.n_seen == 5
+
+
+def test_settings_choose_whether_and_how_often_to_forecast() -> None:
+    eng = StreamEngine(StreamsSettings(predictions=False, prediction_every_s=2.0))
+    assert (eng.predict.enabled, eng.predict.every_s) == (False, 2.0)
+    assert StreamEngine(StreamsSettings()).predict.enabled
+    _, messages = simulate("healthy", 60.0)
+    every2 = _feed(StreamEngine(StreamsSettings(prediction_every_s=2.0)), messages)
+    every5 = _feed(StreamEngine(StreamsSettings()), messages)
+    n2 = sum(p.target == "step_time_ms" and p.state == "predicted" for p in every2)
+    n5 = sum(p.target == "step_time_ms" and p.state == "predicted" for p in every5)
+    assert n2 > 2 * n5 > 0
