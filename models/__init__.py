@@ -19,7 +19,8 @@ Analytical (plain functions of their inputs):
   `plan`), behind ``perfloop plan``;
 - the device catalog (`device`) and roofline classification (`roofline_point`);
 - mixed-precision benefit (`precision_speedup`), goodput and batch size
-  (`recommend_batch_size`), the data-pipeline requirement (`loader_workers_needed`).
+  (`recommend_batch_size`), the data-pipeline requirement (`pipeline_requirement`,
+  `loader_workers_needed`).
 """
 
 from perfloop.models.anomaly import WindowAnomaly
@@ -33,7 +34,12 @@ from perfloop.models.base import (
     registered,
 )
 from perfloop.models.crossrun import CrossRunPredictor
-from perfloop.models.datapipe import expected_step_gain, loader_workers_needed
+from perfloop.models.datapipe import (
+    PipelineRequirement,
+    expected_step_gain,
+    loader_workers_needed,
+    pipeline_requirement,
+)
 from perfloop.models.devices import Device, device, devices, match_device
 from perfloop.models.drift import RegimeDetector
 from perfloop.models.goodput import (
@@ -64,6 +70,7 @@ __all__ = [
     "LastValue",
     "Model",
     "PhaseTransitionForecaster",
+    "PipelineRequirement",
     "Plan",
     "PrecisionEstimate",
     "Predictor",
@@ -84,6 +91,7 @@ __all__ = [
     "match_device",
     "memory_estimate",
     "memory_plan",
+    "pipeline_requirement",
     "precision_estimates",
     "precision_speedup",
     "recommend_batch_size",
