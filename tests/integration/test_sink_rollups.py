@@ -64,7 +64,7 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SinkSettings]
     try:
         wait_for(lambda: _pingable(s) or proc.poll() is not None, 60, "the warehouse")
         assert proc.poll() is None, (home / "warehouse.log").read_text()
-        assert migrate(s) == [1, 2, 3, 4]
+        assert migrate(s) == [m.version for m in MIGRATIONS]
         yield s
     finally:
         proc.terminate()
@@ -198,7 +198,7 @@ def test_a_retried_insert_counts_once_in_the_rollups(ch: Client) -> None:
 def test_migrations_re_run_cleanly_over_existing_data(settings: SinkSettings, ch: Client) -> None:
     before = ch.query("SELECT count() FROM steps").result_rows[0][0]
     ch.command("TRUNCATE TABLE schema_migrations")  # as if every migration were pending
-    assert migrate(settings) == [1, 2, 3, 4]
+    assert migrate(settings) == [m.version for m in MIGRATIONS]
     assert ch.query("SELECT count() FROM steps").result_rows[0][0] == before
     ttl = ch.query(
         "SELECT name, engine_full FROM system.tables WHERE database = currentDatabase() "
