@@ -125,21 +125,7 @@ def precision_speedup(
     c0, m0 = f / d.peak(src), q / d.memory_bandwidth_bytes_per_s
     c1, m1 = c0 / c_ratio, m0 / b_ratio
     before, after = max(c0, m0) + o, max(c1, m1) + o
-    return PrecisionEstimate(
-        device=d.name,
-        from_precision=src,
-        to_precision=dst,
-        compute_ratio=c_ratio,
-        bytes_ratio=b_ratio,
-        compute_s_before=c0,
-        memory_s_before=m0,
-        other_s=o,
-        compute_s_after=c1,
-        memory_s_after=m1,
-        step_s_before=before,
-        step_s_after=after,
-        speedup=before / after if after > 0.0 else 1.0,
-    )
+    return _estimate(d, src, dst, c_ratio, b_ratio, (c0, m0, o, c1, m1), before, after)
 
 
 def precision_speedup_from_split(
@@ -171,6 +157,21 @@ def precision_speedup_from_split(
     o = max(0.0, t - c0 - m0)
     c1, m1 = c0 / c_ratio, m0 / b_ratio
     after = c1 + m1 + o
+    return _estimate(d, src, dst, c_ratio, b_ratio, (c0, m0, o, c1, m1), t, after)
+
+
+def _estimate(
+    d: Device,
+    src: str,
+    dst: str,
+    c_ratio: float,
+    b_ratio: float,
+    parts: tuple[float, float, float, float, float],
+    before: float,
+    after: float,
+) -> PrecisionEstimate:
+    """``parts``: compute and memory time before, other time, compute and memory time after."""
+    c0, m0, o, c1, m1 = parts
     return PrecisionEstimate(
         device=d.name,
         from_precision=src,
@@ -182,9 +183,9 @@ def precision_speedup_from_split(
         other_s=o,
         compute_s_after=c1,
         memory_s_after=m1,
-        step_s_before=t,
+        step_s_before=before,
         step_s_after=after,
-        speedup=t / after if after > 0.0 else 1.0,
+        speedup=before / after if after > 0.0 else 1.0,
     )
 
 
