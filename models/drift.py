@@ -2,10 +2,13 @@
 
 A regime change — the step time or a phase's share of it moving to a new level and staying
 there — is what the slow loop acts on: the job is no longer the job its configuration was
-chosen for. `RegimeDetector` watches each feature in ``features`` with its own detector from
-river (`river.drift.ADWIN`, Bifet & Gavaldà 2007, adaptive windows whose two halves differ
-beyond a Hoeffding-style bound at confidence ``delta``; or `river.drift.PageHinkley`, Page 1954,
-a cumulative deviation from the running mean beyond ``threshold``).
+chosen for. `RegimeDetector` watches each feature in ``features`` with its own detector: the
+Page–Hinkley test (Page 1954; `PageHinkley`: the cumulative deviation from the running mean,
+up or down, beyond ``threshold``; the default, as it found more changes sooner than ADWIN on
+the simulator's faults, bench/models.py) or river's ADWIN (`river.drift.ADWIN`, Bifet &
+Gavaldà 2007: adaptive windows whose two halves differ beyond a Hoeffding-style bound at
+confidence ``delta``). river is imported only for ADWIN: importing it takes ~1 s, which a
+restarted stream worker would otherwise wait for.
 
 Step time is watched relative to its level at the start of the regime (the mean of its first
 ``warmup`` values), so one ``threshold`` suits a 10-ms and a 10-s step; shares are watched as
@@ -31,11 +34,60 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import numpy as np
-from river import drift
 
 from perfloop.models.base import Features, Scorer, feature, register
 
-__all__ = ["RegimeDetector"]
+__all__ = ["PageHinkley", "RegimeDetector"]
+
+
+class PageHinkley:
+    """The two-sided Page–Hinkley test on one series (``update`` says whether it changed).
+
+    The running mean ``m`` of what it saw; the cumulative sums ``Σ (x - m - delta)`` and
+    ``Σ (x - m + delta)``, each faded by ``alpha`` a value; a change once either has moved
+    more than ``threshold`` from its extreme (a rise above the lowest, a fall below the
+    highest), after ``min_instances`` values. Then it starts over. The defaults for ``delta``
+    and ``alpha`` are river's.
+
+    >>> ph = PageHinkley(min_instances=5, threshold=1.0)
+    >>> [ph.update(v) for v in [1.0] * 10 + [2.0] * 3]
+    [False, False, False, False, False, False, False, False, False, False, False, True, False]
+    """
+
+    def __init__(
+        self,
+        min_instances: int = 30,
+        threshold: float = 50.0,
+        delta: float = 0.005,
+        alpha: float = 1 - 0.0001,
+    ) -> None:
+        self.min_instances = min_instances
+        self.threshold = threshold
+        self.delta = delta
+        self.alpha = alpha
+        self._reset()
+
+    def _reset(self) -> None:
+        self._n = 0
+        self._mean = 0.0
+        self._up = self._up_min = 0.0
+        self._down = self._down_max = 0.0
+
+    def update(self, x: float) -> bool:
+        self._n += 1
+        self._mean += (x - self._mean) / self._n
+        dev = x - self._mean
+        self._up = self.alpha * self._up + dev - self.delta
+        self._up_min = min(self._up_min, self._up)
+        self._down = self.alpha * self._down + dev + self.delta
+        self._down_max = max(self._down_max, self._down)
+        if self._n < self.min_instances:
+            return False
+        if self._up - self._up_min > self.threshold or self._down_max - self._down > self.threshold:
+            self._reset()
+            return True
+        return False
+
 
 RELATIVE = ("step_time_ms",)
 """Features watched relative to their level at the start of a regime (the rest as they are)."""
@@ -54,7 +106,7 @@ class RegimeDetector(Scorer):
             "comm_share",
             "optimizer_share",
         ),
-        method: Literal["adwin", "page_hinkley"] = "adwin",
+        method: Literal["adwin", "page_hinkley"] = "page_hinkley",
         delta: float = 0.002,
         threshold: float = 0.5,
         warmup: int = 20,
@@ -81,8 +133,10 @@ class RegimeDetector(Scorer):
 
     def _detector(self) -> Any:
         if self.method == "adwin":
+            from river import drift  # ~1 s to import: only when asked for
+
             return drift.ADWIN(delta=self.delta)  # type: ignore[no-untyped-call]
-        return drift.PageHinkley(min_instances=self.warmup, threshold=self.threshold)
+        return PageHinkley(min_instances=self.warmup, threshold=self.threshold)
 
     def _restart(self) -> None:
         self._det.clear()
@@ -107,8 +161,12 @@ class RegimeDetector(Scorer):
             det = self._det.get(name)
             if det is None:
                 det = self._det[name] = self._detector()
-            det.update(v)
-            if det.drift_detected:
+            if isinstance(det, PageHinkley):
+                moved = det.update(v)
+            else:
+                det.update(v)
+                moved = det.drift_detected
+            if moved:
                 changed.append(name)
         self._quiet += 1
         if changed and self._quiet > self.min_gap:
