@@ -76,7 +76,15 @@ def test_every_family_lands_in_its_table(stack: StackSettings) -> None:
 
     expected = {table: 1 for table in set(KIND_TABLES.values())} | {"steps": 2}
     # made by the stream tier, the actuator or `perfloop config`, each tested on its own
-    derived = ("windows", "recommendations", "commands", "actuations", "phases", "diagnoses")
+    derived = (
+        "windows",
+        "recommendations",
+        "commands",
+        "actuations",
+        "phases",
+        "diagnoses",
+        "predictions",
+    )
     for skip in (*derived, "config_changes"):
         expected.pop(skip, None)
 
