@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,7 +82,7 @@ _SHARES = ("data_wait", "forward", "backward", "comm", "optimizer")
 _PHASE_TARGETS = tuple(f"{p}_ms" for p in _SHARES)
 _PHASE_IDX = [PHASE_NAMES.index(p) for p in _SHARES]
 _RUN_CODE = {p: i for i, p in enumerate(RUN_PHASES)}
-_OOM_WORDS = ("out of memory", "outofmemory", "oom")
+_OOM = re.compile(r"out of memory|outofmemory|\boom\b", re.IGNORECASE)  # as the funnel reads it
 _PARAMS: dict[str, tuple[type, float, float]] = {
     "enabled": (bool, 0, 1),
     "oom_horizon_s": (float, 1, 86_400),
@@ -209,8 +210,7 @@ class PredictionHost:
         job = self._jobs.get(event.job_id)
         if job is None:
             return
-        msg = (event.message or "").lower()
-        if event.state == "failed" and any(w in msg for w in _OOM_WORDS):
+        if event.state == "failed" and _OOM.search(event.message or ""):
             for p in job.warnings:  # a rank (or the job) ran out of memory
                 had = max(0.0, (event.ts_ns - p.ts_ns) / NS)
                 self._emit(_realised(p, had), realised=True)

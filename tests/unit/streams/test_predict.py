@@ -98,8 +98,13 @@ def test_a_regime_change_is_flagged_when_the_loader_starves(
     assert all(p.model == "RegimeDetector" and p.evidence for p in changes)
 
 
-def test_a_memory_leak_is_warned_before_the_oom_and_realised_by_it() -> None:
-    _, messages = simulate("memory_leak", 180.0, ranks_per_node=2)
+@pytest.fixture(scope="module")
+def leak() -> list[Any]:
+    return simulate("memory_leak", 180.0, ranks_per_node=2)[1]
+
+
+def test_a_memory_leak_is_warned_before_the_oom_and_realised_by_it(leak: list[Any]) -> None:
+    messages = leak
     eng = StreamEngine(StreamsSettings())
     preds = _feed(eng, messages)
     oom = [
@@ -113,6 +118,19 @@ def test_a_memory_leak_is_warned_before_the_oom_and_realised_by_it() -> None:
     assert {p.prediction_id for p in realised} == {p.prediction_id for p in warned}
     for p in realised:
         assert p.realised == pytest.approx((oom[0].ts_ns - p.ts_ns) / NS)
+
+
+def test_a_failure_that_is_not_out_of_memory_realises_no_oom_warning(leak: list[Any]) -> None:
+    # the same job, but its end says something else ("room" is not "oom")
+    messages = [
+        m.model_copy(update={"message": "no room left on the scratch disk"})
+        if isinstance(m, JobLifecycle) and m.state == "failed"
+        else m
+        for m in leak
+    ]
+    preds = _feed(StreamEngine(StreamsSettings()), messages)
+    assert [p for p in preds if p.target == "time_to_oom_s" and p.state == "predicted"]
+    assert not [p for p in preds if p.target == "time_to_oom_s" and p.state == "realised"]
 
 
 def test_a_healthy_job_gets_no_oom_warning_and_no_regime_change() -> None:
