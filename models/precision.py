@@ -172,6 +172,10 @@ def _estimate(
 ) -> PrecisionEstimate:
     """``parts``: compute and memory time before, other time, compute and memory time after."""
     c0, m0, o, c1, m1 = parts
+    # the speedup lies between 1 and the larger ratio (or the smaller, for a slower precision);
+    # clamped so rounding in subnormal times (a near-zero step) cannot carry it outside
+    lo, hi = min(1.0, c_ratio, b_ratio), max(1.0, c_ratio, b_ratio)
+    speedup = min(max(before / after, lo), hi) if after > 0.0 else 1.0
     return PrecisionEstimate(
         device=d.name,
         from_precision=src,
@@ -185,7 +189,7 @@ def _estimate(
         memory_s_after=m1,
         step_s_before=before,
         step_s_after=after,
-        speedup=before / after if after > 0.0 else 1.0,
+        speedup=speedup,
     )
 
 

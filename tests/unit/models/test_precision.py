@@ -123,3 +123,9 @@ def test_speedup_is_between_one_and_the_best_ratio(
         scalable_bytes_share=share,
     )
     assert 1.0 - 1e-9 <= e.speedup <= max(e.compute_ratio, e.bytes_ratio) * (1 + 1e-9)
+
+
+def test_a_near_zero_step_keeps_its_speedup_within_the_ratios() -> None:
+    # found by hypothesis: with subnormal times the division rounded the speedup past the ratio
+    e = precision_speedup(2.2250738585072014e-308, 0.0, "h100", to_precision="tf32")
+    assert 1.0 <= e.speedup <= max(e.compute_ratio, e.bytes_ratio)
