@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -201,12 +202,18 @@ def create_app(settings: StreamsSettings) -> faust.App:
     path = snapshot_path(settings)
     if engine.load(path):
         log.info("resumed from %s (%d partitions)", path, len(engine.snapshot()["offsets"]))
+    # The warehouse's history of finished jobs, for the cross-run models: read in a thread so
+    # a slow or absent warehouse never holds up the worker, learned in the loop at a tick.
+    history: list[list[tuple[dict[str, float], float, float]]] = []
     if engine.predict.enabled and engine.predict.cross_step.n_seen == 0:
-        try:
-            n = engine.predict.learn_history(load_history(settings))
-            log.info("cross-run models learned from %d finished jobs in the warehouse", n)
-        except WarehouseError as e:
-            log.warning("cross-run models start without the warehouse's history: %s", e)
+
+        def read_history() -> None:
+            try:
+                history.append(load_history(settings))
+            except WarehouseError as e:
+                log.warning("cross-run models start without the warehouse's history: %s", e)
+
+        threading.Thread(target=read_history, name="job-history", daemon=True).start()
     engine.use_cluster(cluster_id(settings))
     held: list[Any] = []
     trim = libc_trim()
@@ -357,6 +364,9 @@ def create_app(settings: StreamsSettings) -> faust.App:
             if time.monotonic() - loop["free_at"] > BLOCKED_TICKS * settings.tick_interval_s:
                 hold_all(now)  # the loop was blocked: the partition ends known may be stale
             await check_inputs(now)
+            if history:
+                n = engine.predict.learn_history(history.pop())
+                log.info("cross-run models learned from %d finished jobs in the warehouse", n)
             o = engine.tick(now)
         except Exception:  # logged; the next tick tries again
             log.exception("tick failed")
