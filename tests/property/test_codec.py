@@ -198,7 +198,8 @@ def test_with_bad_values_in_several_columns_the_first_column_is_named(
     bad_at = {}
     for c in chosen:
         i = data.draw(st.integers(0, n - 1))
-        choices = ["inf"] if not c.is_int else []
+        # JSON has no infinity: a nullable float's inf is written as null, which it accepts
+        choices = ["inf"] if not c.is_int and not (c.nullable and wire == "json") else []
         choices += ["above"] if c.hi is not None else []
         choices += ["below"] if c.lo is not None else []
         if not c.is_int and not c.nullable:
