@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 
@@ -109,9 +110,11 @@ def test_the_history_of_finished_jobs_is_read_back_for_the_cross_run_models(
     assert pub.flush(10) == 0
 
     def mine() -> list[tuple[dict[str, float], float, float]]:
-        return [h for h in load_history(stack) if h[0].get("params") == 350_000_000]
+        # the job's tables land in separate inserts: wait until its steps have too
+        got = [h for h in load_history(stack) if h[0].get("params") == 350_000_000]
+        return got if got and all(math.isfinite(h[1]) for h in got) else []
 
-    ((features, med, peak),) = wait_for(mine, 30, "the finished job in the history")
+    ((features, med, peak),) = wait_for(mine, 30, "the finished job and its steps in the history")
     assert features == {"params": 350e6, "world": 2.0, "batch_size": 64.0, "precision_bits": 16.0}
     assert 100.0 <= med <= 101.0
     assert peak == float(11 << 30)
