@@ -21,6 +21,7 @@ from perfloop.models.anomaly import WindowAnomaly, chi2_cdf
 from perfloop.producers.scenarios import scenario_config
 from perfloop.producers.simulator import SimulatedJob
 from perfloop.schemas import decode_batch
+from tests.helpers import Collect
 
 THRESHOLD = 0.9999
 """Alarm threshold on the simulator's 1-s windows (their features are correlated and not quite
@@ -112,15 +113,6 @@ def test_hyperparameters_are_checked() -> None:
 
 
 # -- the simulator ---------------------------------------------------------------------------
-class _Collect:
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, bytes]] = []
-
-    def publish(self, topic: str, key: str, value: bytes) -> bool:
-        self.sent.append((topic, value))
-        return True
-
-
 def _columns(sent: list[tuple[str, bytes]], kind: str) -> dict[str, np.ndarray]:
     batches = [decode_batch(v) for t, v in sent if not t.endswith(".job")]
     batches = [b for b in batches if b.kind == kind]
@@ -144,9 +136,11 @@ def window_features(
         t0_ns=0,
         speed=1e6,
     )
-    pub = _Collect()
+    pub = Collect()
     SimulatedJob(cfg, pub).run(duration)
-    step, span, gpu = (_columns(pub.sent, k) for k in ("step", "span", "gpu"))
+    step, span, gpu = (
+        _columns([(t, v) for t, _, v in pub.messages], k) for k in ("step", "span", "gpu")
+    )
     n = int(duration)
 
     def per_window(ts_ns: np.ndarray, values: np.ndarray) -> np.ndarray:

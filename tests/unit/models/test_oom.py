@@ -18,20 +18,12 @@ from perfloop.models.oom import TimeToOOM
 from perfloop.producers.scenarios import scenario_config
 from perfloop.producers.simulator import SimulatedJob
 from perfloop.schemas import JobLifecycle, decode_batch, decode_event
+from tests.helpers import Collect
 
 GB = 1e9
 GIB = float(1 << 30)
 HORIZON_S = 120.0
 SEEDS = range(6)
-
-
-class _Collect:
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, bytes]] = []
-
-    def publish(self, topic: str, key: str, value: bytes) -> bool:
-        self.sent.append((topic, value))
-        return True
 
 
 Columns = dict[str, np.ndarray]
@@ -49,11 +41,11 @@ def simulate(scenario: str, seed: int, duration_s: float = 180.0) -> tuple[Colum
         t0_ns=0,
         speed=1e6,
     )
-    pub = _Collect()
+    pub = Collect()
     SimulatedJob(cfg, pub).run(duration_s)
-    steps = [decode_batch(v) for t, v in pub.sent if t.endswith(".step")]
+    steps = [decode_batch(v) for t, _, v in pub.messages if t.endswith(".step")]
     cols = {c: np.concatenate([b.columns[c] for b in steps]) for c in steps[0].columns}
-    events = [decode_event(v) for t, v in pub.sent if t.endswith(".job")]
+    events = [decode_event(v) for t, _, v in pub.messages if t.endswith(".job")]
     failed = [
         e.ts_ns / 1e9
         for e in events
