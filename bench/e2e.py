@@ -55,6 +55,8 @@ from bench._common import (
 )
 
 NS = 1_000_000_000
+E2E_PACE = 220_000.0
+"""Samples/s the in-process core's clock goes at when the bench publishes unpaced."""
 
 
 # -- 1. batched throughput -------------------------------------------------------------------
@@ -133,16 +135,22 @@ def _stream_crashes(home: Path) -> list[str]:
 
 class _Progress:
     """Polls the warehouse every ``EVERY_S`` while the bench publishes: how many of the samples
-    published so far have landed (raw rows of the bench's jobs), to show the tiers keep up."""
+    published so far have landed (raw rows of the bench's jobs) and how many step samples the
+    closed 1 s windows in the warehouse cover, to show whether the tiers keep up."""
 
     EVERY_S = 2.0
 
     def __init__(self, settings: Any, jobs: list[str], tables: list[str], published: Any) -> None:
         self._settings, self._jobs, self._published = settings, jobs, published
-        self._sql = "SELECT " + " + ".join(
-            f"(SELECT count() FROM {t} WHERE job_id IN {{jobs:Array(String)}})" for t in tables
+        self._sql = (
+            "SELECT "
+            + " + ".join(
+                f"(SELECT count() FROM {t} WHERE job_id IN {{jobs:Array(String)}})" for t in tables
+            )
+            + ", (SELECT sum(count) FROM windows WHERE job_id IN {jobs:Array(String)} "
+            "AND metric = 'step_time_ms' AND window_s = 1 AND hop_s = 1)"
         )
-        self.trace: list[tuple[float, int, int]] = []  # (seconds, published, landed)
+        self.trace: list[tuple[float, int, int, int]] = []  # (s, published, landed, covered)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-progress", daemon=True)
         self._t0 = 0.0
@@ -158,15 +166,58 @@ class _Progress:
         try:
             while not self._stop.wait(self.EVERY_S):
                 published = self._published()
-                landed = _count(ch, self._sql, self._jobs)[0]
-                self.trace.append((time.perf_counter() - self._t0, published, int(landed)))
+                landed, covered = _count(ch, self._sql, self._jobs)
+                now = time.perf_counter() - self._t0
+                self.trace.append((now, published, int(landed), int(covered or 0)))
         finally:
             ch.close()
 
-    def stop(self) -> list[tuple[float, int, int]]:
+    def stop(self) -> list[tuple[float, int, int, int]]:
         self._stop.set()
         self._thread.join(30)
         return self.trace
+
+
+def sustained(
+    trace: list[tuple[float, int, int, int]],
+    sent: list[tuple[float, int, int]],
+    publish_s: float,
+    warmup_s: float,
+) -> dict[str, Any] | None:
+    """The rate the windows keep up with while the bench publishes, from `_Progress`'s polls.
+
+    ``sent``: ``(seconds, samples, step samples)`` published so far, after each message. A poll's
+    covered step samples mean the windows have taken every sample published up to the message
+    that brought the covered-th step sample (messages go out in event-time order, and a job's
+    1 s windows close in event-time order). The sustained rate is the slope of those samples
+    between the first poll after ``warmup_s`` and the last poll before the last publish; the
+    lag is how long before each poll those samples were published. A stack that keeps up has
+    the offered rate and a flat lag; one that falls behind, a lower rate and a growing lag.
+    """
+    if not sent:
+        return None
+    t_sent = np.array([s[0] for s in sent])
+    all_sent = np.array([s[1] for s in sent])
+    steps_sent = np.array([s[2] for s in sent])
+    polls = [p for p in trace if warmup_s <= p[0] <= publish_s]
+    if len(polls) < 2:
+        return None
+    points = []
+    for t, _, _, covered in polls:
+        k = int(np.searchsorted(steps_sent, covered, side="left"))
+        if k >= len(sent):
+            k = len(sent) - 1
+        done = int(all_sent[k]) if covered > 0 else 0
+        points.append((t, done, t - float(t_sent[k]) if covered > 0 else t))
+    (ta, na, lag_a), (tb, nb, lag_b) = points[0], points[-1]
+    return {
+        "from_s": ta,
+        "to_s": tb,
+        "samples_per_s": (nb - na) / (tb - ta),
+        "lag_s": [round(p[2], 3) for p in points],
+        "lag_first_s": lag_a,
+        "lag_last_s": lag_b,
+    }
 
 
 def _window_latency(ch: Any, jobs: list[str]) -> dict[str, float]:
@@ -181,8 +232,10 @@ def _window_latency(ch: Any, jobs: list[str]) -> dict[str, float]:
     return {"p50": float(p50), "p99": float(p99), "max": float(top)} if top else {}
 
 
-def bench_engine(payloads: list[tuple[str, bytes]]) -> dict[str, Any]:
-    """The stream tier's pure core (`StreamEngine`) in this process, on the same messages."""
+def bench_engine(payloads: list[tuple[str, bytes, int]], rate: float) -> dict[str, Any]:
+    """The stream tier's pure core (`StreamEngine`) in this process, on the same messages
+    (``(topic, value, samples)``), its wall clock going on as the stack's would at ``rate``
+    samples/s, so windows close along the way as they do there."""
     from perfloop.settings import StreamsSettings
     from perfloop.streams.engine import StreamEngine
 
@@ -190,11 +243,14 @@ def bench_engine(payloads: list[tuple[str, bytes]]) -> dict[str, Any]:
     rows = diagnoses = 0
     # As the worker reads them: one partition per topic, each message caught up with only at
     # the topic's last one (so no source counts as silent before its input is read).
-    last = {topic: i for i, (topic, _) in enumerate(payloads)}
+    last = {topic: i for i, (topic, _, _) in enumerate(payloads)}
     offsets: dict[str, int] = {}
-    wall = time.time_ns()
+    wall0 = wall = time.time_ns()
+    fed = 0
     t0 = time.perf_counter()
-    for i, (topic, data) in enumerate(payloads):
+    for i, (topic, data, n) in enumerate(payloads):
+        fed += n
+        wall = wall0 + int(fed / rate * NS)
         offset = offsets[topic] = offsets.get(topic, -1) + 1
         engine.ingest(topic, data, wall_ns=wall, offset=offset, caught_up=last[topic] == i)
         if i % 20 == 19:
@@ -222,7 +278,9 @@ def bench_engine(payloads: list[tuple[str, bytes]]) -> dict[str, Any]:
 
 
 def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[str, Any]:
+    from perfloop.catalog import Topics
     from perfloop.producers import Publisher
+    from perfloop.settings import StreamsSettings
     from perfloop.warehouse import client
 
     run_id = uuid.uuid4().hex[:6]
@@ -241,7 +299,8 @@ def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[s
         + ", ".join(f"{t} {n:,}" for t, n in sorted(per_table.items()))
     )
     pub = Publisher(settings)
-    wire_bytes = published = 0
+    wire_bytes = published = published_steps = 0
+    sent: list[tuple[float, int, int]] = []  # after each message: (seconds, samples, steps)
     watch = _Progress(settings, jobs, list(per_table), lambda: published)
     cpu0 = service_cpu_s(home)
     t0 = time.perf_counter()
@@ -260,6 +319,9 @@ def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[s
         while not pub.publish(topic, key, value):  # local queue full: wait, do not drop
             pub.flush(1.0)
         published += n
+        if topic == Topics.STEP:
+            published_steps += n
+        sent.append((time.perf_counter() - t0, published, published_steps))
     queued_s = time.perf_counter() - t0
     left = pub.flush(120)
     publish_s = time.perf_counter() - t0
@@ -323,13 +385,25 @@ def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[s
                 f"  → end to end {n_all / e2e_s:,.0f} samples/s (producer → windows → warehouse)"
                 f"; done {e2e_s - publish_s:.2f} s after the last publish"
             )
-        lag = max((p - r for _, p, r in trace), default=0)
+        lag = max((p - r for _, p, r, _ in trace), default=0)
         say(
             f"  keeping up: at most {lag:,} published samples not yet in the warehouse "
             f"(polled every {_Progress.EVERY_S:g} s: "
-            + ", ".join(f"{t:.0f} s {p - r:,}" for t, p, r in trace[:: max(1, len(trace) // 8)])
+            + ", ".join(f"{t:.0f} s {p - r:,}" for t, p, r, _ in trace[:: max(1, len(trace) // 8)])
             + ")"
         )
+        # The new-job grace holds every window for its first seconds; measure after it.
+        held = StreamsSettings().new_job_grace_s
+        steady = sustained(trace, sent, publish_s, warmup_s=max(held + 2.0, 0.25 * publish_s))
+        if steady:
+            say(
+                f"  sustained: the 1 s windows in the warehouse took "
+                f"{steady['samples_per_s']:,.0f} samples/s from {steady['from_s']:.0f} s to "
+                f"{steady['to_s']:.0f} s of publishing; their lag behind the producer "
+                f"{steady['lag_first_s']:.1f} s → {steady['lag_last_s']:.1f} s"
+            )
+        else:
+            say("  sustained: publishing too short to measure (needs two polls past the grace)")
         latency = _window_latency(ch, jobs)
         if latency:
             say(
@@ -347,7 +421,7 @@ def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[s
     crashes = _stream_crashes(home)
     if crashes:
         say(f"  ! the stream worker logged {len(crashes)} errors (streams.log): {crashes[0][:300]}")
-    engine = bench_engine([(m[1], m[3]) for m in msgs])
+    engine = bench_engine([(m[1], m[3], m[4]) for m in msgs], args.rate or E2E_PACE)
     return {
         "stream_errors": crashes,
         "engine_in_process": engine,
@@ -378,6 +452,7 @@ def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[s
         "window_close_to_row_s": latency,
         "cpu_s": cpu,
         "e2e_samples_per_s": n_all / e2e_s if ok and wdone else None,
+        "sustained": steady,
     }
 
 
