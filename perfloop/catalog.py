@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from perfloop._rollups import ROLLUP_RESOLUTIONS, ROLLUP_TTL_DAYS, ROLLUPS, rollup_statements
+from perfloop._rollups import (
+    ROLLUP_RESOLUTIONS,
+    ROLLUP_SECONDS,
+    ROLLUP_TTL_DAYS,
+    ROLLUPS,
+    legacy_rollup_statements,
+    rollup_statements,
+)
 
 __all__ = [
     "DEAD_LETTER_PAYLOAD_BYTES",
@@ -22,6 +29,7 @@ __all__ = [
     "RAW_TTL_DAYS",
     "ROLLUPS",
     "ROLLUP_RESOLUTIONS",
+    "ROLLUP_SECONDS",
     "ROLLUP_TTL_DAYS",
     "TABLES",
     "TOPICS",
@@ -490,12 +498,7 @@ MIGRATIONS = (
                 _ttl(t, RAW_TTL_DAYS)
                 for t in ("gpu_samples", "host_samples", "spans", "collectives", "kernel_summaries")
             ),
-            *(
-                stmt
-                for source, keys, spec in ROLLUPS
-                for res in ROLLUP_RESOLUTIONS
-                for stmt in rollup_statements(source, keys, spec, res)
-            ),
+            *(s for source, keys, spec in ROLLUPS for s in rollup_statements(source, keys, spec)),
         ),
     ),
 )
@@ -592,6 +595,36 @@ MIGRATIONS = (
         6,
         f"merge less often on predictions: merge_selector_base = {MERGE_SELECTOR_BASE}",
         (f"ALTER TABLE predictions MODIFY SETTING merge_selector_base = {MERGE_SELECTOR_BASE}",),
+        tuning=True,
+    ),
+)
+
+
+# -- migration 7: one rollup table per source -------------------------------------------------
+# Migration 3 used to chain three tables per source (raw → 1 s → 1 min → 1 h), each fed by its
+# own materialized view: three views and three parts per raw insert. It now makes one table
+# (``{source}_rollups``, all three resolutions) and one view per source, with ``{source}_1s``,
+# ``_1m`` and ``_1h`` as views over it; migration 7 converts a warehouse made the old way,
+# keeping its rows, and changes nothing on one made the new way.
+MIGRATIONS = (
+    *MIGRATIONS,
+    Migration(
+        7,
+        "rollups: one table and one materialized view per source instead of a chain of three",
+        tuple(
+            stmt
+            for source, keys, spec in ROLLUPS
+            for stmt in legacy_rollup_statements(source, keys, spec)
+        ),
+    ),
+    Migration(
+        8,
+        f"merge less often on the rollup tables: merge_selector_base = {MERGE_SELECTOR_BASE}",
+        tuple(
+            f"ALTER TABLE {source}_rollups MODIFY SETTING merge_selector_base = "
+            f"{MERGE_SELECTOR_BASE}"
+            for source, _, _ in ROLLUPS
+        ),
         tuning=True,
     ),
 )

@@ -1,6 +1,7 @@
 """Migration 3 on the embedded warehouse: rollups agree with the raw rows at 1 s, 1 min and
-1 h; migrations re-run cleanly; re-emitted windows collapse in ``windows_latest``; the rows the
-sink builds for the stream-tier tables insert as they are.
+1 h; migrations re-run cleanly; migration 7 converts the earlier chain of rollup tables;
+re-emitted windows collapse in ``windows_latest``; the rows the sink builds for the stream-tier
+tables insert as they are.
 
 The warehouse is a server process of this module's own (free port, temporary data dir)."""
 
@@ -202,21 +203,102 @@ def test_migrations_re_run_cleanly_over_existing_data(settings: SinkSettings, ch
     assert ch.query("SELECT count() FROM steps").result_rows[0][0] == before
     ttl = ch.query(
         "SELECT name, engine_full FROM system.tables WHERE database = currentDatabase() "
-        "AND name IN ('gpu_samples', 'steps', 'windows', 'steps_1m', 'steps_1h')"
+        "AND name IN ('gpu_samples', 'steps', 'windows', 'steps_rollups')"
     ).result_rows
     ttls = {name: full.split(" TTL ")[1].split(" SETTINGS")[0] if " TTL " in full else None
             for name, full in ttl}  # fmt: skip
     assert ttls["gpu_samples"] == "toDateTime(ts) + toIntervalDay(7)"
     assert ttls["steps"] == "toDateTime(ts) + toIntervalDay(30)"
     assert ttls["windows"] == "toDateTime(ts) + toIntervalDay(30)"
-    assert ttls["steps_1m"] == "ts + toIntervalDay(365)" and ttls["steps_1h"] is None
+    assert ttls["steps_rollups"] == (
+        "ts + toIntervalDay(30) WHERE res_s = 1, ts + toIntervalDay(365) WHERE res_s = 60"
+    )
     # migration 4: every MergeTree table merges less often
     bases = ch.query(
         "SELECT name, extract(engine_full, 'merge_selector_base = (\\d+)') FROM system.tables "
         "WHERE database = currentDatabase() AND engine LIKE '%MergeTree' "
         "AND name != 'schema_migrations'"
     ).result_rows
-    assert len(bases) >= 28 and {b for _, b in bases} == {str(MERGE_SELECTOR_BASE)}, bases
+    made = {
+        stmt.split("(", 1)[0].split()[-1]
+        for m in MIGRATIONS
+        for stmt in m.statements
+        if stmt.startswith("CREATE TABLE IF NOT EXISTS") and "MergeTree" in stmt
+    }
+    assert {n for n, _ in bases} == made and {b for _, b in bases} == {str(MERGE_SELECTOR_BASE)}
+
+
+_OLD_STATE = {"avg": "avgState({c})", "q": "quantilesTDigestState(0.5, 0.95, 0.99)({c})"}
+_OLD_STATE |= {"min": "min({c})", "max": "max({c})", "sum": "sum({c})", "or": "groupBitOr({c})"}
+
+
+def _old_chain(ch: Client) -> None:
+    """Turn a new warehouse's ``steps`` rollups back into the layout migration 3 made before
+    migration 7: three AggregatingMergeTree tables, each fed by its own materialized view."""
+    keys, spec = next((k, sp) for src, k, sp in ROLLUPS if src == "steps")
+    ch.command("DROP VIEW steps_rollups_mv")
+    aggs = ", ".join(
+        _OLD_STATE[a].format(c=c) + f" AS {c}_{a}" for c, _, names in spec for a in names.split()
+    )
+    for res in ROLLUP_RESOLUTIONS:
+        ch.command(f"DROP VIEW steps_{res}")
+        ch.command(
+            f"CREATE TABLE steps_{res} ENGINE = AggregatingMergeTree ORDER BY ({keys}, ts) "
+            "EMPTY AS SELECT * EXCEPT res_s FROM steps_rollups"
+        )
+        ch.command(
+            f"CREATE MATERIALIZED VIEW steps_{res}_mv TO steps_{res} AS SELECT "
+            f"{BUCKET[res]} AS ts, {keys}, count() AS n, {aggs} FROM steps GROUP BY ts, {keys}"
+        )
+    ch.command("DROP TABLE steps_rollups")
+
+
+def test_migration_7_moves_the_old_chains_rows_into_the_one_table(settings: SinkSettings) -> None:
+    db = f"legacy_{uuid.uuid4().hex[:8]}"
+    legacy = settings.model_copy(update={"clickhouse_database": db})
+    migrate(legacy)
+    ch = client(legacy)
+    try:
+        _old_chain(ch)
+        job = "legacy"
+        t0 = (time.time_ns() // (3600 * NS) - 2) * 3600 * NS
+        rows = _raw_rows("steps", ["job_id", "rank"], 3000, job, t0)
+        _insert(ch, "steps", rows)
+        summary = "SELECT count(), sum(n), avgMerge(step_time_ms_avg), max(step_time_ms_max) FROM "
+        before = {r: ch.query(summary + f"steps_{r}").result_rows[0] for r in ROLLUP_RESOLUTIONS}
+        assert before["1h"][1] == 3000 and before["1s"][0] > before["1m"][0] > 0
+
+        for _ in range(2):  # converts, then finds nothing left to convert
+            ch.command(
+                "ALTER TABLE schema_migrations DELETE WHERE version >= 7 "
+                "SETTINGS mutations_sync = 1"
+            )
+            assert migrate(legacy) == [7, 8]
+            kinds = dict(
+                ch.query(
+                    "SELECT name, engine FROM system.tables WHERE database = currentDatabase() "
+                    "AND name LIKE 'steps\\_%'"
+                ).result_rows
+            )
+            assert kinds == {
+                "steps_rollups": "AggregatingMergeTree",
+                "steps_rollups_mv": "MaterializedView",
+                "steps_1s": "View",
+                "steps_1m": "View",
+                "steps_1h": "View",
+            }
+            for res in ROLLUP_RESOLUTIONS:
+                got = ch.query(summary + f"steps_{res}").result_rows[0]
+                assert got[0] == before[res][0] and got[1] == before[res][1], res
+                assert math.isclose(got[2], before[res][2], rel_tol=1e-9), res
+        # New rows go through the one view now, into every resolution, once.
+        _insert(ch, "steps", rows | {"job_id": ["legacy-2"] * 3000})
+        for res in ROLLUP_RESOLUTIONS:
+            n = ch.query(f"SELECT sum(n) FROM steps_{res} WHERE job_id = 'legacy-2'")
+            assert n.result_rows[0][0] == 3000, res
+    finally:
+        ch.command(f"DROP DATABASE IF EXISTS {db}")
+        ch.close()
 
 
 def test_a_tuning_migration_skips_settings_the_server_does_not_know(

@@ -11,6 +11,7 @@ from perfloop.catalog import (
     MIGRATIONS,
     RAW_TTL_DAYS,
     ROLLUP_RESOLUTIONS,
+    ROLLUP_SECONDS,
     ROLLUP_TTL_DAYS,
     ROLLUPS,
     TABLES,
@@ -69,26 +70,58 @@ def test_raw_ttls_are_modified_in_place(table: str, days: int) -> None:
 
 
 @pytest.mark.parametrize("source", [r[0] for r in ROLLUPS])
-def test_rollups_chain_1s_1m_1h(source: str) -> None:
-    feeds = {"1s": source, "1m": f"{source}_1s", "1h": f"{source}_1m"}
+def test_rollups_are_one_table_one_feed_and_a_view_per_resolution(source: str) -> None:
+    table = f"{source}_rollups"
+    ddl = _stmt(rf"CREATE TABLE IF NOT EXISTS {table} \(")
+    assert "ENGINE = AggregatingMergeTree" in ddl and "res_s UInt32" in ddl
+    # One TTL per resolution kept for a while; none for the one kept for good.
+    ttl = ddl.split("TTL ", 1)[1].split("\nSETTINGS")[0]
+    for res, days in ROLLUP_TTL_DAYS.items():
+        clause = f"ts + INTERVAL {days} DAY DELETE WHERE res_s = {ROLLUP_SECONDS[res]}"
+        assert (clause in ttl) == (days is not None), (res, ttl)
+    assert ttl.count("DELETE WHERE") == sum(d is not None for d in ROLLUP_TTL_DAYS.values())
+    feed = _stmt(rf"CREATE MATERIALIZED VIEW IF NOT EXISTS {table}_mv TO {table} AS")
+    assert re.search(rf"^FROM {source}$", feed, re.M), feed  # the raw table, once
+    assert f"arrayJoin([{', '.join(str(ROLLUP_SECONDS[r]) for r in ROLLUP_RESOLUTIONS)}])" in feed
+    # Every column the view writes is a column of its table, and the reverse.
+    written = set(re.findall(r" AS (\w+)", feed.split("SELECT", 1)[1]))
+    declared = set(re.findall(r"^\s+(\w+) ", ddl.split("ENGINE")[0], re.M))
+    keys = {k.strip() for k in feed.split("GROUP BY res_s, ts,")[1].split(",")}
+    assert written | keys == declared
     for res in ROLLUP_RESOLUTIONS:
-        table = f"{source}_{res}"
-        ddl = _stmt(rf"CREATE TABLE IF NOT EXISTS {table} \(")
-        assert "ENGINE = AggregatingMergeTree" in ddl
-        days = ROLLUP_TTL_DAYS[res]
-        assert (f"TTL ts + INTERVAL {days} DAY" in ddl) == (days is not None)
-        assert ("TTL" in ddl) == (days is not None)
-        view = _stmt(rf"CREATE MATERIALIZED VIEW IF NOT EXISTS {table}_mv TO {table} AS")
-        assert re.search(rf"^FROM {feeds[res]}$", view, re.M), view
-        # Every column the view writes is a column of its table, and the reverse.
-        written = set(re.findall(r" AS (\w+)", view.split("SELECT", 1)[1]))
-        declared = set(re.findall(r"^\s+(\w+) ", ddl.split("ENGINE")[0], re.M))
-        keys = {k.strip() for k in view.split("GROUP BY ts,")[1].split(",")}
-        assert written | keys == declared
+        view = _stmt(rf"CREATE VIEW IF NOT EXISTS {source}_{res} AS")
+        assert view.endswith(f"FROM {table}\nWHERE res_s = {ROLLUP_SECONDS[res]}")
+        assert set(re.findall(r"\w+", view.split("SELECT", 1)[1].split("FROM")[0])) == (
+            declared - {"res_s"}
+        )
 
 
 def test_rollup_keys_are_the_sorting_key() -> None:
     # An AggregatingMergeTree merges rows of equal sorting key: every group column must be in it.
     for source, keys, _ in ROLLUPS:
-        ddl = _stmt(rf"CREATE TABLE IF NOT EXISTS {source}_1s \(")
-        assert f"ORDER BY ({keys}, ts)" in ddl
+        ddl = _stmt(rf"CREATE TABLE IF NOT EXISTS {source}_rollups \(")
+        assert f"ORDER BY (res_s, {keys}, ts)" in ddl
+
+
+def test_migration_7_converts_the_old_chain_and_8_tunes_the_new_tables() -> None:
+    m7, m8 = MIGRATIONS[6], MIGRATIONS[7]
+    assert (m7.version, m8.version, m8.tuning) == (7, 8, True)
+    for source, _, _ in ROLLUPS:
+        stmts = list(m7.statements)
+        at = {s.split("\n")[0]: i for i, s in enumerate(stmts)}
+        for res in ROLLUP_RESOLUTIONS:
+            # The old feed stops before the rows move, the rows move before the table goes,
+            # and the view of that name comes after.
+            stop = at[f"DROP VIEW IF EXISTS {source}_{res}_mv"]
+            copy = next(
+                i
+                for i, s in enumerate(stmts)
+                if s.startswith(f"INSERT INTO {source}_rollups") and f"FROM {source}_{res}\n" in s
+            )
+            drop = at[f"DROP TABLE IF EXISTS {source}_{res}"]
+            view = at[f"CREATE VIEW IF NOT EXISTS {source}_{res} AS"]
+            assert stop < copy < drop < view
+            assert "engine = 'AggregatingMergeTree'" in stmts[copy]
+        assert f"ALTER TABLE {source}_rollups MODIFY SETTING merge_selector_base" in "\n".join(
+            m8.statements
+        )
