@@ -101,7 +101,9 @@ class Flight:
     """Batches sealed for one round of inserts, the offsets they complete, and how it went.
 
     The insert thread fills ``rejected`` (ids of messages it dead-lettered, for the reading
-    thread to forget) and ``error`` (the warehouse was unavailable), then sets ``done``.
+    thread to forget) and ``error`` (the warehouse was unavailable), then sets ``done``. Until
+    it has taken its last batch, the reading thread may `join` rows someone waits for to it:
+    they go in next, before the rest of the telemetry.
     """
 
     def __init__(self, batches: dict[str, Pending], offsets: dict[tuple[str, int], int]) -> None:
@@ -110,6 +112,48 @@ class Flight:
         self.rejected: list[str] = []
         self.error: Exception | None = None
         self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._first: frozenset[str] = frozenset()
+
+    def join(
+        self,
+        batches: dict[str, Pending],
+        offsets: dict[tuple[str, int], int],
+        first: frozenset[str],
+    ) -> bool:
+        """Add ``batches`` (tables not in the flight now), inserted next, and the ``offsets``
+        they complete; False (nothing added) if the insert thread has taken its last batch."""
+        with self._lock:
+            if self._closed or any(t in self.batches for t in batches):
+                return False
+            self.batches.update(batches)
+            self.offsets.update(offsets)
+            self._first = first
+            return True
+
+    def next_table(self) -> str | None:
+        """The next table to insert (the insert thread), one of ``first`` before the others;
+        None when none is left, and then nothing can join any more."""
+        with self._lock:
+            tables = list(self.batches)
+            for t in tables:
+                if t in self._first:
+                    return t
+            if tables:
+                return tables[0]
+            self._closed = True
+            return None
+
+    def close(self) -> None:
+        """Take no more batches (the insert thread, before it sets ``done``)."""
+        with self._lock:
+            self._closed = True
+
+    def reopen(self) -> None:
+        """Open again for a retry of what is left (the reading thread, the flight not done)."""
+        with self._lock:
+            self._closed = False
 
     @property
     def rows(self) -> int:

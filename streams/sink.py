@@ -5,10 +5,11 @@ telemetry and windows, lists for events) and are inserted every ``flush_interval
 (thousands of rows per insert under load), or at once when half of ``max_batch_rows`` rows or
 of ``max_batch_bytes`` message bytes are waiting. Inserts run in a thread of their own while
 the next batch is read and decoded (one round of inserts — a *flight* — in the air at a time,
-so batches land in the order they were read). Each insert carries a deduplication token built
-from the ids of the messages it holds (batch, event or content ids), so a retried insert lands
-once; offsets are committed only after every insert they cover succeeded, and after the dead
-letters produced for them were delivered.
+so batches land in the order they were read; rows someone waits for, such as closed windows,
+may join the flight in the air rather than wait for it to land). Each insert carries a
+deduplication token built from the ids of the messages it holds (batch, event or content ids),
+so a retried insert lands once; offsets are committed only after every insert they cover
+succeeded, and after the dead letters produced for them were delivered.
 
 When the warehouse is down (unreachable, or answering with a transient error) the sink pauses
 consumption of every assigned partition and retries the same inserts with backoff
@@ -88,9 +89,9 @@ FAST_TOPICS = frozenset(TABLES) - {
     Topics.DLQ,
 }
 """Topics whose rows someone waits for (closed windows, diagnoses, phases, recommendations,
-commands, acks): they go first in every flight, and go on their own after
-``fast_flush_interval_s`` when no flight is in the air, instead of waiting for the telemetry's
-``flush_interval_s``."""
+commands, acks): they go first in every flight, and after ``fast_flush_interval_s`` they go on
+their own when no flight is in the air, or join the flight in the air (inserted after the table
+it is inserting), instead of waiting for the telemetry's ``flush_interval_s``."""
 FAST_TABLES = frozenset(t for topic in FAST_TOPICS for t in TABLES[topic])
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 5.0
@@ -133,6 +134,7 @@ class SinkStats:
     pauses: int = 0
     paused_s: float = 0.0
     rounds: int = 0  # rounds of reading that resumed telemetry partitions (`Sink._pace`)
+    joined: int = 0  # times rows someone waits for joined a flight in the air (`Sink._join`)
     failed_inserts: int = 0
     max_pending_rows: int = 0  # rows held: the batch in the air and the one being filled
     max_pending_bytes: int = 0
@@ -282,8 +284,12 @@ class Sink:
                 if self._flight is None and not self.paused:
                     self._launch()
                     self._next_flush = time.monotonic() + self.settings.flush_interval_s
+                elif self._fast_due(now):  # the flush waits for the flight: they need not
+                    self._join()
             elif self._fast_due(now) and self._flight is None:
                 self._launch(fast_only=True)
+            elif self._fast_due(now):
+                self._join()
             elif now >= self._next_flush:
                 self._next_flush = now + self.settings.flush_interval_s
         if time.monotonic() >= self._stats_at:
@@ -454,11 +460,29 @@ class Sink:
         else:  # only offsets to commit (duplicates, dead letters)
             flight.done.set()
 
+    def _join(self) -> None:
+        """Rows someone waits for, due while a flight is in the air: into that flight, inserted
+        after the table being inserted now (the telemetry of a flight can take a second under
+        load), and committed when it lands. If the flight is about to land, or is inserting
+        one of their tables, they wait for the next turn."""
+        flight = self._flight
+        batches = {t: p for t, p in self._pending.items() if t in FAST_TABLES}
+        if flight is None or flight.done.is_set() or not batches:
+            return
+        offsets = {tp: o for tp, o in self._offsets.items() if tp[0] in FAST_TOPICS}
+        if flight.join(batches, offsets, FAST_TABLES):
+            for t in batches:
+                del self._pending[t]
+            for tp in offsets:
+                del self._offsets[tp]
+            self._fast_since = None
+            self.stats.joined += 1
+
     def _fly(self, flight: Flight) -> None:
         """Insert every batch of a flight (the insert thread; never raises)."""
         t0 = time.perf_counter()
         try:
-            for table in list(flight.batches):
+            while (table := flight.next_table()) is not None:
                 try:
                     self._insert(table, flight.batches[table])
                     del flight.batches[table]
@@ -470,6 +494,7 @@ class Sink:
             log.exception("unexpected error inserting a batch")
             flight.error = e
         finally:
+            flight.close()
             self.stats.insert_s += time.perf_counter() - t0
             flight.done.set()
 
@@ -504,6 +529,7 @@ class Sink:
             return
         flight.error = None
         flight.done.clear()
+        flight.reopen()
         self._fly(flight)
         self._land(wait=True)
 
@@ -698,7 +724,7 @@ class Sink:
         log.info(
             "sink stats: %d inserts, %d rows (%.0f rows/insert, max %d), %d dead letters, "
             "%d refused, %d duplicates, paused %d times for %.1f s, max pending %d rows, "
-            "%d rounds of telemetry (%d partitions held now); "
+            "%d rounds of telemetry (%d partitions held now), %d joined a flight; "
             "seconds reading %.1f, decoding %.1f, inserting %.1f (in its thread), waiting for "
             "it %.1f, committing %.1f",
             st.inserts,
@@ -713,6 +739,7 @@ class Sink:
             st.max_pending_rows,
             st.rounds,
             len(self._held),
+            st.joined,
             st.read_s,
             st.decode_s,
             st.insert_s,

@@ -225,6 +225,18 @@ class Warehouse:
         return [r["event_id"] for r in self.tables.get(table, [])]
 
 
+def span_batch(i: int) -> bytes:
+    cols = {
+        "ts_ns": [1_700_000_000_000_000_000 + i, 1_700_000_000_000_000_100 + i],
+        "rank": [0, 1],
+        "step": [i, i],
+        "phase": ["forward", "backward"],
+        "name": ["forward", "backward"],
+        "duration_ms": [10.0, 20.0],
+    }
+    return encode_batch("span", cols, job_id="job", node="n0", batch_id=f"s{i}")
+
+
 def step_batch(i: int, n: int = ROWS, **over: Any) -> bytes:
     cols = {
         "ts_ns": [1_700_000_000_000_000_000 + i * n + k for k in range(n)],
@@ -518,6 +530,72 @@ def test_fast_rows_go_first_in_a_flight_with_telemetry() -> None:
     broker.add(Topics.STEP, step_batch(1))
     run_until(sink, lambda: broker.committed(Topics.STEP) == 2)
     assert [t for t, _, _ in wh.inserts] == ["windows", "steps"]
+
+
+def _held_inserts(wh: Warehouse, table: str) -> tuple[threading.Event, threading.Event]:
+    """Make ``wh`` hold inserts into ``table`` until released: (entered, release)."""
+    entered, release = threading.Event(), threading.Event()
+    insert = wh.insert
+
+    def held(t: str, *args: Any, **kwargs: Any) -> None:
+        if t == table:
+            entered.set()
+            assert release.wait(10), "the test never released the insert"
+        insert(t, *args, **kwargs)
+
+    wh.insert = held  # type: ignore[method-assign]
+    return entered, release
+
+
+def test_windows_due_while_telemetry_is_in_the_air_go_in_after_the_table_being_inserted() -> None:
+    sink, broker, wh, _ = make_sink(flush_interval_s=0.01, fast_flush_interval_s=0.01)
+    entered, release = _held_inserts(wh, "steps")
+    broker.add(Topics.STEP, step_batch(0))
+    broker.add(Topics.SPAN, span_batch(0))
+    run_until(sink, entered.is_set)  # a flight of steps and spans: the steps insert hangs
+    broker.add(Topics.WINDOWS, windows_message(3))
+    run_until(sink, lambda: sink.stats.joined == 1)
+    assert sink.pending_rows == ROWS + 2 + 3  # all of it in the flight now
+    release.set()
+    run_until(sink, lambda: broker.committed(Topics.WINDOWS) == 1)
+    # in before the spans the flight held when they joined; committed when the flight landed
+    assert [t for t, _, _ in wh.inserts] == ["steps", "windows", "spans"]
+    assert broker.committed(Topics.STEP) == 1 and broker.committed(Topics.SPAN) == 1
+    assert sink.pending_rows == 0
+
+
+def test_windows_do_not_join_a_flight_inserting_windows_or_landing() -> None:
+    from perfloop.streams._sink_batch import Flight, Pending
+
+    flight = Flight({"windows": Pending(), "steps": Pending()}, {("perfloop.windows", 0): 4})
+    assert not flight.join({"windows": Pending()}, {("perfloop.windows", 0): 9}, frozenset())
+    assert flight.offsets == {("perfloop.windows", 0): 4}  # nothing of it taken
+    del flight.batches["windows"]  # landed
+    assert flight.next_table() == "steps"
+    assert flight.join({"windows": Pending()}, {("perfloop.windows", 0): 9}, frozenset({"windows"}))
+    assert flight.next_table() == "windows"  # next, before the telemetry left
+    flight.batches.clear()
+    assert flight.next_table() is None  # the insert thread is done: nothing may join now
+    assert not flight.join({"phases": Pending()}, {("perfloop.phases", 0): 1}, frozenset())
+    assert "phases" not in flight.batches
+
+
+def test_windows_joined_to_a_flight_that_fails_are_retried_with_it() -> None:
+    sink, broker, wh, _ = make_sink(flush_interval_s=0.01, fast_flush_interval_s=0.01)
+    entered, release = _held_inserts(wh, "steps")
+    broker.add(Topics.STEP, step_batch(0))
+    broker.add(Topics.SPAN, span_batch(0))
+    run_until(sink, entered.is_set)
+    broker.add(Topics.WINDOWS, windows_message(3))
+    run_until(sink, lambda: sink.stats.joined == 1)
+    wh.down = True  # the steps insert fails once released: the whole flight waits
+    release.set()
+    run_until(sink, lambda: sink.paused)
+    assert broker.committed(Topics.WINDOWS) == 0 and len(wh.tables.get("windows", [])) == 0
+    wh.down = False
+    run_until(sink, lambda: broker.committed(Topics.WINDOWS) == 1)
+    assert len(wh.tables["windows"]) == 3 and len(wh.ids()) == ROWS
+    assert len(wh.tables["spans"]) == 2
 
 
 def test_a_flight_can_be_sized_while_the_insert_thread_drops_its_landed_batches() -> None:
