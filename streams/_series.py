@@ -44,16 +44,30 @@ class Job:
 
 class Source:
     """One (job, node, kind): event-time watermark, wall time last seen, when its last message
-    was sent (the producer's clock, -1: unknown), batches not read, the channel it came by
-    (None: unknown) and its set clock (-1: none, its time is its own)."""
+    was sent (the producer's clock, -1: unknown), the usual time between its messages (``gap``,
+    ns), batches not read, the channel it came by (None: unknown) and its set clock (-1: none,
+    its time is its own)."""
 
-    __slots__ = ("channel", "clock", "idx", "job", "kind", "node", "raw", "seen", "sent", "wm")
+    __slots__ = (
+        "channel",
+        "clock",
+        "gap",
+        "idx",
+        "job",
+        "kind",
+        "node",
+        "raw",
+        "seen",
+        "sent",
+        "wm",
+    )
 
     def __init__(self, idx: int, job: int, node: str, kind: str) -> None:
         self.idx, self.job, self.node, self.kind = idx, job, node, kind
         self.wm = -1
         self.seen = 0
         self.sent = -1
+        self.gap = 0
         self.raw: list[Raw] = []  # batches waiting for a pane of theirs to close
         self.channel: Any = None
         self.clock = -1
@@ -68,6 +82,7 @@ class Source:
         s = cls(d["idx"], d["job"], d["node"], d["kind"])
         s.wm, s.seen, s.raw = d["wm"], d["seen"], list(d["raw"])
         s.channel, s.clock, s.sent = d.get("channel"), d.get("clock", -1), d.get("sent", -1)
+        s.gap = d.get("gap", 0)
         return s
 
 

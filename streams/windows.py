@@ -21,7 +21,10 @@ source — has an event-time watermark, the newest ``ts_ns`` it sent. A job's wa
 minimum over its sources active in the last ``source_idle_s`` of their *effective* times (a node
 whose clock lags, or a kind published later, delays the job's windows instead of making its own
 samples late). A source's effective time is its watermark moved on by how long it has been
-silent, and silence is only counted when it is real:
+silent past its usual gap between messages (a decaying maximum of the gaps by the producer's
+clock, or by when they were read; before a second message, the event time the first spans: a
+producer that sends every 3 s is not silent 2 s after a message, and its next one holds the 3 s
+since), and silence is only counted when it is real:
 
 * a source whose input (``channel``: the engine passes the topic partition) has been read to
   its end (`set_channel` ``caught_up=True``; the default for a source of unknown channel) moves
@@ -56,6 +59,7 @@ panes included, across a restart.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
@@ -80,6 +84,11 @@ from perfloop.streams._wincore import (
     parse_specs,
     trim_batches,
 )
+
+log = logging.getLogger("perfloop.streams")
+
+GAP_DECAY, GAP_SCALE = 3, 4
+"""A source's usual gap between messages decays by 3/4 a message (`WindowSet.observe`)."""
 
 __all__ = [
     "AVAILABLE_METRICS",
@@ -155,6 +164,7 @@ class WindowSet(WindowCore):
         self._idle_ns = round(source_idle_s * NS)
         self._forget_ns = round(forget_after_s * NS)
         self._lateness_ns = self._lateness(lateness_s)
+        self._late_said_ns = -NS  # when late samples were last logged
         for kind, names in (metrics or {}).items():
             self._metrics[kind] = self._metric_names(kind, names)
         self._set_specs(parse_specs(specs))
@@ -240,6 +250,18 @@ class WindowSet(WindowCore):
         job = self._reg.jobs[batch.job_id]
         if job.born < 0:
             job.born = int(wall_ns)
+        before = (src.wm, src.seen, src.sent)
+        # The usual time between its messages, by the producer's clock where known: silence
+        # counts only past it (see `_effective`). A decaying maximum: up at once, down slowly.
+        # Before its second message, the event time its first one spans (a producer that
+        # batches a few seconds sends every few seconds).
+        if sent_ns >= 0 and src.sent >= 0:
+            gap = int(sent_ns) - src.sent
+        elif src.seen > 0:
+            gap = int(wall_ns) - src.seen
+        else:
+            gap = tmax - tmin
+        src.gap = min(max(gap, src.gap * GAP_DECAY // GAP_SCALE), self._idle_ns)
         src.wm = max(src.wm, tmax)
         src.seen = max(src.seen, int(wall_ns))
         src.sent = max(src.sent, int(sent_ns))
@@ -256,11 +278,52 @@ class WindowSet(WindowCore):
             late = len(ts) - int(keep.sum())
             self.late_samples += late
             self.late_by_kind[batch.kind] = self.late_by_kind.get(batch.kind, 0) + late
+            self._say_late(batch, late, tmin, cu, wall_ns, channel, before, sent_ns)
             if not keep.any():
                 return
             cols = {k: v[keep] for k, v in cols.items()}
             tmin = int(cols["ts_ns"].min())
         src.raw.append((batch.kind, tmin, tmax, cols))
+
+    def _say_late(
+        self,
+        batch: Batch,
+        late: int,
+        tmin: int,
+        cu: int,
+        wall_ns: int,
+        channel: Hashable,
+        before: tuple[int, int, int],
+        sent_ns: int,
+    ) -> None:
+        """Log late samples (at most once a second of wall time): which source, how late,
+        and how its time had moved on before they came."""
+        if wall_ns - self._late_said_ns < NS:
+            return
+        self._late_said_ns = wall_ns
+        wm, seen, sent = before
+        ch = self._channels.get(channel) if channel is not None else None
+        if wm < 0:
+            before_these = "the source's first"
+        else:
+            before_these = (
+                f"the source's newest sample was {(cu - wm) / NS:.2f} s before they closed, "
+                f"seen {(wall_ns - seen) / NS:.2f} s ago"
+            )
+            if sent >= 0 <= sent_ns:
+                before_these += f", sent {(sent_ns - sent) / NS:.2f} s before these"
+        log.warning(
+            "%d %s samples of %s/%s came late (input %s, %s): from %.2f s before the job's "
+            "windows closed; %s",
+            late,
+            batch.kind,
+            batch.job_id,
+            batch.node,
+            channel,
+            "?" if ch is None else ("read to its end" if ch[0] == 0 else "input left"),
+            (cu - tmin) / NS,
+            before_these,
+        )
 
     def add(
         self,
@@ -365,10 +428,10 @@ class WindowSet(WindowCore):
         if ch is not None and ch[0]:  # input left to read: silent only as far as read
             if 0 <= src.sent < ch[4]:  # read on past its last message
                 idle = ch[4] - src.sent
-                return src.wm + idle, idle <= self._idle_ns
+                return src.wm + max(0, idle - src.gap), idle <= self._idle_ns
             return src.wm, True
         idle = max(0, wall_ns - max(src.seen, ch[1] if ch is not None else 0))
-        return src.wm + idle, idle <= self._idle_ns
+        return src.wm + max(0, idle - src.gap), idle <= self._idle_ns
 
     def watermark_ns(self, job_id: str, wall_ns: int, *, derived: bool = True) -> int | None:
         """The job's watermark at ``wall_ns`` (None for an unknown job); without ``derived``,

@@ -183,12 +183,14 @@ def test_a_new_job_waits_new_job_grace_s_for_its_other_kinds(grace_s: float) -> 
     out = rows(after, metric="step_time_ms")
     if grace_s:  # nothing closed before the steps came: none is late
         assert len(before["ts_ns"]) == 0
-        assert ws.late_samples == 0 and [(r["ts_ns"] - T0) // NS for r in out] == [0, 8]
+        assert ws.late_samples == 0 and [(r["ts_ns"] - T0) // NS for r in out] == [0]
     else:  # the GPU source alone closed the job's first seconds: the steps there are late
         assert len(before["ts_ns"]) > 0
         assert ws.late_samples == 2 and out == []
-    # then time moves on: the steps (8.5 s, silent 1.5 s since) hold the job at 10 s
-    assert ws.watermark_ns("j", T0 + 13 * NS) == T0 + 10 * NS
+    # then the steps (8.5 s) hold the job: their first message spanned 8 s of event time, so
+    # 1.5 s without the next is not silence yet; 8 s without it is
+    assert ws.watermark_ns("j", T0 + 13 * NS) == T0 + int(8.5 * NS)
+    assert ws.watermark_ns("j", T0 + int(21.5 * NS)) == T0 + int(10.5 * NS)
 
 
 def test_a_source_idle_past_source_idle_s_no_longer_holds_the_job_back() -> None:
@@ -216,8 +218,10 @@ def test_a_source_whose_input_has_more_to_read_is_not_silent() -> None:
     assert ws.watermark_ns("j", T0 + 100 * NS) == T0 + int(4.5 * NS), "100 s of reading"
     assert [r["ts_ns"] for r in rows(ws.advance(T0 + 100 * NS))] == [T0], "only [0, 1) closed"
     ws.set_channel("p0", caught_up=True, wall_ns=T0 + 100 * NS)  # its silence counts from now
-    assert ws.watermark_ns("j", T0 + 102 * NS) == T0 + int(6.5 * NS)
-    assert [r["ts_ns"] for r in rows(ws.advance(T0 + 102 * NS))] == [T0 + 4 * NS]
+    # ... past the 4 s its one message spanned (the gap a producer batching so would leave)
+    assert ws.watermark_ns("j", T0 + 104 * NS) == T0 + int(4.5 * NS)
+    assert ws.watermark_ns("j", T0 + 106 * NS) == T0 + int(6.5 * NS)
+    assert [r["ts_ns"] for r in rows(ws.advance(T0 + 106 * NS))] == [T0 + 4 * NS]
     assert ws.held_channels == [] and ws.late_samples == 0
 
 
@@ -284,6 +288,54 @@ def test_without_send_times_a_source_on_a_busy_input_holds_its_job() -> None:
     for i in range(1, 21):
         ws.observe(steps([2 * i + 0.5], [1.0]), T0 + i * NS, "p0")
     assert ws.watermark_ns("j", T0 + 20 * NS) == T0 + NS // 2
+
+
+def _every_3_s(ws: WindowSet, channel: str | None, other: bool) -> tuple[int, int]:
+    """A source that sends a message every 3 s holding the 3 s of steps before it (10 a
+    second), the windows advanced every 0.25 s; with ``other``, another job's messages keep
+    its input busy (sent every 0.1 s, the input never read to its end). Returns the last
+    message's wall time and the step samples the job's closed 1 s windows counted."""
+    n = counted = 0
+    wall = T0
+    for k in range(1, 11):
+        for q in range(12):  # the 3 s until this message, a tick every 0.25 s
+            wall = T0 + (3 * (k - 1)) * NS + (q + 1) * NS // 4
+            if other:
+                for r in range(3):
+                    t = wall - NS // 4 + r * NS // 10
+                    o = batch("step", job="o", ts_ns=[t], rank=[0], step=[0], step_time_ms=[1.0])
+                    ws.observe(o, t, channel, sent_ns=t)
+            counted += sum(r["count"] for r in rows(ws.advance(wall), job_id="j"))
+        secs = [3 * (k - 1) + i / 10 for i in range(30)]
+        ws.observe(steps(secs, [1.0] * 30), wall, channel, sent_ns=wall)
+        n += 30
+    assert n == 300
+    return wall, counted
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["read to its end", "busy input"])
+def test_a_source_silent_between_its_messages_as_usual_is_not_made_late(busy: bool) -> None:
+    """Silence counts only past a source's usual gap between messages: a producer that sends
+    every 3 s (more than the lateness) is not taken for silent in between."""
+    ws = only_step_time(specs="1", lateness_s=1)
+    if busy:
+        ws.set_channel("p0", caught_up=False, wall_ns=T0)
+    last, counted = _every_3_s(ws, "p0" if busy else None, other=busy)
+    assert ws.late_samples == 0 and 200 < counted < 300  # windows closed along the way
+    if busy:
+        ws.set_channel("p0", caught_up=True, wall_ns=last)
+    got = rows(ws.advance(last + 30 * NS), job_id="j")  # it stopped: it is silent now
+    assert counted + sum(r["count"] for r in got) == 300 and ws.late_samples == 0
+
+
+def test_a_source_that_stops_closes_its_windows_a_usual_gap_later() -> None:
+    ws = only_step_time(specs="1", lateness_s=1)
+    last, _ = _every_3_s(ws, None, other=False)
+    end = T0 + 30 * NS  # the last pane [29, 30) s; its newest sample at 29.9 s
+    # silence counts past the 3 s gap: closed once 29.9 + (idle - 3) - 1 >= 30
+    assert not rows(ws.advance(last + int(4.0 * NS)), ts_ns=end - NS)
+    (row,) = rows(ws.advance(last + int(4.2 * NS)), ts_ns=end - NS)
+    assert row["count"] == 10
 
 
 def test_a_job_waits_for_an_input_group_it_has_sent_nothing_on_yet() -> None:
@@ -372,7 +424,8 @@ def test_step_batches_yield_times_shares_and_reported_throughput_only() -> None:
     assert "loss" not in by, "not a default metric"
     ws.configure("windows.metrics.step", "loss")
     ws.observe(steps([21, 22], [1.0, 1.0], loss=[3.0, None]), wall_ns=T0 + 22 * NS)
-    (loss,) = rows(ws.advance(T0 + 40 * NS), metric="loss")
+    # its messages came 20 s apart: silence counts past that (22 + 20 + 18 idle ≥ 30 + 10)
+    (loss,) = rows(ws.advance(T0 + 60 * NS), metric="loss")
     assert loss["count"] == 1, "a null loss is not a sample"
 
 
