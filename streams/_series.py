@@ -55,6 +55,7 @@ class Source:
         "idx",
         "job",
         "kind",
+        "measured",
         "node",
         "raw",
         "seen",
@@ -68,6 +69,7 @@ class Source:
         self.seen = 0
         self.sent = -1
         self.gap = 0
+        self.measured = False  # whether ``gap`` comes from gaps seen, not a first guess
         self.raw: list[Raw] = []  # batches waiting for a pane of theirs to close
         self.channel: Any = None
         self.clock = -1
@@ -82,7 +84,7 @@ class Source:
         s = cls(d["idx"], d["job"], d["node"], d["kind"])
         s.wm, s.seen, s.raw = d["wm"], d["seen"], list(d["raw"])
         s.channel, s.clock, s.sent = d.get("channel"), d.get("clock", -1), d.get("sent", -1)
-        s.gap = d.get("gap", 0)
+        s.gap, s.measured = d.get("gap", 0), d.get("measured", False)
         return s
 
 

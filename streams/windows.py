@@ -252,16 +252,19 @@ class WindowSet(WindowCore):
             job.born = int(wall_ns)
         before = (src.wm, src.seen, src.sent)
         # The usual time between its messages, by the producer's clock where known: silence
-        # counts only past it (see `_effective`). A decaying maximum: up at once, down slowly.
-        # Before its second message, the event time its first one spans (a producer that
-        # batches a few seconds sends every few seconds).
-        if sent_ns >= 0 and src.sent >= 0:
-            gap = int(sent_ns) - src.sent
-        elif src.seen > 0:
-            gap = int(wall_ns) - src.seen
+        # counts only past it (see `_effective`). A decaying maximum of the gaps seen: up at
+        # once, down slowly. Before its second message, a guess: the event time its first one
+        # spans (a producer that batches a few seconds sends every few seconds).
+        if src.seen <= 0:
+            src.gap = min(tmax - tmin, self._idle_ns)
         else:
-            gap = tmax - tmin
-        src.gap = min(max(gap, src.gap * GAP_DECAY // GAP_SCALE), self._idle_ns)
+            if sent_ns >= 0 and src.sent >= 0:
+                gap = int(sent_ns) - src.sent
+            else:
+                gap = int(wall_ns) - src.seen
+            if src.measured:
+                gap = max(gap, src.gap * GAP_DECAY // GAP_SCALE)
+            src.gap, src.measured = min(gap, self._idle_ns), True
         src.wm = max(src.wm, tmax)
         src.seen = max(src.seen, int(wall_ns))
         src.sent = max(src.sent, int(sent_ns))
