@@ -264,7 +264,7 @@ class WindowSet(WindowCore):
                 gap = int(wall_ns) - src.seen
             if src.measured:
                 gap = max(gap, src.gap * GAP_DECAY // GAP_SCALE)
-            src.gap, src.measured = min(gap, self._idle_ns), True
+            src.gap, src.measured = min(max(gap, 0), self._idle_ns), True  # clocks step back
         src.wm = max(src.wm, tmax)
         src.seen = max(src.seen, int(wall_ns))
         src.sent = max(src.sent, int(sent_ns))
