@@ -739,3 +739,11 @@ def test_a_restored_set_reads_its_waiting_batches_after_a_metric_is_added() -> N
     resumed.configure("windows.metrics.gpu", "power_w,temp_c")
     got = rows(resumed.advance(T0 + 30 * NS))
     assert [(r["metric"], r["mean"]) for r in got] == [("power_w", 300.0)]
+
+
+def test_a_producer_clock_that_steps_back_does_not_make_silence_count_early() -> None:
+    ws = only_step_time(specs="1", lateness_s=0)
+    ws.observe(steps([0.5], [1.0]), T0 + NS, sent_ns=T0 + 20 * NS)
+    ws.observe(steps([1.5], [1.0]), T0 + 2 * NS, sent_ns=T0 + 10 * NS)  # its clock went back
+    # a gap of 0, not -10 s: silent 3 s after its last message, the source is at 1.5 + 3
+    assert ws.watermark_ns("j", T0 + 5 * NS) == T0 + int(4.5 * NS)
