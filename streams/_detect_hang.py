@@ -13,6 +13,7 @@ rank(s) whose progress stopped first; the diagnosis resolves when a step complet
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -42,14 +43,17 @@ def hang_detector(job: JobState, cfg: DetectConfig, now_ns: int) -> None:
         _replace(job, "hang", {})
         return
     gap_s = (now_ns - job.last_step_ns) / NS
+    fast_s = max(h.floor_s, h.k * p99 / 1000)
+    slow_s = max(h.slow_floor_s, h.slow_k * p99 / 1000)
+    if not st["active"] and gap_s < min(fast_s, slow_s):  # no timeout can have passed
+        _replace(job, "hang", {})
+        return
     dev = job.dev
     recent = dev["ts"] > job.last_step_ns
     util = dev["util"][recent]
     med = float(np.median(util)) if len(util) else np.nan
     spin = med >= h.spin_util_pct
-    timeout = (
-        max(h.floor_s, h.k * p99 / 1000) if spin else max(h.slow_floor_s, h.slow_k * p99 / 1000)
-    )
+    timeout = fast_s if spin else slow_s
     if not st["active"] and gap_s >= timeout:
         st.update(active=True, at_ns=job.last_step_ns)
     found = {}
@@ -72,7 +76,7 @@ def hang_detector(job: JobState, cfg: DetectConfig, now_ns: int) -> None:
         found["hang"] = Finding(
             key="hang",
             bottleneck="hang",
-            onset_ns=int(st["at_ns"] + np.nan_to_num(expected)),
+            onset_ns=int(st["at_ns"] + (expected if math.isfinite(expected) else 0.0)),
             step_share=1.0,
             confidence=0.9 if spin and culprits else (0.75 if spin else 0.6),
             ranks=culprits,
