@@ -40,7 +40,7 @@ from perfloop.exceptions import WarehouseError
 from perfloop.kafka import cluster_id, dlq_headers
 from perfloop.schemas import SchemaError, encode_event
 from perfloop.settings import StreamsSettings
-from perfloop.streams._heap import libc_trim
+from perfloop.streams._heap import GcClock, libc_trim
 from perfloop.streams._history import load_history
 from perfloop.streams._windows_wire import encode_windows
 from perfloop.streams.engine import INPUT_TOPICS, TELEMETRY_TOPICS, Outputs, StreamEngine
@@ -217,6 +217,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
     engine.use_cluster(cluster_id(settings))
     held: list[Any] = []
     trim = libc_trim()
+    gc_clock = GcClock()
     # When the loop is blocked (a long tick, a snapshot, a run of messages) the consumer does
     # not fetch, so the partition ends it knows go stale: a partition that looked read to its
     # end may have new input waiting. After such a block every telemetry partition is held
@@ -357,6 +358,9 @@ def create_app(settings: StreamsSettings) -> faust.App:
 
     @app.timer(settings.tick_interval_s)
     async def tick() -> None:
+        if not gc_clock.frozen:  # the first tick: the worker has started
+            log.info("%d objects made while starting frozen (out of the collector's walks)",
+                     gc_clock.freeze())  # fmt: skip
         try:
             now = time.time_ns()
             set_fetch_wait(app, settings.fetch_max_wait_ms)
@@ -419,7 +423,8 @@ def create_app(settings: StreamsSettings) -> faust.App:
             "stream stats: %d messages, %d samples, %d events, %d rejected, %d late samples %s, "
             "%d window rows, %d phase events, %d diagnoses, %d recommendations; %d held, "
             "%d read behind their partition's end, %d partitions behind now; snapshots every "
-            "%.1f s (%.1f MB, serialised in %.0f ms); %d fetches",
+            "%.1f s (%.1f MB, serialised in %.0f ms); %d fetches; %.1f s in %d garbage "
+            "collections",
             st["messages"],
             st["samples"],
             st["events"],
@@ -437,6 +442,8 @@ def create_app(settings: StreamsSettings) -> faust.App:
             snap["bytes"] / 1e6,
             snap["dumps_s"] * 1000,
             (pace_fetches(app, settings.fetch_min_interval_ms) or {}).get("fetches", 0),
+            gc_clock.seconds,
+            gc_clock.collections,
         )
 
     app.perfloop_engine = engine  # type: ignore[attr-defined]

@@ -1,0 +1,46 @@
+"""The services' heap helpers: the garbage collector's clock and the freeze after start-up."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+from perfloop.streams._heap import GcClock
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.me = self  # a reference cycle: only the cyclic collector frees it
+
+
+def test_gc_clock_counts_the_collections_it_sees() -> None:
+    clock = GcClock()
+    try:
+        before = clock.collections
+        gc.collect()
+        gc.collect(0)
+        assert clock.collections == before + 2 and clock.seconds > 0
+    finally:
+        clock.close()
+    assert clock._on_gc not in gc.callbacks
+    gc.collect()
+    assert clock.collections == before + 2  # closed: no longer counting
+
+
+def test_freeze_keeps_collections_off_what_was_alive_and_on_what_comes_after() -> None:
+    clock = GcClock()
+    old = _Node()
+    old_ref = weakref.ref(old)
+    try:
+        assert clock.freeze() == gc.get_freeze_count() > 0
+        new = _Node()
+        new_ref = weakref.ref(new)
+        del old, new
+        gc.collect()
+        assert new_ref() is None  # made after the freeze: collected as ever
+        assert old_ref() is not None  # frozen: no collection walks it
+    finally:
+        gc.unfreeze()
+        clock.close()
+    gc.collect()
+    assert old_ref() is None  # back in the generations, collected
