@@ -267,7 +267,7 @@ class PredictionHost:
                     job_id=ch.job_id,
                     node=ch.node,
                     rank=-1,
-                    prediction_id=f"{ch.job_id}:next_phase_s:{ch.since_ns}",
+                    prediction_id=f"{ch.job_id}:next_phase_s:{ch.node}:{ch.phase}:{ch.since_ns}",
                     model="PhaseTransitionForecaster",
                     target="next_phase_s",
                     value=left,

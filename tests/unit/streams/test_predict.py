@@ -12,7 +12,7 @@ import pytest
 
 from perfloop.catalog import KIND_TOPICS, Topics
 from perfloop.exceptions import ConfigError
-from perfloop.schemas import JobLifecycle, Prediction, decode_event, encode_event
+from perfloop.schemas import JobLifecycle, PhaseChange, Prediction, decode_event, encode_event
 from perfloop.schemas.codec import Batch, encode_batch
 from perfloop.settings import StreamsSettings
 from perfloop.streams.engine import StreamEngine
@@ -224,3 +224,33 @@ def test_settings_choose_whether_and_how_often_to_forecast() -> None:
     n2 = sum(p.target == "step_time_ms" and p.state == "predicted" for p in every2)
     n5 = sum(p.target == "step_time_ms" and p.state == "predicted" for p in every5)
     assert n2 > 2 * n5 > 0
+
+
+def test_phase_forecasts_of_one_start_in_different_phases_are_different_events() -> None:
+    """The phase machine can say twice what began at one moment (a stall, then steady after
+    all, since the same time): two forecasts, two event ids, or the sink, which stores an
+    event id once, would drop the second. The same change again gives the same id."""
+
+    def changes(host: PredictionHost) -> list[Prediction]:
+        def change(phase: str, since_s: int, at_s: float, previous: str) -> PhaseChange:
+            return PhaseChange(
+                ts_ns=int(at_s * NS), job_id="j", node="n0", rank=-1, level="run", phase=phase,
+                previous=previous, since_ns=since_s * NS, source="spans", step=1,
+            )  # fmt: skip
+
+        t, previous = 0, "warmup"
+        for _ in range(6):  # the forecaster learns how long each phase lasts
+            for phase, lasts in (("steady", 30), ("stalled", 5)):
+                host.phases([change(phase, t, t + 0.5, previous)])
+                previous, t = phase, t + lasts
+        host.phases([change("stalled", t, t + 1, previous)])
+        host.phases([change("steady", t, t + 20, "stalled")])
+        out = host.tick((t + 60) * NS, ["j"]) + host.drain()
+        return [p for p in out if p.target == "next_phase_s" and p.state == "predicted"]
+
+    first, again = changes(PredictionHost()), changes(PredictionHost())
+    last_two = first[-2:]
+    assert [p.summary.split()[0] for p in last_two] == ["stalled", "steady"]
+    assert last_two[0].event_id != last_two[1].event_id
+    assert len({p.event_id for p in first}) == len(first)
+    assert [p.event_id for p in again] == [p.event_id for p in first]  # a restart: same events
