@@ -22,9 +22,10 @@ minimum over its sources active in the last ``source_idle_s`` of their *effectiv
 whose clock lags, or a kind published later, delays the job's windows instead of making its own
 samples late). A source's effective time is its watermark moved on by how long it has been
 silent past its usual gap between messages (a decaying maximum of the gaps by the producer's
-clock, or by when they were read; before a second message, the event time the first spans: a
-producer that sends every 3 s is not silent 2 s after a message, and its next one holds the 3 s
-since), and silence is only counted when it is real:
+clock, or by when they were read; before a second message, the event time the first spans, at
+most `FIRST_GAP_MAX_S`: a producer that sends every 3 s is not silent 2 s after a message, and
+its next one holds the 3 s since, while a first message of history — 30 s of it at once — does
+not make the job wait 30 s), and silence is only counted when it is real:
 
 * a source whose input (``channel``: the engine passes the topic partition) has been read to
   its end (`set_channel` ``caught_up=True``; the default for a source of unknown channel) moves
@@ -89,12 +90,19 @@ log = logging.getLogger("perfloop.streams")
 
 GAP_DECAY, GAP_SCALE = 3, 4
 """A source's usual gap between messages decays by 3/4 a message (`WindowSet.observe`)."""
+FIRST_GAP_MAX_S = 5.0
+"""Before a source's second message, its usual gap is guessed from the event time its first one
+spans, up to this: perfloop's producers publish every fraction of a second, and a longer span
+is history (a backfill, a replay, a test's fixture), after which a job should not wait that
+long for its windows. The first gap seen replaces the guess."""
+_FIRST_GAP_MAX_NS = round(FIRST_GAP_MAX_S * NS)
 
 __all__ = [
     "AVAILABLE_METRICS",
     "COLUMNS",
     "DEFAULT_METRICS",
     "DEFAULT_SPECS",
+    "FIRST_GAP_MAX_S",
     "NS",
     "PANE_COLUMNS",
     "WindowColumns",
@@ -254,9 +262,10 @@ class WindowSet(WindowCore):
         # The usual time between its messages, by the producer's clock where known: silence
         # counts only past it (see `_effective`). A decaying maximum of the gaps seen: up at
         # once, down slowly. Before its second message, a guess: the event time its first one
-        # spans (a producer that batches a few seconds sends every few seconds).
+        # spans (a producer that batches a few seconds sends every few seconds), at most
+        # FIRST_GAP_MAX_S (a first message may hold history: a backfill, a replay).
         if src.seen <= 0:
-            src.gap = min(tmax - tmin, self._idle_ns)
+            src.gap = min(tmax - tmin, self._idle_ns, _FIRST_GAP_MAX_NS)
         else:
             if sent_ns >= 0 and src.sent >= 0:
                 gap = int(sent_ns) - src.sent

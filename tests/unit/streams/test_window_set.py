@@ -14,6 +14,7 @@ from perfloop.schemas import decode_batch, encode_batch
 from perfloop.schemas.codec import Batch
 from perfloop.streams.windows import (
     COLUMNS,
+    FIRST_GAP_MAX_S,
     NS,
     PANE_COLUMNS,
     WindowSet,
@@ -188,9 +189,12 @@ def test_a_new_job_waits_new_job_grace_s_for_its_other_kinds(grace_s: float) -> 
         assert len(before["ts_ns"]) > 0
         assert ws.late_samples == 2 and out == []
     # then the steps (8.5 s) hold the job: their first message spanned 8 s of event time, so
-    # 1.5 s without the next is not silence yet; 8 s without it is
+    # their gap is guessed at FIRST_GAP_MAX_S (5 s, less than the span): 1.5 s without the
+    # next is not silence yet; 10 s without it is 5 s of silence
+    assert FIRST_GAP_MAX_S == 5.0
     assert ws.watermark_ns("j", T0 + 13 * NS) == T0 + int(8.5 * NS)
-    assert ws.watermark_ns("j", T0 + int(21.5 * NS)) == T0 + int(10.5 * NS)
+    assert ws.watermark_ns("j", T0 + int(16.5 * NS)) == T0 + int(8.5 * NS)
+    assert ws.watermark_ns("j", T0 + int(21.5 * NS)) == T0 + int(13.5 * NS)
 
 
 def test_a_source_idle_past_source_idle_s_no_longer_holds_the_job_back() -> None:
@@ -747,3 +751,18 @@ def test_a_producer_clock_that_steps_back_does_not_make_silence_count_early() ->
     ws.observe(steps([1.5], [1.0]), T0 + 2 * NS, sent_ns=T0 + 10 * NS)  # its clock went back
     # a gap of 0, not -10 s: silent 3 s after its last message, the source is at 1.5 + 3
     assert ws.watermark_ns("j", T0 + 5 * NS) == T0 + int(4.5 * NS)
+
+
+def test_a_first_message_of_history_does_not_make_its_job_wait_as_long_as_it_spans() -> None:
+    """30 s of history in one message (a backfill, a replay): its gap is guessed at
+    FIRST_GAP_MAX_S, not 30 s, so its last windows close that long after it, not 30 s later."""
+    ws = only_step_time(specs="10", lateness_s=1)
+    arrived = T0 + 31 * NS
+    ws.observe(steps([k / 10 for k in range(300)], [1.0] * 300), wall_ns=arrived)
+    early = rows(ws.advance(arrived), job_id="j")
+    assert [(r["ts_ns"] - T0) // NS for r in early] == [0, 10]  # by the data alone
+    # the last pane [20, 30) s: closed once 29.9 + (idle - FIRST_GAP_MAX_S) - 1 >= 30
+    wait_s = FIRST_GAP_MAX_S + 1.1
+    assert not rows(ws.advance(arrived + int((wait_s - 0.1) * NS)), job_id="j")
+    (last,) = rows(ws.advance(arrived + int((wait_s + 0.1) * NS)), job_id="j")
+    assert (last["ts_ns"] - T0) // NS == 20 and last["count"] == 100 and ws.late_samples == 0
