@@ -32,7 +32,8 @@ class GcClock:
     only a reference cycle among them is never collected.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
         self.seconds = 0.0
         self.collections = 0
         self.frozen = 0
@@ -41,9 +42,9 @@ class GcClock:
 
     def _on_gc(self, phase: str, _info: dict[str, Any]) -> None:
         if phase == "start":
-            self._at = time.perf_counter()
+            self._at = self._clock()
         else:
-            self.seconds += time.perf_counter() - self._at
+            self.seconds += self._clock() - self._at
             self.collections += 1
 
     def freeze(self) -> int:

@@ -13,18 +13,19 @@ class _Node:
         self.me = self  # a reference cycle: only the cyclic collector frees it
 
 
-def test_gc_clock_counts_the_collections_it_sees() -> None:
-    clock = GcClock()
+def test_gc_clock_counts_the_collections_it_sees_and_their_time() -> None:
+    ticks = iter(range(0, 10_000, 5))  # a clock that moves 5 s at every reading
+    clock = GcClock(clock=lambda: float(next(ticks)))
     try:
-        before = clock.collections
+        before = clock.collections, clock.seconds
         gc.collect()
         gc.collect(0)
-        assert clock.collections == before + 2 and clock.seconds > 0
+        assert (clock.collections, clock.seconds) == (before[0] + 2, before[1] + 10.0)
     finally:
         clock.close()
     assert clock._on_gc not in gc.callbacks
     gc.collect()
-    assert clock.collections == before + 2  # closed: no longer counting
+    assert clock.collections == before[0] + 2  # closed: no longer counting
 
 
 def test_freeze_keeps_collections_off_what_was_alive_and_on_what_comes_after() -> None:
