@@ -10,7 +10,8 @@ sources it carries are not silent, so nothing closes early (see `perfloop.stream
 timer ticks the engine every ``tick_interval_s`` (first telling it which partitions it has not
 read from yet have input waiting, and which held ones have since been read to their end) and
 publishes closed windows (``perfloop.windows``), phase changes, diagnoses, the online models'
-predictions (``perfloop.predictions``) and recommendations, keyed by job.
+predictions (``perfloop.predictions``) and recommendations, keyed by job, through a librdkafka
+producer whose threads deliver them off the event loop (`perfloop.streams._output`).
 
 Processing is at least once, with durable state: input is read without automatic
 acknowledgement; every ``snapshot_interval_s`` (longer for a large state, see `SNAPSHOT_SHARE`)
@@ -42,6 +43,7 @@ from perfloop.schemas import SchemaError, encode_event
 from perfloop.settings import StreamsSettings
 from perfloop.streams._heap import GcClock, libc_trim
 from perfloop.streams._history import load_history
+from perfloop.streams._output import Output
 from perfloop.streams._windows_wire import encode_windows
 from perfloop.streams.engine import INPUT_TOPICS, TELEMETRY_TOPICS, Outputs, StreamEngine
 from perfloop.streams.windows import WindowColumns, split_by_job
@@ -188,16 +190,17 @@ def create_app(settings: StreamsSettings) -> faust.App:
         datadir=str(settings.home_dir / "streams"),
     )
 
-    def out(name: str) -> Any:
+    def topic(name: str) -> Any:
         return app.topic(name, value_serializer="raw", key_serializer="raw")
 
-    windows_out, phases_out = out(Topics.WINDOWS), out(Topics.PHASES)
-    diagnoses_out, recs_out, predictions_out, dlq = (
-        out(Topics.DIAGNOSES),
-        out(Topics.RECOMMENDATIONS),
-        out(Topics.PREDICTIONS),
-        out(Topics.DLQ),
-    )
+    # What the worker publishes goes out by librdkafka, off the loop (`Output`); Faust's own
+    # producer stays idle.
+    output = Output(settings)
+
+    @app.on_before_shutdown.connect
+    async def close_output(app: faust.App, **kwargs: Any) -> None:
+        output.close()
+
     engine = StreamEngine(settings)
     path = snapshot_path(settings)
     if engine.load(path):
@@ -305,15 +308,15 @@ def create_app(settings: StreamsSettings) -> faust.App:
     async def emit(o: Outputs) -> None:
         if o.windows is not None:
             for key, value in windows_messages(o.windows):
-                await windows_out.send(key=key, value=value)
-        for topic, events in (
-            (phases_out, o.phases),
-            (diagnoses_out, o.diagnoses),
-            (recs_out, o.recommendations),
-            (predictions_out, o.predictions),
+                await output.send(Topics.WINDOWS, key, value)
+        for name, events in (
+            (Topics.PHASES, o.phases),
+            (Topics.DIAGNOSES, o.diagnoses),
+            (Topics.RECOMMENDATIONS, o.recommendations),
+            (Topics.PREDICTIONS, o.predictions),
         ):
             for ev in events:
-                await topic.send(key=ev.job_id.encode(), value=encode_event(ev))
+                await output.send(name, ev.job_id.encode(), encode_event(ev))
         for d in o.diagnoses:
             if d.state == "open":
                 log.info("diagnosis %s %s (%s) ranks %s", d.job_id, d.bottleneck, d.level, d.ranks)
@@ -345,16 +348,17 @@ def create_app(settings: StreamsSettings) -> faust.App:
             if reason:
                 engine.rejected[msg.topic] += 1
                 log.warning("rejected %s[%s]@%s: %s", msg.topic, msg.partition, msg.offset, reason)
-                await dlq.send(
-                    key=msg.key,
-                    value=value,
+                await output.send(
+                    Topics.DLQ,
+                    msg.key,
+                    value,
                     headers=dlq_headers(reason, msg.topic, msg.partition, msg.offset),
                 )
             held.append(event)
 
-    for topic in INPUT_TOPICS:
-        name = "ingest-" + topic.rsplit(".", 1)[-1]
-        app.agent(out(topic), name=name)(ingest)
+    for topic_name in INPUT_TOPICS:
+        name = "ingest-" + topic_name.rsplit(".", 1)[-1]
+        app.agent(topic(topic_name), name=name)(ingest)
 
     @app.timer(settings.tick_interval_s)
     async def tick() -> None:
@@ -379,6 +383,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
             loop["free_at"] = time.monotonic()
         if o:
             await emit(o)
+        output.poll()
 
     snap = {"next": 0.0, "every": settings.snapshot_interval_s, "bytes": 0, "dumps_s": 0.0}
 
@@ -398,7 +403,8 @@ def create_app(settings: StreamsSettings) -> faust.App:
         covered = held[:]
         held.clear()
         try:
-            await app.producer.flush()
+            if not await output.flush():
+                raise OSError("what the worker published was not all delivered")
             # written and fsync'd off the event loop (the input keeps flowing meanwhile)
             await asyncio.get_running_loop().run_in_executor(None, engine.save, path, data)
         except Exception as e:  # disk or broker trouble: keep the input, try again
