@@ -172,7 +172,11 @@ class SinkSettings(BaseServiceSettings):
     fast_flush_interval_s: float = Field(0.2, gt=0)
     """How long closed windows, diagnoses and other rows someone waits for may wait for more
     before they are inserted on their own (telemetry waits ``flush_interval_s``)."""
-    max_batch_rows: int = Field(200_000, gt=0)
+    max_batch_rows: int = Field(600_000, gt=0)
+    """Bound on the rows the sink holds (the batch in the air and the one being filled, each
+    flushed at half of it). At 300k rows a second a half of 200k filled in a third of a second
+    and the sink stopped reading until the insert in the air landed, closed windows unread
+    meanwhile; ``max_batch_bytes`` bounds the memory as well."""
     max_batch_bytes: int = Field(64 << 20, ge=1 << 20)
     """Bound on the message bytes the sink holds (the batch in the air and the one being
     filled, each flushed at half of it), beside ``max_batch_rows``; plus two messages."""
