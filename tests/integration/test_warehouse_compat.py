@@ -14,13 +14,15 @@ from pathlib import Path
 
 import clickhouse_connect
 import numpy as np
+import pyarrow as pa
 import pytest
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
 
 from perfloop.chserver import WarehouseServer
 from perfloop.exceptions import WarehouseError
-from perfloop.settings import WarehouseServerSettings
+from perfloop.settings import BaseServiceSettings, WarehouseServerSettings
+from perfloop.warehouse import client as perfloop_client
 
 pytestmark = pytest.mark.integration
 
@@ -310,3 +312,26 @@ def test_clickhouse_compressed_framing(server: WarehouseServer) -> None:
     status, _, _ = _http(server, "INSERT INTO perfloop.conc FORMAT TSV", body=body, decompress="1")
     assert status == 200
     assert _http(server, "SELECT count() FROM perfloop.conc WHERE worker = 7")[2] == b"2\n"
+
+
+def test_perfloop_client_compresses_only_for_an_external_warehouse(
+    server: WarehouseServer,
+) -> None:
+    # The embedded warehouse is on loopback: lz4 there only cost CPU on both sides. The same
+    # server named as an external ClickHouse gets compressed inserts, and both land.
+    port = server.settings.clickhouse_port
+    embedded = BaseServiceSettings(clickhouse_port=port)
+    external = BaseServiceSettings(clickhouse_url_override=f"http://127.0.0.1:{port}")
+    for settings, compression in ((embedded, None), (external, "lz4")):
+        c = perfloop_client(settings)
+        try:
+            assert c.write_compression == compression
+            table = f"perfloop_client_{compression}"
+            c.command(f"CREATE TABLE IF NOT EXISTS {table} (x Int64) ENGINE = MergeTree ORDER BY x")
+            c.insert_arrow(table, pa.table({"x": pa.array(np.arange(1000))}))
+            c.insert(table, [[-1], [-2]], column_names=["x"])
+            assert c.query(f"SELECT count(), sum(x) FROM {table}").result_rows == [
+                (1002, 499500 - 3)
+            ]
+        finally:
+            c.close()
