@@ -186,5 +186,5 @@ def reduce_samples(
         tmean=big_t,
         m2t=m2t,
         ctv=ctv,
-        sk=Sketches.from_values(mapping, g, v, G),
+        sk=Sketches.from_values(mapping, g, v, G, vmin, vmax),
     )

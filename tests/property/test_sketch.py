@@ -7,7 +7,13 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from perfloop.streams.sketch import LogBuckets, Sketches
+from perfloop.streams.sketch import (
+    DENSE_SLOTS_PER_ENTRY,
+    LogBuckets,
+    Sketches,
+    _dense_sum,
+    _sum_by_key,
+)
 
 FAST = settings(max_examples=80, deadline=None)
 QS = (0.0, 0.01, 0.25, 0.5, 0.9, 0.95, 0.99, 1.0)
@@ -111,3 +117,68 @@ def test_buckets_are_ordered_like_values_and_representatives_within_alpha(
     rep = m.value(b)
     ok = np.abs(rep - xs) <= m.alpha * np.abs(xs) * (1 + 1e-9) + m.min_value
     assert ok.all(), xs[~ok]
+
+
+def _sorted_path(rows: np.ndarray, buckets: np.ndarray, counts: np.ndarray) -> tuple:
+    keys, summed = _sum_by_key((rows << 20) | buckets, counts)
+    return keys >> 20, keys & ((1 << 20) - 1), summed
+
+
+@FAST
+@given(st.lists(samples, min_size=1, max_size=8), alphas, st.randoms(use_true_random=False))
+def test_counting_in_bucket_ranges_equals_sorting(
+    parts: list[np.ndarray], a: float, rnd: object
+) -> None:
+    # Both ways of summing counts by (row, bucket): the dense one (narrow ranges, the usual
+    # case) and the sort (any ranges) give the same entries in the same order.
+    m = LogBuckets(alpha=a)
+    rows = np.concatenate([np.full(len(p), i, dtype=np.int64) for i, p in enumerate(parts)])
+    x = np.concatenate(parts)
+    perm = np.arange(len(x))
+    rnd.shuffle(perm)  # type: ignore[attr-defined]
+    rows, x = rows[perm], x[perm]
+    buckets = m.bucket(x)
+    lo = m.bucket(np.array([p.min() for p in parts]))
+    hi = m.bucket(np.array([p.max() for p in parts]))
+    ones = np.ones(len(x), dtype=np.int64)
+    dense = _dense_sum(rows, buckets, None, lo, hi)
+    want_rows, want_buckets, want_counts = _sorted_path(rows, buckets, ones)
+    if dense is None:  # too wide to count densely: only a range this wide may say so
+        assert int((hi - lo + 1).sum()) > DENSE_SLOTS_PER_ENTRY * len(x)
+        return
+    ptr, got_buckets, got_counts = dense
+    got_rows = np.repeat(np.arange(len(parts)), np.diff(ptr))
+    assert got_rows.tolist() == want_rows.tolist()
+    assert got_buckets.tolist() == want_buckets.tolist()
+    assert got_counts.tolist() == want_counts.tolist()
+    # ... and so do the sketches built with and without the rows' ranges.
+    fast = Sketches.from_values(m, rows, x, len(parts), np.array([p.min() for p in parts]),
+                                np.array([p.max() for p in parts]))  # fmt: skip
+    slow = Sketches.from_values(m, rows, x, len(parts))
+    assert fast.ptr.tolist() == slow.ptr.tolist()
+    assert fast.bucket.tolist() == slow.bucket.tolist()
+    assert fast.count.tolist() == slow.count.tolist()
+
+
+narrow = st.lists(st.floats(50.0, 60.0), min_size=1, max_size=50).map(
+    lambda v: np.array(v, dtype=np.float64)
+)
+
+
+@FAST
+@given(st.lists(narrow, min_size=2, max_size=8))
+def test_merging_narrow_rows_takes_the_dense_path_and_stays_exact(parts: list[np.ndarray]) -> None:
+    # A utilisation between 50 and 60 % spans ~10 buckets: merged by counting, not sorting.
+    m = LogBuckets()
+    rows = np.concatenate([np.full(len(p), i) for i, p in enumerate(parts)])
+    each = Sketches.from_values(m, rows, np.concatenate(parts), len(parts))
+    groups = np.arange(len(parts)) % 2
+    lo, hi = m.bucket(np.full(2, 50.0)), m.bucket(np.full(2, 60.0))
+    assert _dense_sum(np.repeat(groups, each.lengths()), each.bucket, each.count, lo, hi)
+    merged = each.merge(groups, 2)
+    for g in (0, 1):
+        vals = np.concatenate([p for i, p in enumerate(parts) if i % 2 == g])
+        one = Sketches.from_values(m, np.zeros(len(vals), dtype=np.int64), vals, 1)
+        lo_, hi_ = merged.ptr[g], merged.ptr[g + 1]
+        assert merged.bucket[lo_:hi_].tolist() == one.bucket.tolist()
+        assert merged.count[lo_:hi_].tolist() == one.count.tolist()
