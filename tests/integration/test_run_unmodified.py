@@ -8,6 +8,7 @@ evaluation loops, collectives, the job's lifecycle, exit codes and SIGTERM forwa
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -40,6 +41,23 @@ def _query(settings: StackSettings, sql: str, **params: Any) -> list[tuple[Any, 
         return [tuple(r) for r in ch.query(sql, parameters=params).result_rows]
     finally:
         ch.close()
+
+
+def _eventually(
+    settings: StackSettings, sql: str, expected: list[tuple[Any, ...]], **params: Any
+) -> list[tuple[Any, ...]]:
+    """The query's rows once they equal ``expected``, or as they are after 30 s: each table's
+    rows land in their own insert, so a job's info or collectives may come a flight after
+    the steps and spans `_tiled` waited for."""
+    got: list[tuple[Any, ...]] = []
+
+    def check() -> bool:
+        got[:] = _query(settings, sql, **params)
+        return got == expected
+
+    with contextlib.suppress(AssertionError):
+        wait_for(check, 30, sql)
+    return got
 
 
 def _run(env: dict[str, str], job: str, *cmd: str, timeout: float = 240) -> str:
@@ -120,13 +138,17 @@ def test_cnn_steps_match_the_script_and_spans_tile_them(
     # the second epoch is epoch 1; steps are numbered from 0
     assert rows == [(64, 64, 0, 0, 0, 0, 1, 0, n - 1)]
 
-    info = _query(
-        stack,
-        "SELECT rank, model_name, model_params, optimizer, world_size, precision, framework, "
-        "batch_size FROM job_info WHERE job_id = {j:String}",
-        j=job,
+    info = wait_for(
+        lambda: _query(
+            stack,
+            "SELECT rank, model_name, model_params, optimizer, world_size, precision, framework, "
+            "batch_size FROM job_info WHERE job_id = {j:String}",
+            j=job,
+        ),
+        30,
+        "the job's info",
     )
-    assert info and info[0][:2] == (0, "Net")
+    assert info[0][:2] == (0, "Net")
     assert info[0][2] > 100_000 and info[0][3:] == ("Adadelta", 1, "fp32", "torch", 64)
 
     def lifecycle() -> set[tuple[int, str, int | None]]:
@@ -199,27 +221,31 @@ def test_torchrun_ranks_world_size_and_collectives(
     assert set(ranks) == {0, 1} and {w for w, _ in ranks.values()} == {2}
     _tiled(stack, job, {r: s for r, (_, s) in ranks.items()})
 
-    info = _query(
+    expected_info = [(r, 2, 2, "gloo", "ddp", "Sequential") for r in (0, 1)]
+    info = _eventually(
         stack,
         "SELECT DISTINCT rank, world_size, local_world_size, backend, parallelism, model_name "
         "FROM job_info WHERE job_id = {j:String} ORDER BY rank",
+        expected_info,
         j=job,
     )
-    assert info == [(r, 2, 2, "gloo", "ddp", "Sequential") for r in (0, 1)]
-    colls = _query(
-        stack,
-        "SELECT rank, op, count(), min(size_bytes), max(group_size) FROM "
-        "(SELECT * FROM collectives WHERE job_id = {j:String} LIMIT 1 BY event_id) "
-        "GROUP BY rank, op ORDER BY rank, op",
-        j=job,
-    )
+    assert info == expected_info
     steps = ranks[0][1]
-    assert colls == [
+    expected_colls = [
         (0, "all_reduce", steps, 4, 2),  # the logged loss: one float32 per step
         (0, "barrier", 1, 0, 2),
         (1, "all_reduce", steps, 4, 2),
         (1, "barrier", 1, 0, 2),
     ]
+    colls = _eventually(
+        stack,
+        "SELECT rank, op, count(), min(size_bytes), max(group_size) FROM "
+        "(SELECT * FROM collectives WHERE job_id = {j:String} LIMIT 1 BY event_id) "
+        "GROUP BY rank, op ORDER BY rank, op",
+        expected_colls,
+        j=job,
+    )
+    assert colls == expected_colls
     comm = _query(
         stack,
         "SELECT count() FROM spans WHERE job_id = {j:String} AND phase = 'comm' AND depth = 0",
