@@ -77,6 +77,8 @@ KIND_TOPICS: dict[str, str] = {
     "recommendation": Topics.RECOMMENDATIONS,
     "command": Topics.CONTROL,
     "actuation": Topics.ACTUATIONS,
+    "approval": Topics.RECOMMENDATIONS,
+    "decision": Topics.ACTUATIONS,
     "phase": Topics.PHASES,
     "diagnosis": Topics.DIAGNOSES,
     "prediction": Topics.PREDICTIONS,
@@ -99,6 +101,8 @@ KIND_TABLES: dict[str, str] = {
     "recommendation": "recommendations",
     "command": "commands",
     "actuation": "actuations",
+    "approval": "approvals",
+    "decision": "audit",
     "phase": "phases",
     "diagnosis": "diagnoses",
     "prediction": "predictions",
@@ -624,6 +628,57 @@ MIGRATIONS = (
             f"ALTER TABLE {source}_rollups MODIFY SETTING merge_selector_base = "
             f"{MERGE_SELECTOR_BASE}"
             for source, _, _ in ROLLUPS
+        ),
+        tuning=True,
+    ),
+)
+
+
+# -- migration 9: approvals and the actuator's audit trail ------------------------------------
+# Every approval or rejection a person gives (``perfloop approve|reject``) and every decision the
+# actuator takes about a recommendation or an approval, with its reason; kept like the other
+# control tables.
+MIGRATIONS = (
+    *MIGRATIONS,
+    Migration(
+        9,
+        "approvals and the actuator's audit trail",
+        (
+            _table(
+                "approvals",
+                """    rec_id String,
+    verdict LowCardinality(String),
+    author String,
+    reason String,
+    knob LowCardinality(String),
+    from_value String,
+    to_value String,
+    loop LowCardinality(String),
+    rec_ts DateTime64(9, 'UTC'),
+    key_id String,
+    signature String""",
+            ),
+            _table(
+                "audit",
+                """    rec_id String,
+    command_id String,
+    knob LowCardinality(String),
+    from_value String,
+    to_value String,
+    loop LowCardinality(String),
+    tier LowCardinality(String),
+    outcome LowCardinality(String),
+    reason String,
+    actor String""",
+            ),
+        ),
+    ),
+    Migration(
+        10,
+        f"merge less often on approvals and audit: merge_selector_base = {MERGE_SELECTOR_BASE}",
+        tuple(
+            f"ALTER TABLE {t} MODIFY SETTING merge_selector_base = {MERGE_SELECTOR_BASE}"
+            for t in ("approvals", "audit")
         ),
         tuning=True,
     ),

@@ -8,7 +8,8 @@ names. The catalog:
   `GpuSample`, `HostSample`, `StepEvent`, `PhaseSpan`, `CollectiveOp`, `KernelSummary`;
 - job-level events, one per message (`encode_event`, `decode_event`): `JobInfo`,
   `JobLifecycle`, `CapabilityReport`, `ProducerStats`, `GroundTruth`;
-- control events: `Recommendation`, `Command`, `ActuationResult`;
+- control events: `Recommendation`, `Approval`, `Command`, `ActuationResult`, and the
+  actuator's `Decision` about each;
 - stream-tier conclusions and live changes: `PhaseChange`, `Diagnosis`, `Prediction`,
   `ConfigChange`.
 
@@ -39,7 +40,16 @@ from perfloop.schemas.codec import (
     encode_event,
     is_batch,
 )
-from perfloop.schemas.control import ActuationResult, Command, KnobValue, Recommendation
+from perfloop.schemas.control import (
+    AUTOMATION_TIERS,
+    DECISION_OUTCOMES,
+    ActuationResult,
+    Approval,
+    Command,
+    Decision,
+    KnobValue,
+    Recommendation,
+)
 from perfloop.schemas.exceptions import SchemaError
 from perfloop.schemas.export import export_json_schemas
 from perfloop.schemas.job import (
@@ -63,9 +73,11 @@ from perfloop.schemas.telemetry import (
 )
 
 __all__ = [
+    "AUTOMATION_TIERS",
     "BATCH_KINDS",
     "BOTTLENECKS",
     "COLLECTIVE_OPS",
+    "DECISION_OUTCOMES",
     "EVENT_KINDS",
     "FAULT_KINDS",
     "FUNNEL_LEVELS",
@@ -75,12 +87,14 @@ __all__ = [
     "STANDARD_PHASES",
     "WIRE_FORMATS",
     "ActuationResult",
+    "Approval",
     "Batch",
     "BatchBuilder",
     "CapabilityReport",
     "CollectiveOp",
     "Command",
     "ConfigChange",
+    "Decision",
     "Diagnosis",
     "Event",
     "GpuSample",

@@ -129,8 +129,9 @@ class ConfigChange(Event):
     """A live change to the stream tier or to producers, applied without a restart.
 
     ``target`` "streams" changes a stream worker setting (thresholds, windows); "producers"
-    changes sampling on the job's nodes. ``applies_to`` is a job id, or "*" for every job
-    (``job_id`` then names who issued it). Every change is recorded in the warehouse
+    changes sampling on the job's nodes; "actuator" changes how the actuator treats the job
+    (``actuator.tier``, ``actuator.dry_run``, its limits). ``applies_to`` is a job id, or "*"
+    for every job (``job_id`` then names who issued it). Every change is recorded in the warehouse
     (``config_changes``) with who asked and why.
 
     >>> ConfigChange(ts_ns=1, job_id="ops", node="cli", rank=-1, target="streams",
@@ -141,7 +142,7 @@ class ConfigChange(Event):
 
     KIND: ClassVar[str] = "config"
 
-    target: Literal["streams", "producers"]
+    target: Literal["streams", "producers", "actuator"]
     applies_to: Annotated[str, Field(min_length=1, max_length=128)] = "*"
     key: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[a-z0-9_.]+$")]
     value: KnobValue | list[list[float]]

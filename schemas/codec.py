@@ -41,7 +41,7 @@ from pydantic import ValidationError
 from perfloop.schemas._arrow_batch import decode_arrow, encode_arrow, is_arrow
 from perfloop.schemas.analysis import ConfigChange, Diagnosis, PhaseChange, Prediction
 from perfloop.schemas.base import JOB_ID_PATTERN, Event, new_event_id
-from perfloop.schemas.control import ActuationResult, Command, Recommendation
+from perfloop.schemas.control import ActuationResult, Approval, Command, Decision, Recommendation
 from perfloop.schemas.exceptions import SchemaError
 from perfloop.schemas.job import (
     CapabilityReport,
@@ -90,6 +90,8 @@ EVENT_KINDS: dict[str, type[Event]] = {
         Recommendation,
         Command,
         ActuationResult,
+        Approval,
+        Decision,
         PhaseChange,
         Diagnosis,
         ConfigChange,

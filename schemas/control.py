@@ -8,9 +8,32 @@ from pydantic import Field
 
 from perfloop.schemas.base import Event
 
-__all__ = ["ActuationResult", "Command", "KnobValue", "Recommendation"]
+__all__ = [
+    "AUTOMATION_TIERS",
+    "DECISION_OUTCOMES",
+    "ActuationResult",
+    "Approval",
+    "Command",
+    "Decision",
+    "KnobValue",
+    "Recommendation",
+]
 
 KnobValue = int | float | str | bool
+AUTOMATION_TIERS = ("observe", "recommend", "approve", "auto")
+"""How far the actuator goes for a job: ``observe`` records, ``recommend`` shows, ``approve``
+waits for a person's approval, ``auto`` issues the command itself."""
+DECISION_OUTCOMES = (
+    "observed",
+    "recommended",
+    "pending",
+    "issued",
+    "dry_run",
+    "refused",
+    "rejected",
+)
+"""What became of a recommendation or an approval (`Decision.outcome`)."""
+Tier = Literal["observe", "recommend", "approve", "auto"]
 
 
 class Recommendation(Event):
@@ -59,3 +82,52 @@ class ActuationResult(Event):
     knob: str = Field("", max_length=128)
     value: KnobValue | None = None
     step: int = Field(0, ge=0)
+
+
+class Approval(Event):
+    """A person's verdict on a recommendation: ``perfloop approve`` / ``perfloop reject``.
+
+    It carries the change it approves (``knob``, ``from_value`` → ``to_value``, ``loop`` and
+    when the recommendation was made), so the actuator needs no memory of what is pending, and
+    it is signed like a command (HMAC-SHA256 under ``key_id``): the actuator acts only on
+    approvals signed with its key, and on none older than its approval horizon.
+    """
+
+    KIND: ClassVar[str] = "approval"
+
+    rec_id: str = Field(min_length=1, max_length=64)
+    verdict: Literal["approve", "reject"]
+    author: str = Field("", max_length=256)
+    reason: str = Field("", max_length=1000)
+    knob: str = Field(min_length=1, max_length=128)
+    from_value: KnobValue | None = None
+    to_value: KnobValue
+    loop: Literal["fast", "slow"] = "fast"
+    rec_ts_ns: int = Field(ge=0)
+    key_id: str = Field("default", max_length=64)
+    signature: str = Field("", max_length=128)
+
+
+class Decision(Event):
+    """What the actuator decided about a recommendation or an approval, and why.
+
+    One per recommendation it reads (``observed``, ``recommended``, ``pending`` approval,
+    ``issued``, ``dry_run`` or ``refused`` with the reason) and one per approval (``issued`` or
+    ``refused``, or ``rejected`` by its author). ``actor`` is who decided: ``actuator``, or the
+    approval's author. The warehouse keeps them in ``audit``.
+    """
+
+    KIND: ClassVar[str] = "decision"
+
+    rec_id: str = Field("", max_length=64)
+    command_id: str = Field("", max_length=64)
+    knob: str = Field("", max_length=128)
+    from_value: KnobValue | None = None
+    to_value: KnobValue | None = None
+    loop: Literal["fast", "slow"] = "fast"
+    tier: Tier
+    outcome: Literal[
+        "observed", "recommended", "pending", "issued", "dry_run", "refused", "rejected"
+    ]
+    reason: str = Field("", max_length=1000)
+    actor: str = Field("actuator", max_length=256)

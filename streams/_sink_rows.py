@@ -245,6 +245,15 @@ def _actuation(row: dict[str, Any]) -> None:
     row["value"] = _str(row["value"])
 
 
+def _approval(row: dict[str, Any]) -> None:
+    row["from_value"], row["to_value"] = _str(row["from_value"]), _str(row["to_value"])
+    row["rec_ts"] = row.pop("rec_ts_ns")
+
+
+def _decision(row: dict[str, Any]) -> None:
+    row["from_value"], row["to_value"] = _str(row["from_value"]), _str(row["to_value"])
+
+
 def _ground_truth(row: dict[str, Any]) -> None:
     row["onset"] = row.pop("onset_ns")
     end = row.pop("end_ns")
@@ -274,6 +283,8 @@ _EVENT_SHAPES: dict[str, Callable[[dict[str, Any]], None]] = {
     "recommendation": _recommendation,
     "command": _command,
     "actuation": _actuation,
+    "approval": _approval,
+    "decision": _decision,
     "ground_truth": _ground_truth,
     "phase": _phase,
     "diagnosis": _diagnosis,

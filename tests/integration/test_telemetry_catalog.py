@@ -75,12 +75,15 @@ def test_every_family_lands_in_its_table(stack: StackSettings) -> None:
     assert pub.flush(10) == 0
 
     expected = {table: 1 for table in set(KIND_TABLES.values())} | {"steps": 2}
-    # made by the stream tier, the actuator or `perfloop config`, each tested on its own
+    # made by the stream tier, the actuator, `perfloop config` or `perfloop approve`, each
+    # tested on its own (test_approvals: approvals and audit)
     derived = (
         "windows",
         "recommendations",
         "commands",
         "actuations",
+        "approvals",
+        "audit",
         "phases",
         "diagnoses",
         "predictions",
