@@ -1,8 +1,11 @@
 """Optimization tier: turn recommendations into safe, signed changes the job applies.
 
-Contract: the service (`ActuatorService`, deciding with `Policy`) publishes signed commands
-on ``perfloop.control``; the `JobAgent` inside the training process verifies each one
-(signature, expiry, sequence, bounds), applies it at the next step boundary and acks it on
+Contract: the service (`ActuatorService`, deciding with `Policy` by each job's `JobRules`:
+automation tier, dry run, bounds, hysteresis, cooldown, rate limit) publishes signed commands
+on ``perfloop.control`` and every decision (`Decision`) on ``perfloop.actuations``; a person's
+signed `Approval` (``perfloop approve``) releases a recommendation pending in tier ``approve``.
+The `JobAgent` inside the training process verifies each command (signature, expiry,
+sequence, bounds), applies it at the next step boundary and acks it on
 ``perfloop.actuations``. An invalid command changes nothing and is acked as rejected.
 """
 
@@ -13,7 +16,8 @@ from perfloop.actuators.agent import (
     KnobHandler,
     apply_config,
 )
-from perfloop.actuators.service import KNOB_BOUNDS, ActuatorService, Policy
+from perfloop.actuators.policy import KNOB_BOUNDS, JobRules, Policy
+from perfloop.actuators.service import ActuatorService
 from perfloop.actuators.signing import sign, signature_of, verify
 
 __all__ = [
@@ -22,6 +26,7 @@ __all__ = [
     "ConfigHandler",
     "ConfigListener",
     "JobAgent",
+    "JobRules",
     "KnobHandler",
     "Policy",
     "apply_config",

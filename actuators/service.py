@@ -1,10 +1,18 @@
-"""The actuator service: recommendations in, signed commands out on ``perfloop.control``.
+"""The actuator service: recommendations and approvals in, signed commands and decisions out.
 
-Per job it applies the automation tier (``observe`` and ``recommend`` issue nothing; ``auto``
-issues a command), the knob allow-list and its bounds, and a per-knob cooldown. Commands carry
-a per-job monotonic sequence number, an expiry and an HMAC-SHA256 signature. Offsets are
-committed after the command is delivered (at least once; the job agent drops replays by
-sequence number).
+It reads ``perfloop.recommendations`` (the stream tier's `Recommendation` events and people's
+`Approval` events, keyed by job so a job's approval follows its recommendation) and, from
+``perfloop.control``, the ``ConfigChange`` events addressed to it (target ``actuator``: a
+job's tier, dry run and limits; `perfloop.actuators.policy`). For each recommendation and
+approval, `Policy` decides; the service signs the command it issues (HMAC-SHA256, key
+``default`` from the settings) and publishes it on ``perfloop.control``, and publishes the
+`Decision` (issued, pending, refused with the reason, …) on ``perfloop.actuations``, from where
+the sink lands it in the ``audit`` table. Offsets are committed after both are delivered (at
+least once; the job agent drops a replayed command by its sequence number).
+
+The settings it was given live are read back from the warehouse (``config_changes``) when it
+starts, so a restarted service keeps each job's tier; a change published in the second before
+a restart, not yet in the warehouse, is lost (it can be set again).
 """
 
 from __future__ import annotations
@@ -12,113 +20,68 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
+from perfloop.actuators.policy import KNOB_BOUNDS, JobRules, Policy
 from perfloop.actuators.signing import sign
 from perfloop.catalog import Topics
+from perfloop.exceptions import ConfigError
 from perfloop.kafka import consumer, producer
-from perfloop.schemas import Command, Recommendation, SchemaError, decode_event, encode_event
+from perfloop.schemas import (
+    Approval,
+    Command,
+    ConfigChange,
+    Decision,
+    Recommendation,
+    SchemaError,
+    decode_event,
+    encode_event,
+)
 from perfloop.settings import ActuatorSettings
 
-__all__ = ["KNOB_BOUNDS", "ActuatorService", "Policy"]
+__all__ = ["KNOB_BOUNDS", "ActuatorService", "JobRules", "Policy"]
 
 log = logging.getLogger("perfloop.actuator")
 
-# Knobs the fast loop may change, with their inclusive bounds.
-KNOB_BOUNDS: dict[str, tuple[float, float]] = {
-    "dataloader.num_workers": (0, 64),
-    "dataloader.prefetch_factor": (1, 64),
-    "gpu.power_limit_w": (100, 700),  # per-device NVML limits narrow it (optimization tier)
-}
+SIGNING_KEY_ID = "default"
 
 
-class Policy:
-    """Pure decision: turn a recommendation into a command, or say why not.
-
-    >>> p = Policy(tier="auto", cooldown_s=30, ttl_s=60)
-    >>> rec = Recommendation(ts_ns=0, job_id="j", node="n", rank=-1, knob="dataloader.num_workers",
-    ...     from_value=2, to_value=5, loop="fast", expected_gain_pct=40, confidence=0.9,
-    ...     rationale="r")
-    >>> cmd, why = p.decide(rec, now_ns=10**18)
-    >>> cmd.value, cmd.rec_id == rec.event_id, why
-    (5, True, 'issued')
-    >>> p.decide(rec, now_ns=10**18 + 1)[1]
-    'cooldown: dataloader.num_workers changed 0 s ago (minimum 30 s)'
-    """
-
-    TIERS = ("observe", "recommend", "approve", "auto")
-
-    def __init__(self, *, tier: str, cooldown_s: float, ttl_s: float) -> None:
-        if tier not in self.TIERS:
-            raise ValueError(f"unknown automation tier {tier!r}; valid: {list(self.TIERS)}")
-        self.tier = tier
-        self.cooldown_ns = int(cooldown_s * 1e9)
-        self.ttl_ns = int(ttl_s * 1e9)
-        self._seq: dict[str, int] = {}
-        self._last_change: dict[tuple[str, str], int] = {}
-
-    def next_seq(self, job_id: str, now_ns: int) -> int:
-        # Monotonic across restarts without stored state: microseconds since the epoch.
-        seq = max(self._seq.get(job_id, 0) + 1, now_ns // 1000)
-        self._seq[job_id] = seq
-        return seq
-
-    def decide(self, rec: Recommendation, *, now_ns: int) -> tuple[Command | None, str]:
-        if self.tier in ("observe", "recommend"):
-            return None, f"tier {self.tier}: no command issued"
-        if self.tier == "approve":
-            return None, "tier approve: waiting for approval"
-        bounds = KNOB_BOUNDS.get(rec.knob)
-        if bounds is None:
-            return None, f"knob {rec.knob!r} is not allowed; allowed: {sorted(KNOB_BOUNDS)}"
-        value = rec.to_value
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return None, f"{rec.knob} target {value!r} is not a number"
-        if not bounds[0] <= value <= bounds[1]:
-            return None, f"{rec.knob} target {value} is outside [{bounds[0]:g}, {bounds[1]:g}]"
-        key = (rec.job_id, rec.knob)
-        last = self._last_change.get(key)
-        if last is not None and self.cooldown_ns and now_ns - last < self.cooldown_ns:
-            return None, (
-                f"cooldown: {rec.knob} changed {(now_ns - last) / 1e9:.0f} s ago "
-                f"(minimum {self.cooldown_ns / 1e9:.0f} s)"
-            )
-        self._last_change[key] = now_ns
-        cmd = Command(
-            ts_ns=now_ns,
-            job_id=rec.job_id,
-            node=rec.node,
-            rank=-1,
-            rec_id=rec.event_id,
-            seq=self.next_seq(rec.job_id, now_ns),
-            knob=rec.knob,
-            from_value=rec.from_value,
-            value=value,
-            loop=rec.loop,
-            expires_ts_ns=now_ns + self.ttl_ns,
-        )
-        return cmd, "issued"
+def _rules(settings: ActuatorSettings) -> JobRules:
+    return JobRules(
+        tier=settings.tier,
+        dry_run=settings.dry_run,
+        min_gain_pct=settings.min_gain_pct,
+        cooldown_s=settings.cooldown_s,
+        max_commands_per_min=settings.max_commands_per_min,
+    )
 
 
 class ActuatorService:
-    """Consumes recommendations, decides with `Policy`, publishes signed commands."""
+    """Consumes recommendations and approvals, decides with `Policy`, publishes signed
+    commands and every decision."""
 
     def __init__(self, settings: ActuatorSettings) -> None:
         self.settings = settings
-        self.policy = Policy(
-            tier=settings.tier, cooldown_s=settings.cooldown_s, ttl_s=settings.command_ttl_s
-        )
         self._key = settings.signing_key.get_secret_value().encode()
+        self.policy = Policy(
+            _rules(settings),
+            ttl_s=settings.command_ttl_s,
+            approval_ttl_s=settings.approval_ttl_s,
+            keys={SIGNING_KEY_ID: self._key},
+        )
         self._stop = threading.Event()
         self._consumer = consumer(
             settings, settings.group_id, **{"session.timeout.ms": settings.session_timeout_ms}
         )
         self._producer = producer(settings)
         self.issued = 0
+        self.decisions = 0
 
     def start(self) -> None:
-        self._consumer.subscribe([Topics.RECOMMENDATIONS])
+        self.load_settings()
+        self._consumer.subscribe([Topics.RECOMMENDATIONS, Topics.CONTROL])
 
     def stop(self) -> None:
         self._stop.set()
@@ -134,39 +97,120 @@ class ActuatorService:
                     if msg.error().code() != KafkaError._PARTITION_EOF:
                         log.warning("consumer error: %s", msg.error())
                     continue
-                self.handle(msg.value() or b"")
+                self.handle(msg.value() or b"", msg.topic())
                 self._producer.flush(10)
                 self._consumer.commit(message=msg, asynchronous=False)
         finally:
             self._consumer.close()
             self._producer.flush(5)
 
-    def handle(self, data: bytes) -> Command | None:
-        """Decide on one recommendation message; publish the command if one is issued."""
+    def load_settings(self) -> int:
+        """Apply the actuator settings changed live before this start (``config_changes``, in
+        order); return how many. A warehouse that cannot be read is logged, not fatal."""
+        from perfloop.warehouse import client, unix_ns
+
         try:
-            rec = decode_event(data)
+            ch = client(self.settings)
+            try:
+                rows = ch.query(
+                    "SELECT ts, event_id, job_id, node, applies_to, key, value FROM "
+                    "config_changes WHERE target = 'actuator' "
+                    "ORDER BY ts, event_id LIMIT 1 BY event_id"
+                ).result_rows
+            finally:
+                ch.close()
+        except Exception as e:  # no warehouse (yet), no table yet: start with the defaults
+            log.warning("actuator starts without its live settings from the warehouse: %s", e)
+            return 0
+        applied = 0
+        for ts, event_id, job_id, node, applies_to, key, value in rows:
+            change = ConfigChange(
+                ts_ns=unix_ns(ts),
+                event_id=event_id,
+                job_id=job_id,
+                node=node,
+                rank=-1,
+                target="actuator",
+                applies_to=applies_to,
+                key=key,
+                value=_stored(value),
+            )
+            try:
+                self.policy.configure(change)
+                applied += 1
+            except ConfigError as e:
+                log.warning("skipping stored actuator setting %s: %s", event_id, e)
+        if applied:
+            log.info("applied %d actuator settings changed before this start", applied)
+        return applied
+
+    def handle(self, data: bytes, topic: str = Topics.RECOMMENDATIONS) -> Command | None:
+        """Decide on one message; publish the command if one is issued, and the decision."""
+        try:
+            ev = decode_event(data)
         except SchemaError as e:
-            log.warning("ignoring bad recommendation: %s", e)
+            log.warning("ignoring a bad message on %s: %s", topic, e)
             return None
-        if not isinstance(rec, Recommendation):
-            log.warning("ignoring %s event on %s", rec.KIND, Topics.RECOMMENDATIONS)
+        now = time.time_ns()
+        if isinstance(ev, ConfigChange):
+            self._configure(ev)
             return None
-        cmd, why = self.policy.decide(rec, now_ns=time.time_ns())
+        if isinstance(ev, Recommendation):
+            cmd, decision = self.policy.decide(ev, now_ns=now)
+        elif isinstance(ev, Approval):
+            cmd, decision = self.policy.approve(ev, now_ns=now)
+        else:  # commands (its own, on the control topic) and anything else
+            return None
         log.info(
-            "recommendation %s for %s (%s -> %s): %s",
-            rec.event_id,
-            rec.job_id,
-            rec.from_value,
-            rec.to_value,
-            why,
+            "%s %s for %s (%s %s -> %s) by %s: %s: %s",
+            ev.KIND,
+            decision.rec_id,
+            ev.job_id,
+            decision.knob,
+            decision.from_value,
+            decision.to_value,
+            decision.actor,
+            decision.outcome,
+            decision.reason,
         )
-        if cmd is None:
-            return None
-        cmd = sign(cmd, self._key)
-        try:
-            self._producer.produce(Topics.CONTROL, key=cmd.job_id.encode(), value=encode_event(cmd))
-        except KafkaException as e:
-            log.error("cannot publish command %s: %s", cmd.event_id, e)
-            return None
-        self.issued += 1
+        if cmd is not None:
+            cmd = sign(cmd, self._key)
+            if not self._publish(Topics.CONTROL, cmd):
+                decision = decision.model_copy(
+                    update={"outcome": "refused", "reason": "the command could not be published"}
+                )
+                cmd = None
+            else:
+                self.issued += 1
+        if self._publish(Topics.ACTUATIONS, decision):
+            self.decisions += 1
         return cmd
+
+    def _configure(self, change: ConfigChange) -> None:
+        if change.target != "actuator":
+            return
+        try:
+            old, new = self.policy.configure(change)
+        except ConfigError as e:
+            log.warning("refused actuator setting %s: %s", change.event_id, e)
+            return
+        scope = "every job" if change.applies_to == "*" else f"job {change.applies_to}"
+        log.info("%s for %s: %r -> %r (by %s)", change.key, scope, old, new, change.author)
+
+    def _publish(self, topic: str, event: Command | Decision) -> bool:
+        try:
+            self._producer.produce(topic, key=event.job_id.encode(), value=encode_event(event))
+        except (KafkaException, BufferError) as e:
+            log.error("cannot publish %s %s: %s", event.KIND, event.event_id, e)
+            return False
+        return True
+
+
+def _stored(value: str) -> Any:
+    """A value as ``config_changes`` keeps it (strings as they are, the rest as JSON)."""
+    import orjson
+
+    try:
+        return orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return value

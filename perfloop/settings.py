@@ -203,4 +203,12 @@ class ActuatorSettings(BaseServiceSettings):
     signing_key: SecretStr = SecretStr("perfloop-embedded-dev-key")
     command_ttl_s: float = Field(60.0, gt=0)
     cooldown_s: float = Field(30.0, ge=0)
+    dry_run: bool = False
+    """Decide as the tier says, publish no command (each decision is audited as ``dry_run``)."""
+    min_gain_pct: float = Field(5.0, ge=0)
+    """Hysteresis: a recommendation expecting less gain than this is refused."""
+    max_commands_per_min: int = Field(6, ge=1)
+    """Commands a job may get in any 60 s."""
+    approval_ttl_s: float = Field(900.0, gt=0)
+    """An approval acts only on a recommendation younger than this."""
     session_timeout_ms: int = Field(6000, ge=1000)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import re
 from urllib.parse import urlparse
@@ -14,7 +15,7 @@ from perfloop.catalog import MIGRATIONS, Migration
 from perfloop.exceptions import WarehouseError
 from perfloop.settings import BaseServiceSettings
 
-__all__ = ["client", "migrate"]
+__all__ = ["client", "migrate", "unix_ns"]
 
 log = logging.getLogger(__name__)
 
@@ -106,3 +107,11 @@ def migrate(
     finally:
         ch.close()
     return applied
+
+
+def unix_ns(ts: datetime.datetime) -> int:
+    """Unix nanoseconds of a timestamp read from the warehouse (a naive one is UTC; the
+    client gives microseconds)."""
+    if ts.tzinfo is None:
+        ts = ts.replace(tzinfo=datetime.UTC)
+    return int(ts.timestamp() * 1_000_000) * 1000

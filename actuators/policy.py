@@ -1,0 +1,336 @@
+"""The actuator's decisions, pure: a recommendation or an approval in, a command (or none) and
+the `Decision` that explains it out.
+
+Per job (`JobRules`, changed live by ``ConfigChange`` events with target ``actuator``):
+
+- the automation tier (`perfloop.schemas.AUTOMATION_TIERS`): ``observe`` records the
+  recommendation, ``recommend`` shows it, ``approve`` keeps it pending until a person approves
+  it (`Policy.approve`), ``auto`` issues the command itself;
+- ``dry_run``: decide everything as in the tier, publish no command (outcome ``dry_run``);
+- the knob allow-list and its bounds (`KNOB_BOUNDS`);
+- hysteresis: a recommendation expecting less than ``min_gain_pct`` is refused (an approval is a
+  person's call and skips it);
+- a cooldown per knob (``cooldown_s`` since the knob last changed) and a rate limit
+  (``max_commands_per_min`` commands a job in any 60 s).
+
+Commands carry a per-job monotonic sequence number (microseconds since the epoch, at least one
+more than the last: monotonic across restarts without stored state) and an expiry; the service
+signs them. An approval is acted on only if its signature verifies, the job's tier is
+``approve``, the recommendation is younger than ``approval_ttl_s`` and was not acted on before.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from perfloop.actuators.signing import verify
+from perfloop.exceptions import ConfigError
+from perfloop.schemas import (
+    AUTOMATION_TIERS,
+    Approval,
+    Command,
+    ConfigChange,
+    Decision,
+    Recommendation,
+)
+
+__all__ = ["KNOB_BOUNDS", "JobRules", "Policy"]
+
+NS = 1_000_000_000
+RATE_WINDOW_NS = 60 * NS
+ACTED_MEMORY = 10_000
+"""Recommendations remembered as acted on (an approval of one of them is refused as a repeat)."""
+
+# Knobs the fast loop may change, with their inclusive bounds.
+KNOB_BOUNDS: dict[str, tuple[float, float]] = {
+    "dataloader.num_workers": (0, 64),
+    "dataloader.prefetch_factor": (1, 64),
+    "gpu.power_limit_w": (100, 700),  # per-device NVML limits narrow it (optimization tier)
+}
+
+
+@dataclass(frozen=True)
+class JobRules:
+    """How the actuator treats one job (or every job: the defaults)."""
+
+    tier: str = "auto"
+    dry_run: bool = False
+    min_gain_pct: float = 5.0
+    cooldown_s: float = 30.0
+    max_commands_per_min: int = 6
+
+    def with_setting(self, key: str, value: Any) -> JobRules:
+        """These rules with ``actuator.<name>`` set to ``value``; `ConfigError` if invalid."""
+        name = key.removeprefix("actuator.")
+        if not key.startswith("actuator.") or name not in _SETTINGS:
+            raise ConfigError(
+                f"unknown actuator setting {key!r}; valid: "
+                + ", ".join(f"actuator.{n}" for n in _SETTINGS)
+            )
+        return replace(self, **{name: _SETTINGS[name](key, value)})
+
+
+def _tier(key: str, value: Any) -> str:
+    if value not in AUTOMATION_TIERS:
+        raise ConfigError(f"{key} must be one of {list(AUTOMATION_TIERS)}, got {value!r}")
+    return str(value)
+
+
+def _flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _number(lo: float, hi: float, integer: bool = False) -> Any:
+    def check(key: str, value: Any) -> float | int:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value) and lo <= value <= hi
+        if ok and integer:
+            ok = float(value).is_integer()
+        if not ok:
+            what = "an integer" if integer else "a number"
+            raise ConfigError(f"{key} must be {what} in [{lo:g}, {hi:g}], got {value!r}")
+        return int(value) if integer else float(value)
+
+    return check
+
+
+_SETTINGS = {
+    "tier": _tier,
+    "dry_run": _flag,
+    "min_gain_pct": _number(0, 1000),
+    "cooldown_s": _number(0, 86400),
+    "max_commands_per_min": _number(1, 600, integer=True),
+}
+
+
+class Policy:
+    """Decides, per job, what becomes of each recommendation and approval.
+
+    >>> p = Policy(JobRules(tier="auto"), ttl_s=60)
+    >>> rec = Recommendation(ts_ns=0, job_id="j", node="n", rank=-1, knob="dataloader.num_workers",
+    ...     from_value=2, to_value=5, loop="fast", expected_gain_pct=40, confidence=0.9,
+    ...     rationale="r")
+    >>> cmd, d = p.decide(rec, now_ns=10**18)
+    >>> cmd.value, cmd.rec_id == rec.event_id, d.outcome
+    (5, True, 'issued')
+    >>> p.decide(rec, now_ns=10**18 + 1)[1].reason
+    'cooldown: dataloader.num_workers changed 0 s ago (minimum 30 s)'
+    """
+
+    def __init__(
+        self,
+        defaults: JobRules,
+        *,
+        ttl_s: float,
+        approval_ttl_s: float = 900.0,
+        keys: dict[str, bytes] | None = None,
+    ) -> None:
+        self.defaults = defaults
+        self.overrides: dict[str, dict[str, Any]] = {}  # per job: its own settings
+        self.ttl_ns = int(ttl_s * NS)
+        self.approval_ttl_ns = int(approval_ttl_s * NS)
+        self.keys = keys or {}
+        self._seq: dict[str, int] = {}
+        self._last_change: dict[tuple[str, str], int] = {}
+        self._recent: dict[str, collections.deque[int]] = {}
+        self._acted: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    # -- rules -------------------------------------------------------------------------------
+    def rules(self, job_id: str) -> JobRules:
+        """The job's rules: the defaults, with the settings given for the job itself."""
+        own = self.overrides.get(job_id)
+        return replace(self.defaults, **own) if own else self.defaults
+
+    def configure(self, change: ConfigChange) -> tuple[Any, Any]:
+        """Apply a ``ConfigChange`` for the actuator; return ``(old, new)``. ``applies_to`` "*"
+        changes the defaults (a job keeps the settings given for it alone)."""
+        name = change.key.removeprefix("actuator.")
+        if change.applies_to == "*":
+            old = self.defaults
+            self.defaults = old.with_setting(change.key, change.value)
+            return getattr(old, name), getattr(self.defaults, name)
+        old = self.rules(change.applies_to)
+        new = old.with_setting(change.key, change.value)
+        self.overrides.setdefault(change.applies_to, {})[name] = getattr(new, name)
+        return getattr(old, name), getattr(new, name)
+
+    def next_seq(self, job_id: str, now_ns: int) -> int:
+        # Monotonic across restarts without stored state: microseconds since the epoch.
+        seq = max(self._seq.get(job_id, 0) + 1, now_ns // 1000)
+        self._seq[job_id] = seq
+        return seq
+
+    # -- decisions ---------------------------------------------------------------------------
+    def decide(self, rec: Recommendation, *, now_ns: int) -> tuple[Command | None, Decision]:
+        """What becomes of a recommendation, by the job's tier."""
+        rules = self.rules(rec.job_id)
+        if rules.tier == "observe":
+            return None, self._decision(rec, rules, now_ns, "observed", "tier observe: recorded")
+        if rules.tier == "recommend":
+            return None, self._decision(
+                rec, rules, now_ns, "recommended", "tier recommend: shown, not applied"
+            )
+        if rules.tier == "approve":
+            return None, self._decision(
+                rec,
+                rules,
+                now_ns,
+                "pending",
+                f"tier approve: waiting for `perfloop approve {rec.event_id}`",
+            )
+        if rec.expected_gain_pct < rules.min_gain_pct:
+            return None, self._decision(
+                rec,
+                rules,
+                now_ns,
+                "refused",
+                f"expected gain {rec.expected_gain_pct:g}% is below the minimum "
+                f"{rules.min_gain_pct:g}% (actuator.min_gain_pct)",
+            )
+        return self._issue(rec, rules, now_ns=now_ns, actor="actuator")
+
+    def approve(self, appr: Approval, *, now_ns: int) -> tuple[Command | None, Decision]:
+        """What becomes of a person's approval or rejection."""
+        rules = self.rules(appr.job_id)
+        key = self.keys.get(appr.key_id)
+        who = appr.author or "unknown"
+        if key is None or not verify(appr, key):
+            known = sorted(self.keys)
+            return None, self._decision(
+                appr,
+                rules,
+                now_ns,
+                "refused",
+                f"approval signature does not verify under key {appr.key_id!r} "
+                f"(keys known: {known})",
+                actor=who,
+            )
+        if appr.rec_id in self._acted:
+            return None, self._decision(
+                appr, rules, now_ns, "refused", f"already {self._acted[appr.rec_id]}", actor=who
+            )
+        if appr.verdict == "reject":
+            self._remember(appr.rec_id, f"rejected by {who}")
+            return None, self._decision(
+                appr, rules, now_ns, "rejected", appr.reason or f"rejected by {who}", actor=who
+            )
+        if rules.tier != "approve":
+            return None, self._decision(
+                appr,
+                rules,
+                now_ns,
+                "refused",
+                f"tier {rules.tier}: approvals are taken only in tier approve "
+                "(`perfloop config set actuator.tier approve --job JOB`)",
+                actor=who,
+            )
+        age = now_ns - appr.rec_ts_ns
+        if age > self.approval_ttl_ns:
+            return None, self._decision(
+                appr,
+                rules,
+                now_ns,
+                "refused",
+                f"the recommendation is {age / NS:.0f} s old, past the "
+                f"{self.approval_ttl_ns / NS:.0f} s an approval may act on",
+                actor=who,
+            )
+        return self._issue(appr, rules, now_ns=now_ns, actor=who)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _issue(
+        self, src: Recommendation | Approval, rules: JobRules, *, now_ns: int, actor: str
+    ) -> tuple[Command | None, Decision]:
+        rec_id = src.event_id if isinstance(src, Recommendation) else src.rec_id
+        value = src.to_value
+        bounds = KNOB_BOUNDS.get(src.knob)
+        why = ""
+        if bounds is None:
+            why = f"knob {src.knob!r} is not allowed; allowed: {sorted(KNOB_BOUNDS)}"
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            why = f"{src.knob} target {value!r} is not a number"
+        elif not bounds[0] <= value <= bounds[1]:
+            why = f"{src.knob} target {value} is outside [{bounds[0]:g}, {bounds[1]:g}]"
+        if why:
+            return None, self._decision(src, rules, now_ns, "refused", why, actor=actor)
+        key = (src.job_id, src.knob)
+        last = self._last_change.get(key)
+        cooldown_ns = int(rules.cooldown_s * NS)
+        if last is not None and cooldown_ns and now_ns - last < cooldown_ns:
+            why = (
+                f"cooldown: {src.knob} changed {(now_ns - last) / NS:.0f} s ago "
+                f"(minimum {rules.cooldown_s:.0f} s)"
+            )
+            return None, self._decision(src, rules, now_ns, "refused", why, actor=actor)
+        recent = self._recent.setdefault(src.job_id, collections.deque())
+        while recent and now_ns - recent[0] >= RATE_WINDOW_NS:
+            recent.popleft()
+        if len(recent) >= rules.max_commands_per_min:
+            why = (
+                f"rate limit: {len(recent)} commands for the job in the last 60 s "
+                f"(actuator.max_commands_per_min {rules.max_commands_per_min})"
+            )
+            return None, self._decision(src, rules, now_ns, "refused", why, actor=actor)
+        self._last_change[key] = now_ns
+        recent.append(now_ns)
+        cmd = Command(
+            ts_ns=now_ns,
+            job_id=src.job_id,
+            node=src.node,
+            rank=-1,
+            rec_id=rec_id,
+            seq=self.next_seq(src.job_id, now_ns),
+            knob=src.knob,
+            from_value=src.from_value,
+            value=value,
+            loop=src.loop,
+            expires_ts_ns=now_ns + self.ttl_ns,
+        )
+        if rules.dry_run:
+            self._remember(rec_id, f"decided in dry run (command {cmd.event_id} not sent)")
+            why = f"dry run: would send {src.knob} = {value} (seq {cmd.seq})"
+            return None, self._decision(src, rules, now_ns, "dry_run", why, actor=actor)
+        self._remember(rec_id, f"issued as command {cmd.event_id}")
+        return cmd, self._decision(
+            src, rules, now_ns, "issued", f"{src.knob} = {value} (seq {cmd.seq})", actor=actor,
+            command_id=cmd.event_id,
+        )  # fmt: skip
+
+    def _remember(self, rec_id: str, what: str) -> None:
+        self._acted[rec_id] = what
+        while len(self._acted) > ACTED_MEMORY:
+            self._acted.popitem(last=False)
+
+    @staticmethod
+    def _decision(
+        src: Recommendation | Approval,
+        rules: JobRules,
+        now_ns: int,
+        outcome: str,
+        reason: str,
+        *,
+        actor: str = "actuator",
+        command_id: str = "",
+    ) -> Decision:
+        rec_id = src.event_id if isinstance(src, Recommendation) else src.rec_id
+        return Decision(
+            ts_ns=now_ns,
+            job_id=src.job_id,
+            node=src.node,
+            rank=-1,
+            rec_id=rec_id,
+            command_id=command_id,
+            knob=src.knob,
+            from_value=src.from_value,
+            to_value=src.to_value,
+            loop=src.loop,
+            tier=rules.tier,  # type: ignore[arg-type]
+            outcome=outcome,  # type: ignore[arg-type]
+            reason=reason[:1000],
+            actor=actor[:256],
+        )

@@ -1,0 +1,314 @@
+"""The actuator's decisions (`Policy`): which recommendations and approvals become commands,
+what every one of them is recorded as, and with what guarantees."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from perfloop.actuators import KNOB_BOUNDS, JobRules, Policy, sign
+from perfloop.exceptions import ConfigError
+from perfloop.schemas import Approval, Command, ConfigChange, Recommendation
+
+KNOB = "dataloader.num_workers"
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+KEY = b"k"
+
+
+def _rec(**kw: Any) -> Recommendation:
+    fields: dict[str, Any] = dict(
+        ts_ns=T0,
+        job_id="job-1",
+        node="n0",
+        rank=-1,
+        knob=KNOB,
+        from_value=2,
+        to_value=5,
+        loop="fast",
+        expected_gain_pct=40.0,
+        confidence=0.9,
+        rationale="waits for input",
+    )
+    return Recommendation(**(fields | kw))
+
+
+def _policy(**rules: Any) -> Policy:
+    return Policy(JobRules(**rules), ttl_s=60, approval_ttl_s=900, keys={"default": KEY})
+
+
+def _approval(
+    rec: Recommendation, verdict: str = "approve", key: bytes = KEY, **kw: Any
+) -> Approval:
+    appr = Approval(
+        ts_ns=T0 + S,
+        job_id=rec.job_id,
+        node="cli",
+        rank=-1,
+        rec_id=rec.event_id,
+        verdict=verdict,
+        author="ana@host",
+        knob=rec.knob,
+        from_value=rec.from_value,
+        to_value=rec.to_value,
+        loop=rec.loop,
+        rec_ts_ns=rec.ts_ns,
+        **kw,
+    )
+    return sign(appr, key)
+
+
+def _change(key: str, value: Any, job: str = "*") -> ConfigChange:
+    return ConfigChange(
+        ts_ns=T0, job_id="ops" if job == "*" else job, node="cli", rank=-1, target="actuator",
+        applies_to=job, key=key, value=value,
+    )  # fmt: skip
+
+
+# -- tiers ----------------------------------------------------------------------------------
+
+
+def test_auto_tier_issues_a_command_that_carries_the_recommendation() -> None:
+    rec = _rec()
+    cmd, d = _policy().decide(rec, now_ns=T0)
+    assert isinstance(cmd, Command)
+    assert (cmd.job_id, cmd.node, cmd.knob, cmd.from_value, cmd.value) == (
+        "job-1",
+        "n0",
+        KNOB,
+        2,
+        5,
+    )
+    assert (cmd.rec_id, cmd.loop, cmd.rank, cmd.ts_ns) == (rec.event_id, "fast", -1, T0)
+    assert cmd.expires_ts_ns == T0 + 60 * S
+    assert cmd.signature == "", "the service signs; the policy only decides"
+    assert (d.outcome, d.rec_id, d.command_id, d.tier, d.actor) == (
+        "issued",
+        rec.event_id,
+        cmd.event_id,
+        "auto",
+        "actuator",
+    )
+    assert (d.knob, d.from_value, d.to_value, d.job_id, d.ts_ns) == (KNOB, 2, 5, "job-1", T0)
+
+
+@pytest.mark.parametrize(
+    ("tier", "outcome"),
+    [("observe", "observed"), ("recommend", "recommended"), ("approve", "pending")],
+)
+def test_other_tiers_issue_nothing_and_say_so(tier: str, outcome: str) -> None:
+    rec = _rec()
+    cmd, d = _policy(tier=tier).decide(rec, now_ns=T0)
+    assert cmd is None
+    assert (d.outcome, d.tier) == (outcome, tier)
+    if tier == "approve":
+        assert f"perfloop approve {rec.event_id}" in d.reason
+
+
+@pytest.mark.parametrize("tier", ["Auto", "observe ", "manual", 1])
+def test_an_unknown_tier_is_refused_naming_the_valid_ones(tier: Any) -> None:
+    with pytest.raises(ConfigError, match=r"observe.*recommend.*approve.*auto"):
+        JobRules().with_setting("actuator.tier", tier)
+
+
+# -- what is refused --------------------------------------------------------------------------
+
+
+def test_unknown_knob_is_refused_with_the_allowed_ones() -> None:
+    cmd, d = _policy().decide(_rec(knob="optimizer.lr", to_value=0.1), now_ns=T0)
+    assert cmd is None and d.outcome == "refused"
+    assert "'optimizer.lr'" in d.reason and KNOB in d.reason
+
+
+@pytest.mark.parametrize("to_value", [KNOB_BOUNDS[KNOB][1] + 1, -1, 1e9])
+def test_out_of_bounds_target_is_refused(to_value: float) -> None:
+    cmd, d = _policy().decide(_rec(to_value=to_value), now_ns=T0)
+    assert cmd is None and d.outcome == "refused" and "outside" in d.reason
+
+
+@pytest.mark.parametrize("to_value", list(KNOB_BOUNDS[KNOB]))
+def test_bounds_are_inclusive(to_value: float) -> None:
+    cmd, _ = _policy().decide(_rec(to_value=to_value), now_ns=T0)
+    assert cmd is not None and cmd.value == to_value
+
+
+@pytest.mark.parametrize("to_value", ["8", True, False])
+def test_non_numeric_target_is_refused(to_value: Any) -> None:
+    cmd, d = _policy().decide(_rec(to_value=to_value), now_ns=T0)
+    assert cmd is None and "not a number" in d.reason
+
+
+def test_a_gain_below_the_minimum_is_refused() -> None:
+    policy = _policy(min_gain_pct=10)
+    cmd, d = policy.decide(_rec(expected_gain_pct=9.9), now_ns=T0)
+    assert cmd is None and d.outcome == "refused" and "below the minimum 10%" in d.reason
+    assert policy.decide(_rec(expected_gain_pct=10), now_ns=T0)[0] is not None
+
+
+def test_cooldown_is_per_job_and_knob() -> None:
+    policy = _policy(cooldown_s=30)
+    assert policy.decide(_rec(), now_ns=T0)[0] is not None
+    cmd, d = policy.decide(_rec(to_value=6), now_ns=T0 + 10 * S)
+    assert cmd is None and d.reason.startswith("cooldown")
+    assert policy.decide(_rec(job_id="job-2"), now_ns=T0 + 10 * S)[0] is not None
+    assert policy.decide(_rec(knob="dataloader.prefetch_factor"), now_ns=T0 + 10 * S)[0]
+    assert policy.decide(_rec(to_value=6), now_ns=T0 + 30 * S)[0] is not None
+
+
+def test_refused_recommendation_does_not_start_a_cooldown() -> None:
+    policy = _policy(cooldown_s=30)
+    assert policy.decide(_rec(to_value=999), now_ns=T0)[0] is None
+    assert policy.decide(_rec(), now_ns=T0 + S)[0] is not None
+
+
+def test_rate_limit_counts_a_jobs_commands_over_the_last_minute() -> None:
+    policy = _policy(cooldown_s=0, max_commands_per_min=2)
+    assert policy.decide(_rec(), now_ns=T0)[0] is not None
+    assert policy.decide(_rec(), now_ns=T0 + 10 * S)[0] is not None
+    cmd, d = policy.decide(_rec(), now_ns=T0 + 20 * S)
+    assert cmd is None and d.reason.startswith("rate limit: 2 commands")
+    assert policy.decide(_rec(job_id="job-2"), now_ns=T0 + 20 * S)[0] is not None
+    assert policy.decide(_rec(), now_ns=T0 + 60 * S)[0] is not None  # the first left the minute
+
+
+def test_dry_run_decides_and_sends_nothing_yet_holds_the_cooldown() -> None:
+    policy = _policy(dry_run=True, cooldown_s=30)
+    cmd, d = policy.decide(_rec(), now_ns=T0)
+    assert cmd is None and d.outcome == "dry_run" and "would send" in d.reason
+    cmd, d = policy.decide(_rec(), now_ns=T0 + S)
+    assert cmd is None and d.reason.startswith("cooldown"), "as if the first had been sent"
+
+
+# -- live settings ----------------------------------------------------------------------------
+
+
+def test_a_jobs_own_settings_override_the_defaults_and_outlive_their_changes() -> None:
+    policy = _policy()
+    assert policy.configure(_change("actuator.tier", "approve", job="job-1")) == ("auto", "approve")
+    assert policy.decide(_rec(), now_ns=T0)[1].outcome == "pending"
+    assert policy.decide(_rec(job_id="job-2"), now_ns=T0)[1].outcome == "issued"
+    assert policy.configure(_change("actuator.tier", "observe")) == ("auto", "observe")
+    assert policy.rules("job-2").tier == "observe"
+    assert policy.rules("job-1").tier == "approve", "its own tier stays"
+    policy.configure(_change("actuator.dry_run", True))
+    assert policy.rules("job-1") == JobRules(tier="approve", dry_run=True)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("actuator.tiers", "auto", "valid: actuator.tier, actuator.dry_run"),
+        ("actuator.dry_run", "yes", "true or false"),
+        ("actuator.min_gain_pct", -1, r"in \[0, 1000\]"),
+        ("actuator.max_commands_per_min", 2.5, "an integer"),
+        ("actuator.cooldown_s", float("nan"), "a number"),
+    ],
+)
+def test_a_bad_setting_is_refused_with_what_is_valid(key: str, value: Any, message: str) -> None:
+    policy = _policy()
+    with pytest.raises(ConfigError, match=message):
+        policy.configure(_change(key, value, job="job-1"))
+    assert policy.rules("job-1") == JobRules(), "nothing changed"
+
+
+# -- approvals --------------------------------------------------------------------------------
+
+
+def test_an_approval_releases_a_pending_recommendation() -> None:
+    policy = _policy(tier="approve", min_gain_pct=50)
+    rec = _rec(expected_gain_pct=10)  # below the minimum: a person's approval decides
+    assert policy.decide(rec, now_ns=T0)[1].outcome == "pending"
+    cmd, d = policy.approve(_approval(rec), now_ns=T0 + 2 * S)
+    assert cmd is not None and (cmd.rec_id, cmd.knob, cmd.value) == (rec.event_id, KNOB, 5)
+    assert (d.outcome, d.actor, d.command_id, d.rec_id) == (
+        "issued",
+        "ana@host",
+        cmd.event_id,
+        rec.event_id,
+    )
+    again, d = policy.approve(_approval(rec), now_ns=T0 + 3 * S)
+    assert again is None and d.outcome == "refused" and "already issued" in d.reason
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda a: a.model_copy(update={"signature": ""}),
+        lambda a: a.model_copy(update={"to_value": 64}),  # signed for 5
+        lambda a: a.model_copy(update={"key_id": "other"}),
+        lambda a: sign(a, b"wrong key"),
+    ],
+    ids=["unsigned", "tampered", "unknown key", "wrong key"],
+)
+def test_an_approval_that_does_not_verify_is_refused(tamper: Any) -> None:
+    policy = _policy(tier="approve")
+    rec = _rec()
+    cmd, d = policy.approve(tamper(_approval(rec)), now_ns=T0 + S)
+    assert cmd is None and d.outcome == "refused" and "does not verify" in d.reason
+    assert policy.approve(_approval(rec), now_ns=T0 + S)[0] is not None, "the real one still can"
+
+
+def test_a_rejection_is_recorded_and_ends_the_recommendation() -> None:
+    policy = _policy(tier="approve")
+    rec = _rec()
+    cmd, d = policy.approve(_approval(rec, "reject", reason="not during the eval"), now_ns=T0)
+    assert cmd is None and (d.outcome, d.reason, d.actor) == (
+        "rejected",
+        "not during the eval",
+        "ana@host",
+    )
+    cmd, d = policy.approve(_approval(rec), now_ns=T0 + S)
+    assert cmd is None and "already rejected by ana@host" in d.reason
+
+
+@pytest.mark.parametrize("tier", ["observe", "recommend", "auto"])
+def test_approvals_are_taken_only_in_tier_approve(tier: str) -> None:
+    cmd, d = _policy(tier=tier).approve(_approval(_rec()), now_ns=T0 + S)
+    assert cmd is None and d.outcome == "refused" and f"tier {tier}" in d.reason
+
+
+def test_an_approval_of_an_old_recommendation_is_refused() -> None:
+    policy = _policy(tier="approve")
+    cmd, d = policy.approve(_approval(_rec()), now_ns=T0 + 901 * S)
+    assert cmd is None and "901 s old" in d.reason
+
+
+def test_an_approval_still_obeys_bounds_cooldown_and_dry_run() -> None:
+    policy = _policy(tier="approve", cooldown_s=30)
+    assert policy.approve(_approval(_rec(to_value=999)), now_ns=T0)[1].outcome == "refused"
+    assert policy.approve(_approval(_rec()), now_ns=T0)[0] is not None
+    cmd, d = policy.approve(_approval(_rec(to_value=7)), now_ns=T0 + S)
+    assert cmd is None and d.reason.startswith("cooldown")
+    dry = _policy(tier="approve", dry_run=True)
+    cmd, d = dry.approve(_approval(_rec()), now_ns=T0)
+    assert cmd is None and d.outcome == "dry_run"
+
+
+# -- sequence numbers -------------------------------------------------------------------------
+
+
+def test_sequence_increases_per_job() -> None:
+    policy = _policy(cooldown_s=0, max_commands_per_min=100)
+    seqs = []
+    for now in (T0, T0, T0 + 1, T0 + 2 * S):
+        cmd, _ = policy.decide(_rec(), now_ns=now)
+        assert cmd is not None
+        seqs.append(cmd.seq)
+    assert all(b > a for a, b in itertools.pairwise(seqs))
+    other, _ = policy.decide(_rec(job_id="job-2"), now_ns=T0)
+    assert other is not None and other.seq >= 1
+
+
+def test_sequence_increases_even_when_the_clock_goes_back() -> None:
+    policy = _policy()
+    seqs = [policy.next_seq("job-1", now) for now in (T0, T0 - 3600 * S, 0, T0)]
+    assert all(b > a for a, b in itertools.pairwise(seqs))
+
+
+def test_sequence_survives_a_restart() -> None:
+    first, _ = _policy().decide(_rec(), now_ns=T0)
+    later, _ = _policy().decide(_rec(), now_ns=T0 + 1_000_000)  # a new process, 1 ms later
+    assert first is not None and later is not None
+    assert later.seq > first.seq
