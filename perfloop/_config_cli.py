@@ -1,11 +1,12 @@
 """``perfloop config``: change the stream tier or producers live, and read back every change.
 
-``perfloop config set KEY VALUE [--target streams|producers] [--job JOB|*] [--reason TEXT]``
-publishes one `ConfigChange` on ``perfloop.control``, keyed by the job id (or "*"), with
-``author`` = user@host. VALUE is read by `parse_value`. The target defaults to "producers"
-for ``sampling.*`` keys and "streams" otherwise; a producers change is checked here against
-the live sampling settings (`SAMPLING_KEYS`) before it is sent, a streams change by the stream
-workers (which refuse a bad one to ``perfloop.dlq``).
+``perfloop config set KEY VALUE [--target streams|producers|actuator] [--job JOB|*]
+[--reason TEXT]`` publishes one `ConfigChange` on ``perfloop.control``, keyed by the job id (or
+"*"), with ``author`` = user@host. VALUE is read by `parse_value`. The target defaults to
+"producers" for ``sampling.*`` keys, "actuator" for ``actuator.*`` keys (a job's automation
+tier, dry run and limits, `perfloop.actuators.policy`) and "streams" otherwise; a producers or
+actuator change is checked here before it is sent, a streams change by the stream workers
+(which refuse a bad one to ``perfloop.dlq``).
 
 ``perfloop config history [--job JOB] [--limit N] [--json]`` reads the warehouse table
 ``config_changes`` (filled by the sink from ``perfloop.control``), oldest first; with
@@ -84,8 +85,12 @@ def default_target(key: str) -> str:
 
     >>> default_target("sampling.gpu_interval_ms"), default_target("detect.hang.after_s")
     ('producers', 'streams')
+    >>> default_target("actuator.tier")
+    'actuator'
     """
-    return "producers" if key.startswith("sampling.") else "streams"
+    if key.startswith("sampling."):
+        return "producers"
+    return "actuator" if key.startswith("actuator.") else "streams"
 
 
 def _author() -> str:
@@ -126,6 +131,10 @@ def build_change(
         from perfloop.producers.adaptive import sampling_value
 
         sampling_value(key, value)  # refuse here what every sampler would refuse
+    if target == "actuator":
+        from perfloop.actuators.policy import JobRules
+
+        JobRules().with_setting(key, value)  # refuse here what the actuator would refuse
     try:
         return ConfigChange(
             ts_ns=time.time_ns() if ts_ns is None else ts_ns,
@@ -157,8 +166,9 @@ def add_config_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> 
     st.add_argument("value", metavar="VALUE", help="int, float, true/false, or text")
     st.add_argument(
         "--target",
-        choices=("streams", "producers"),
-        help="who applies it (default: producers for sampling.* keys, else streams)",
+        choices=("streams", "producers", "actuator"),
+        help="who applies it (default: producers for sampling.* keys, actuator for "
+        "actuator.* keys, else streams)",
     )
     st.add_argument("--job", default="*", metavar="JOB", help="job id, or * for every job")
     st.add_argument("--reason", default="", metavar="TEXT", help="why (kept in the history)")

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from perfloop import __version__
 from perfloop._config_cli import add_config_parser, config_command
 from perfloop._plan_cli import add_plan_parser, plan_command
+from perfloop._recs_cli import add_recs_parsers, approve_command, recs_command
 from perfloop.exceptions import ConfigError, PerfloopError
 
 __all__ = ["build_parser", "main"]
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_config_parser(sub, _Parser)
     add_plan_parser(sub)
+    add_recs_parsers(sub)
     return p
 
 
@@ -348,6 +350,9 @@ _COMMANDS = {
     "service": _service,
     "config": config_command,
     "plan": plan_command,
+    "recs": recs_command,
+    "approve": approve_command,
+    "reject": approve_command,
 }
 
 

@@ -1,0 +1,247 @@
+"""``perfloop recs``, ``perfloop approve`` and ``perfloop reject``: the recommendations waiting
+for a person, and a person's verdict on one.
+
+``perfloop recs [--job JOB] [--all] [--limit N] [--json]`` lists recommendations from the
+warehouse with what became of each (the actuator's latest decision about it, table ``audit``):
+by default only those pending approval, newest first.
+
+``perfloop approve REC_ID [--reason TEXT]`` and ``perfloop reject REC_ID [--reason TEXT]`` read
+the recommendation from the warehouse, check that it is pending, and publish a signed
+`Approval` (HMAC-SHA256 under the actuator's key, ``PERFLOOP_SIGNING_KEY``) on
+``perfloop.recommendations``, keyed by its job; then wait up to ``--wait-s`` (15 s) for the
+actuator's decision about it to reach the warehouse, and print it. They exit 0 when the
+actuator did as asked (the command issued, or in dry run decided; the recommendation
+rejected), 1 with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import time
+from typing import Any, TextIO
+
+from perfloop.exceptions import PerfloopError
+
+__all__ = ["add_recs_parsers", "approve_command", "recs_command"]
+
+_RECS_COLUMNS = (
+    "ts",
+    "rec_id",
+    "job_id",
+    "knob",
+    "from_value",
+    "to_value",
+    "loop",
+    "expected_gain_pct",
+    "confidence",
+    "state",
+    "reason",
+    "command_id",
+    "rationale",
+)
+_SHOWN = ("ts", "rec_id", "job_id", "knob", "from_value", "to_value", "expected_gain_pct",
+          "confidence", "state", "reason")  # fmt: skip
+# The latest decision about each recommendation.
+_LATEST = (
+    "SELECT rec_id, argMax(outcome, ts) AS outcome, argMax(reason, ts) AS reason, "
+    "argMax(command_id, ts) AS command_id FROM audit GROUP BY rec_id"
+)
+_DONE = {"approve": ("issued", "dry_run"), "reject": ("rejected",)}
+
+
+def add_recs_parsers(sub: Any) -> None:
+    """Register ``recs``, ``approve`` and ``reject`` on the CLI's subparsers."""
+    recs = sub.add_parser("recs", help="recommendations pending approval (--all: every one)")
+    recs.add_argument("--job", metavar="JOB", help="this job's only")
+    recs.add_argument("--all", action="store_true", help="every recommendation and its state")
+    recs.add_argument("--limit", type=int, default=50, metavar="N", help="newest N (50)")
+    recs.add_argument("--json", action="store_true", help="print JSON")
+    for verb, what in (("approve", "issue its command"), ("reject", "drop it")):
+        p = sub.add_parser(verb, help=f"{verb} a pending recommendation: {what}")
+        p.add_argument("rec_id", metavar="REC_ID", help="from `perfloop recs`")
+        p.add_argument("--reason", default="", metavar="TEXT", help="why (kept in the audit)")
+        p.add_argument(
+            "--wait-s", type=float, default=15.0, metavar="S",
+            help="wait this long for the actuator's decision (15; 0: do not wait)",
+        )  # fmt: skip
+
+
+def _query(settings: Any, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    from clickhouse_connect.driver.exceptions import ClickHouseError
+
+    from perfloop.warehouse import client
+
+    ch = client(settings)
+    try:
+        return [tuple(r) for r in ch.query(sql, parameters=params).result_rows]
+    except ClickHouseError as e:
+        text = " ".join(str(e).split())
+        if "UNKNOWN_TABLE" in text or ("audit" in text and "exist" in text):
+            raise PerfloopError(
+                "the warehouse has no audit table yet; run `perfloop migrate`"
+            ) from e
+        raise PerfloopError(text[:500]) from e
+    finally:
+        ch.close()
+
+
+def recs_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
+    """``perfloop recs``."""
+    from perfloop.cli import _settings
+    from perfloop.demo import format_table
+    from perfloop.settings import StackSettings
+
+    out = out or sys.stdout
+    if not 1 <= args.limit <= 100_000:
+        raise PerfloopError(f"--limit {args.limit} is outside [1, 100000]")
+    where, params = [], {"limit": args.limit}
+    if args.job is not None:
+        where.append("r.job_id = {job:String}")
+        params["job"] = args.job
+    if not args.all:
+        where.append("a.outcome = 'pending'")
+    sql = (
+        "SELECT r.ts, r.rec_id, r.job_id, r.knob, r.from_value, r.to_value, r.loop, "
+        "round(r.expected_gain_pct, 1), round(r.confidence, 2), "
+        "if(a.outcome = '', 'undecided', a.outcome), a.reason, a.command_id, r.rationale "
+        "FROM (SELECT * FROM recommendations ORDER BY ts DESC LIMIT 1 BY rec_id) AS r "
+        f"LEFT JOIN ({_LATEST}) AS a ON a.rec_id = r.rec_id "
+        + (f"WHERE {' AND '.join(where)} " if where else "")
+        + "ORDER BY r.ts DESC LIMIT {limit:UInt32}"
+    )
+    rows = _query(_settings(StackSettings), sql, params)
+    if args.json:
+        docs = [dict(zip(_RECS_COLUMNS, row, strict=True)) for row in rows]
+        print(json.dumps(docs, indent=2, default=str), file=out)
+        return 0
+    if not rows:
+        scope = f" for job {args.job}" if args.job else ""
+        what = "recommendations" if args.all else "recommendations pending approval"
+        print(f"no {what}{scope}", file=out)
+        return 0
+    idx = [_RECS_COLUMNS.index(c) for c in _SHOWN]
+    print(format_table(list(_SHOWN), [tuple(r[i] for i in idx) for r in rows]), file=out)
+    return 0
+
+
+def _stored_value(text: str) -> Any:
+    """A knob value as the tables keep it (text) back as the value it was (None for '')."""
+    from perfloop._config_cli import parse_value
+
+    return None if text == "" else parse_value(text)
+
+
+def approve_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
+    """``perfloop approve`` and ``perfloop reject``."""
+    from perfloop._config_cli import _author
+    from perfloop.actuators.service import SIGNING_KEY_ID
+    from perfloop.actuators.signing import sign
+    from perfloop.catalog import Topics
+    from perfloop.cli import _settings
+    from perfloop.exceptions import BrokerError
+    from perfloop.kafka import ping, producer
+    from perfloop.schemas import Approval, encode_event
+    from perfloop.settings import ActuatorSettings
+    from perfloop.warehouse import unix_ns
+
+    out = out or sys.stdout
+    verdict = args.command
+    settings = _settings(ActuatorSettings)
+    rec_id = args.rec_id
+    found = _query(
+        settings,
+        "SELECT ts, job_id, knob, from_value, to_value, loop FROM recommendations "
+        "WHERE rec_id = {id:String} LIMIT 1",
+        {"id": rec_id},
+    )
+    if not found:
+        raise PerfloopError(f"no recommendation {rec_id!r} in the warehouse; see `perfloop recs`")
+    ts, job_id, knob, from_text, to_text, loop = found[0]
+    latest = _query(
+        settings,
+        "SELECT argMax(outcome, ts), argMax(reason, ts), count() FROM audit "
+        "WHERE rec_id = {id:String}",
+        {"id": rec_id},
+    )
+    outcome, reason, n = latest[0] if latest else ("", "", 0)
+    if not n:
+        raise PerfloopError(
+            f"recommendation {rec_id} has no decision from the actuator yet; try again shortly"
+        )
+    if outcome != "pending":
+        raise PerfloopError(
+            f"recommendation {rec_id} is {outcome} ({reason}), not pending approval; "
+            "only a job in tier approve waits for one"
+        )
+    author = _author()
+    sent_ns = time.time_ns()
+    approval = Approval(
+        ts_ns=sent_ns,
+        job_id=job_id,
+        node=socket.gethostname()[:255] or "cli",
+        rank=-1,
+        rec_id=rec_id,
+        verdict=verdict,
+        author=author,
+        reason=args.reason,
+        knob=knob,
+        from_value=_stored_value(from_text),
+        to_value=_stored_value(to_text),
+        loop=loop,
+        rec_ts_ns=unix_ns(ts),
+        key_id=SIGNING_KEY_ID,
+    )
+    approval = sign(approval, settings.signing_key.get_secret_value().encode())
+    ping(settings)
+    errors: list[str] = []
+    p = producer(settings, **{"linger.ms": 0, "message.timeout.ms": 10_000})
+    p.produce(
+        Topics.RECOMMENDATIONS,
+        key=job_id.encode(),
+        value=encode_event(approval),
+        on_delivery=lambda err, _m: errors.append(err.str()) if err is not None else None,
+    )
+    if p.flush(15.0) or errors:
+        why = errors[0] if errors else "no answer"
+        raise BrokerError(f"{verdict} of {rec_id} not delivered: {why} (see `perfloop status`)")
+    change = f"job {job_id}: {knob} {from_text} → {to_text}"
+    print(f"{verdict} of recommendation {rec_id} sent ({change}) by {author}", file=out)
+    if args.wait_s <= 0:
+        return 0
+    decision = _await_decision(settings, rec_id, author, sent_ns, args.wait_s)
+    if decision is None:
+        raise PerfloopError(
+            f"no decision from the actuator within {args.wait_s:g} s (is it running? "
+            "`perfloop status`); `perfloop recs --all` shows it once it comes"
+        )
+    outcome, reason, command_id = decision
+    print(f"actuator: {outcome}: {reason}" + (f" (command {command_id})" if command_id else ""),
+          file=out)  # fmt: skip
+    if outcome not in _DONE[verdict]:
+        raise PerfloopError(f"the actuator did not {verdict} it: {reason}")
+    return 0
+
+
+def _await_decision(
+    settings: Any, rec_id: str, author: str, sent_ns: int, wait_s: float
+) -> tuple[str, str, str] | None:
+    """The actuator's decision about this person's verdict, once it is in the warehouse."""
+    deadline = time.monotonic() + wait_s
+    sql = (
+        "SELECT outcome, reason, command_id FROM audit WHERE rec_id = {id:String} "
+        "AND actor = {author:String} AND ts >= fromUnixTimestamp64Nano({since:Int64}) "
+        "ORDER BY ts DESC LIMIT 1"
+    )
+    # A decision is stamped with the actuator's clock: allow it a minute behind this one.
+    params = {"id": rec_id, "author": author, "since": sent_ns - 60 * 1_000_000_000}
+    while True:
+        rows = _query(settings, sql, params)
+        if rows:
+            outcome, reason, command_id = rows[0]
+            return str(outcome), str(reason), str(command_id)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.25)
