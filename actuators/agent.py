@@ -7,6 +7,16 @@ rejected with its reason. Commands that pass wait in a queue until the training 
 `JobAgent.step_boundary`, which applies them through the registered knob handlers and acks
 each on ``perfloop.actuations``. Nothing here ever raises into the training loop.
 
+Verification: the training loop reports each step (`JobAgent.observe_step`: its time, and its
+loss when known). A change is applied alone, and the steps after it are compared with the steps
+before it (the last ``baseline_steps``; `perfloop.actuators.verify.ChangeVerifier`); the next
+command waits until the verdict.
+A change that hurt (significantly slower steps) or broke training (a NaN loss) is rolled back
+to the last value known good at the next step boundary, within ``settle_steps + verify_steps``
+steps of being applied; the verdict is acked too (``kept`` or ``rolled_back``, with the
+evidence). The verdict is the agent's own, in the training process: a job whose actuator is
+gone keeps verifying, and keeps its last-known-good values.
+
 Live configuration: a `ConfigChange` with target "producers" whose ``applies_to`` is the
 agent's job or "*" goes to the registered `ConfigHandler` (``on_config``, e.g.
 `NodeSampler.configure`) at once, on the agent's thread — sampling changes need no step
@@ -19,6 +29,7 @@ acked and never raises. The change itself is recorded in the warehouse by the si
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -29,8 +40,9 @@ from typing import Any
 
 from confluent_kafka import KafkaError
 
-from perfloop.actuators.service import KNOB_BOUNDS
+from perfloop.actuators.policy import KNOB_BOUNDS
 from perfloop.actuators.signing import verify
+from perfloop.actuators.verify import ChangeVerifier, Verdict
 from perfloop.catalog import Topics
 from perfloop.exceptions import ConfigError
 from perfloop.kafka import consumer, producer
@@ -185,8 +197,21 @@ class JobAgent:
         handlers: dict[str, KnobHandler],
         on_result: Callable[[ActuationResult], None] | None = None,
         on_config: ConfigHandler | None = None,
+        verify_changes: bool = True,
+        baseline_steps: int = 10,
+        settle_steps: int = 2,
+        verify_steps: int = 20,
     ) -> None:
         self.job_id, self.node = job_id, node
+        self.verify_changes = verify_changes
+        self.settle_steps, self.verify_steps = settle_steps, verify_steps
+        # The baseline is short: a change usually answers a recent slowdown, and the steps
+        # from before that slowdown are not what the change is judged against.
+        self._recent: collections.deque[float] = collections.deque(maxlen=baseline_steps)
+        self._good: dict[str, KnobValue] = {}  # per knob: the value last known good
+        # the change being verified: (command, value before it, verifier)
+        self._trial: tuple[Command, KnobValue | None, ChangeVerifier] | None = None
+        self._undo: tuple[Command, KnobValue, Verdict] | None = None  # at the next boundary
         self._key = signing_key
         self._handlers = dict(handlers)
         self._on_result = on_result
@@ -285,22 +310,93 @@ class JobAgent:
         return ""
 
     def step_boundary(self, step: int) -> list[ActuationResult]:
-        """Apply every queued command now (call between two steps); never raises."""
-        applied = []
-        while True:
+        """Apply what is due now (call between two steps); never raises: a rollback the last
+        verdict asked for, else the queued commands (one at a time while changes are verified:
+        the next waits for the verdict on this one)."""
+        done = []
+        if self._undo is not None:
+            done.append(self._roll_back(step))
+        while self._trial is None:
             try:
                 cmd = self._ready.get_nowait()
             except queue.Empty:
                 break
+            before = self._good.get(cmd.knob, cmd.from_value)
             try:
                 self._handlers[cmd.knob](cmd.value)
             except Exception as e:  # a failing handler must not break training
-                applied.append(self._ack(cmd, "rejected", f"handler failed: {e!r}", step=step))
-            else:
-                applied.append(self._ack(cmd, "applied", "", step=step))
-        return applied
+                done.append(self._ack(cmd, "rejected", f"handler failed: {e!r}", step=step))
+                continue
+            done.append(self._ack(cmd, "applied", "", step=step))
+            if not self.verify_changes:
+                self._good[cmd.knob] = cmd.value
+                continue
+            verifier = ChangeVerifier(
+                list(self._recent), settle_steps=self.settle_steps, verify_steps=self.verify_steps
+            )
+            self._trial = (cmd, before, verifier)
+        return done
 
-    def _ack(self, cmd: Command, status: str, reason: str, *, step: int) -> ActuationResult:
+    def observe_step(self, step: int, step_time_ms: float, loss: float | None = None) -> None:
+        """Report one finished step (its time, and its loss when known); never raises."""
+        try:
+            trial = self._trial
+            if trial is None:
+                self._recent.append(float(step_time_ms))
+                return
+            cmd, before, verifier = trial
+            verdict = verifier.observe(step_time_ms, loss)
+            if verdict is None:
+                return
+            self._trial = None
+            # The next change is judged against the regime it meets: the steps after this one
+            # if it stays, the steps before it if it is rolled back.
+            self._recent.clear()
+            if verdict.rollback and before is not None:
+                self._recent.extend(verifier.before)
+                self._undo = (cmd, before, verdict)  # at the next step boundary
+                return
+            self._recent.extend(verifier.after)
+            self._good[cmd.knob] = cmd.value
+            reason = verdict.reason
+            if verdict.rollback:
+                reason = f"{reason}; not rolled back: the value before it is unknown"
+            self._ack(cmd, "kept", reason, step=step, evidence=verdict.evidence)
+        except Exception as e:  # never into the training loop
+            log.warning("step %s not observed: %r", step, e)
+
+    def _roll_back(self, step: int) -> ActuationResult:
+        assert self._undo is not None
+        cmd, before, verdict = self._undo
+        self._undo = None
+        try:
+            self._handlers[cmd.knob](before)
+        except Exception as e:  # the change stays: say so
+            return self._ack(
+                cmd, "kept", f"{verdict.reason}; rolling back to {before!r} failed: {e!r}",
+                step=step, evidence=verdict.evidence,
+            )  # fmt: skip
+        self._good[cmd.knob] = before
+        return self._ack(
+            cmd, "rolled_back", verdict.reason, step=step, evidence=verdict.evidence,
+            value=before,
+        )  # fmt: skip
+
+    @property
+    def verifying(self) -> bool:
+        """Whether a change is being verified (or rolled back at the next boundary)."""
+        return self._trial is not None or self._undo is not None
+
+    def _ack(
+        self,
+        cmd: Command,
+        status: str,
+        reason: str,
+        *,
+        step: int,
+        evidence: dict[str, float] | None = None,
+        value: KnobValue | None = None,
+    ) -> ActuationResult:
         result = ActuationResult(
             ts_ns=time.time_ns(),
             job_id=self.job_id,
@@ -308,10 +404,11 @@ class JobAgent:
             rank=-1,
             command_id=cmd.event_id,
             status=status,  # type: ignore[arg-type]
-            reason=reason,
+            reason=reason[:1000],
             knob=cmd.knob,
-            value=cmd.value,
+            value=cmd.value if value is None else value,
             step=step,
+            evidence=evidence or {},
         )
         self.results.append(result)
         try:

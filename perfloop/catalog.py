@@ -683,3 +683,14 @@ MIGRATIONS = (
         tuning=True,
     ),
 )
+
+
+# -- migration 11: the verification of each change ----------------------------------------------
+MIGRATIONS = (
+    *MIGRATIONS,
+    Migration(
+        11,
+        "actuations: the evidence a change was kept or rolled back on",
+        (_add_columns("actuations", "evidence Map(String, Float64)"),),
+    ),
+)

@@ -206,7 +206,10 @@ def _demo(args: argparse.Namespace) -> int:
     for sql, cols, rows in res.queries:
         print(f"\n» {sql}\n{format_table(cols, rows)}")
     if res.closed:
-        print("\nloop closed: detected → recommended → commanded → applied → acked → faster")
+        print(
+            "\nloop closed: detected → recommended → commanded → applied → acked → verified "
+            "→ faster"
+        )
         return 0
     print(
         "\nloop NOT closed: see `perfloop status` and the logs under $PERFLOOP_HOME/logs",

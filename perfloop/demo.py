@@ -2,9 +2,10 @@
 
 The simulated job runs in this process with a job agent beside it. The demo prints the job's
 step time as it goes, the recommendation the stream tier makes, the command the actuator
-signs, the moment the job applies it and the ack; then it queries the warehouse and prints
-each SQL statement with its result. It exits 0 only if the loop closed: the command was
-applied and steps got faster.
+signs, the moment the job applies it and the ack, and the agent's verdict on the change once
+it has compared the steps after it with those before (kept, or rolled back); then it queries
+the warehouse and prints each SQL statement with its result. It exits 0 only if the loop
+closed: the command was applied, the agent kept it, and steps got faster.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class DemoResult:
     recommendation: Recommendation | None = None
     command: Command | None = None
     result: ActuationResult | None = None
+    verdict: ActuationResult | None = None  # kept or rolled back, with the evidence
     applied_step: int | None = None
     before_ms: list[float] = field(default_factory=list)
     after_ms: list[float] = field(default_factory=list)
@@ -49,6 +51,8 @@ class DemoResult:
         return (
             self.result is not None
             and self.result.status == "applied"
+            and self.verdict is not None
+            and self.verdict.status == "kept"
             and bool(self.before_ms and self.after_ms)
             and statistics.median(self.after_ms) < statistics.median(self.before_ms)
         )
@@ -150,11 +154,15 @@ def run_demo(
     job = SimulatedJob(cfg, publisher)
 
     def on_result(r: ActuationResult) -> None:
-        res.result = r
+        if r.status in ("kept", "rolled_back"):
+            res.verdict = r
+        else:
+            res.result = r
         if r.status == "applied":
             res.applied_step = r.step
+        label = "verdict" if r.status in ("kept", "rolled_back") else "ack"
         emit(
-            f"  ► ack             command {r.command_id[:12]}… {r.status.upper()} at step "
+            f"  ► {label:<15} command {r.command_id[:12]}… {r.status.upper()} at step "
             f"{r.step}{': ' + r.reason if r.reason else ''}"
         )
 
@@ -176,6 +184,7 @@ def run_demo(
     now_s = [0.0]
 
     def on_step(rep: StepReport) -> None:
+        agent.observe_step(rep.step, rep.step_time_ms)
         now_s[0] = rep.elapsed_s
         window.append(rep)
         if res.applied_step is None:
@@ -197,7 +206,7 @@ def run_demo(
             window.clear()
 
     def stop() -> bool:
-        return bool(done_at) and now_s[0] - done_at[0] >= after_s
+        return bool(done_at) and now_s[0] - done_at[0] >= after_s and not agent.verifying
 
     try:
         job.run(max_s, on_step=on_step, step_boundary=agent.step_boundary, stop=stop)
@@ -226,9 +235,15 @@ QUERIES: tuple[tuple[str, str], ...] = (
         "FROM commands WHERE job_id = {job:String} ORDER BY ts",
     ),
     (
-        "ack",
-        "SELECT ts, command_id, status, knob, value, step FROM actuations "
+        "ack and verdict",
+        "SELECT ts, status, knob, value, step, round(evidence['ratio'], 2) AS after_over_before, "
+        "round(evidence['p_value'], 4) AS p_value FROM actuations "
         "WHERE job_id = {job:String} ORDER BY ts",
+    ),
+    (
+        "the actuator's decisions",
+        "SELECT ts, outcome, actor, tier, reason FROM audit WHERE job_id = {job:String} "
+        "ORDER BY ts",
     ),
     (
         "step time before/after",

@@ -400,6 +400,7 @@ def _simulate(
             job.run(
                 args.duration,
                 step_boundary=agent.step_boundary,
+                on_step=lambda rep: agent.observe_step(rep.step, rep.step_time_ms),
                 stop=lambda: bool(stop),
                 on_tick=progress,
             )

@@ -72,16 +72,24 @@ class Command(Event):
 
 
 class ActuationResult(Event):
-    """What a job did with a command: applied at a step, or rejected with the reason."""
+    """What a job did with a command: applied at a step, or rejected with the reason; then,
+    once the steps after it were compared with those before (`perfloop.actuators.verify`),
+    ``kept`` or ``rolled_back`` (``value`` then is the value restored) with the evidence.
+
+    v2 adds the ``kept`` and ``rolled_back`` statuses and ``evidence``.
+    """
 
     KIND: ClassVar[str] = "actuation"
+    SCHEMA_VERSION: ClassVar[int] = 2
 
+    schema_version: int = Field(2, ge=1)
     command_id: str = Field(min_length=1, max_length=64)
-    status: Literal["applied", "rejected"]
+    status: Literal["applied", "rejected", "kept", "rolled_back"]
     reason: str = Field("", max_length=1000)
     knob: str = Field("", max_length=128)
     value: KnobValue | None = None
     step: int = Field(0, ge=0)
+    evidence: dict[str, float] = Field(default_factory=dict)
 
 
 class Approval(Event):

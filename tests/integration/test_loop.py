@@ -150,10 +150,15 @@ def test_command_reaches_the_job_and_is_acked(stack: StackSettings) -> None:
     def stop() -> bool:
         if not applied_at and any(r.status == "applied" for r in agent.results):
             applied_at.append(sim.step)
-        return bool(applied_at) and sim.step >= applied_at[0] + 20
+        return bool(applied_at) and sim.step >= applied_at[0] + 20 and not agent.verifying
 
     try:
-        sim.run(120.0, step_boundary=agent.step_boundary, stop=stop)
+        sim.run(
+            120.0,
+            step_boundary=agent.step_boundary,
+            on_step=lambda rep: agent.observe_step(rep.step, rep.step_time_ms),
+            stop=stop,
+        )
     finally:
         pub.flush(10)
         agent.stop()
@@ -162,11 +167,15 @@ def test_command_reaches_the_job_and_is_acked(stack: StackSettings) -> None:
     assert result.knob == KNOB_NUM_WORKERS
     assert sim.num_workers == result.value > 2
 
+    # The agent compared the steps after the change with those before: it helped, it stays.
+    verdict = next(r for r in agent.results if r.status in ("kept", "rolled_back"))
+    assert verdict.status == "kept" and verdict.reason.startswith("it helped")
+    assert verdict.evidence["ratio"] < 1 and verdict.evidence["p_value"] < 0.05
     q = {"j": job}
     wait_for(
-        lambda: _count(stack, "SELECT count() FROM actuations WHERE job_id = {j:String}", **q),
+        lambda: _count(stack, "SELECT count() FROM actuations WHERE job_id = {j:String}", **q) == 2,
         30,
-        "the ack in the warehouse",
+        "the ack and the verdict in the warehouse",
     )
     ch = client(stack)
     try:
@@ -178,10 +187,18 @@ def test_command_reaches_the_job_and_is_acked(stack: StackSettings) -> None:
             parameters=q,
         ).result_rows[0]
         ack_cmd, ack_status = ch.query(
-            "SELECT command_id, status FROM actuations WHERE job_id = {j:String}", parameters=q
+            "SELECT command_id, status FROM actuations WHERE job_id = {j:String} "
+            "AND status = 'applied'",
+            parameters=q,
         ).result_rows[0]
+        kept = ch.query(
+            "SELECT command_id, evidence['ratio'], evidence['p_value'] FROM actuations "
+            "WHERE job_id = {j:String} AND status = 'kept'",
+            parameters=q,
+        ).result_rows
     finally:
         ch.close()
+    assert kept == [(cmd_id, verdict.evidence["ratio"], verdict.evidence["p_value"])]
     assert cmd_rec == rec_id and value == to_value == str(result.value)
     assert len(sig) == 64 and ack_cmd == cmd_id == result.command_id and ack_status == "applied"
 

@@ -91,7 +91,11 @@ def test_ack_names_the_command(agent: JobAgent) -> None:
     assert result.command_id == orjson.loads(data)["event_id"]
 
 
-def test_commands_apply_in_arrival_order(agent: JobAgent, handler: Recorder) -> None:
+def test_commands_apply_in_arrival_order(settings: BaseServiceSettings, handler: Recorder) -> None:
+    # Without verification, all at the next boundary (with it, one per verdict:
+    # test_agent_verify.py).
+    agent = JobAgent(settings, job_id="job-1", node="n0", signing_key=KEY,
+                     handlers={KNOB: handler}, verify_changes=False)  # fmt: skip
     for seq, value in ((1, 4), (2, 8), (3, 6)):
         assert agent.receive(_cmd(seq, value=value), now_ns=NOW) is None
     assert [r.value for r in agent.step_boundary(7)] == [4, 8, 6]

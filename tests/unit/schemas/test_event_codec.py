@@ -92,6 +92,7 @@ def _doc(event: Event, **changes: Any) -> dict[str, Any]:
         _command(from_value=None, value=0.25, loop="slow", key_id="k2"),
         _result(),
         _result(status="rejected", reason="signature does not verify", value=None, step=0),
+        _result(status="rolled_back", reason="it hurt", value=2, evidence={"ratio": 1.4}),
     ],
     ids=lambda e: type(e).__name__,
 )
@@ -204,3 +205,12 @@ def test_nan_gain_is_rejected() -> None:
     _error(doc)
     with pytest.raises(ValueError):
         _recommendation(expected_gain_pct=float("nan"))
+
+
+def test_a_v1_ack_still_decodes_and_an_unknown_status_is_refused() -> None:
+    doc = _doc(_result(), schema_version=1)
+    del doc["evidence"]
+    back = decode_event(orjson.dumps(doc))
+    assert isinstance(back, ActuationResult)
+    assert (back.schema_version, back.status, back.evidence) == (1, "applied", {})
+    assert "status" in _error(orjson.dumps(_doc(_result(), status="undone")))

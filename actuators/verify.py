@@ -1,0 +1,160 @@
+"""Did a change help? `ChangeVerifier` judges one applied change from the step times around
+it, pure (no I/O): the job agent feeds it the steps after the change and rolls the change back
+when the verdict says so.
+
+The steps before the change are the baseline. After it, the first ``settle_steps`` are skipped
+(a rebuilt data-loader iterator or a new thread pool warms up), then ``verify_steps`` are
+compared with the baseline by a two-sided Mann–Whitney U test (normal approximation, ties
+corrected): robust to the heavy tails step times have, and free of any assumption on their
+distribution. The verdict:
+
+- ``rolled_back`` at once when a loss after the change is NaN or infinite (it broke training);
+- ``rolled_back`` when the step time got significantly worse: ``p < alpha`` and the median
+  grew by more than ``min_effect``;
+- ``kept`` otherwise: significantly better (it helped), or no significant change (it did not
+  hurt; the evidence says which).
+
+So a harmful change is undone within ``settle_steps + verify_steps`` steps of being applied.
+Every verdict carries its evidence: medians before and after, their ratio, the p-value and
+the sample sizes.
+
+>>> v = ChangeVerifier([100.0] * 20, settle_steps=1, verify_steps=10)
+>>> [v.observe(150.0 + i % 3) for i in range(10)][-1] is None
+True
+>>> verdict = v.observe(151.0)
+>>> verdict.outcome, round(verdict.evidence["ratio"], 1)
+('rolled_back', 1.5)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["ChangeVerifier", "Verdict", "mann_whitney_p"]
+
+MIN_BASELINE = 5
+"""Fewer steps before the change than this and it cannot be judged (it is kept)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What to do with a change, why, and the figures it rests on."""
+
+    outcome: str  # "kept" or "rolled_back"
+    reason: str
+    evidence: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rollback(self) -> bool:
+        return self.outcome == "rolled_back"
+
+
+def mann_whitney_p(a: Sequence[float], b: Sequence[float]) -> float:
+    """Two-sided p-value of the Mann–Whitney U test of ``a`` against ``b`` (normal
+    approximation with the tie correction; 1.0 when every value is equal).
+
+    >>> round(mann_whitney_p([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]), 4)
+    0.0122
+    >>> mann_whitney_p([1, 1, 1], [1, 1, 1])
+    1.0
+    """
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    n1, n2 = len(x), len(y)
+    if n1 == 0 or n2 == 0:
+        return 1.0
+    both = np.concatenate([x, y])
+    order = np.argsort(both, kind="stable")
+    ranks = np.empty(len(both))
+    sorted_vals = both[order]
+    # average ranks of ties
+    starts = np.flatnonzero(np.r_[True, sorted_vals[1:] != sorted_vals[:-1]])
+    ends = np.r_[starts[1:], len(both)]
+    avg = (starts + ends + 1) / 2.0  # ranks are 1-based
+    ranks[order] = np.repeat(avg, ends - starts)
+    u1 = ranks[:n1].sum() - n1 * (n1 + 1) / 2.0
+    n = n1 + n2
+    tie = np.sum((ends - starts) ** 3 - (ends - starts))
+    var = n1 * n2 / 12.0 * ((n + 1) - tie / (n * (n - 1))) if n > 1 else 0.0
+    if var <= 0:
+        return 1.0
+    z = (abs(u1 - n1 * n2 / 2.0) - 0.5) / math.sqrt(var)  # continuity correction
+    return float(min(1.0, math.erfc(max(z, 0.0) / math.sqrt(2.0))))
+
+
+class ChangeVerifier:
+    """Judges one change from the step times before it (``before``) and those fed to
+    `observe` after it; `observe` returns the `Verdict` once there is one, else None."""
+
+    def __init__(
+        self,
+        before: Sequence[float],
+        *,
+        settle_steps: int = 2,
+        verify_steps: int = 20,
+        alpha: float = 0.05,
+        min_effect: float = 0.03,
+    ) -> None:
+        if settle_steps < 0 or verify_steps < 3:
+            raise ValueError(f"need settle_steps ≥ 0 and verify_steps ≥ 3, got "
+                             f"{settle_steps}, {verify_steps}")  # fmt: skip
+        self.before = [float(t) for t in before if math.isfinite(t) and t > 0]
+        self.settle_steps, self.verify_steps = settle_steps, verify_steps
+        self.alpha, self.min_effect = alpha, min_effect
+        self.after: list[float] = []
+        self.seen = 0
+        self.verdict: Verdict | None = None
+
+    @property
+    def max_steps(self) -> int:
+        """Steps after the change by which the verdict comes at the latest."""
+        return self.settle_steps + self.verify_steps
+
+    def observe(self, step_time_ms: float, loss: float | None = None) -> Verdict | None:
+        """Take one step after the change; the verdict, once there is one (then always it)."""
+        if self.verdict is not None:
+            return self.verdict
+        self.seen += 1
+        if loss is not None and not math.isfinite(loss):
+            self.verdict = Verdict(
+                "rolled_back",
+                f"the loss became {loss} {self.seen} step(s) after the change",
+                {"steps_after": float(self.seen)},
+            )
+            return self.verdict
+        if self.seen <= self.settle_steps:
+            return None
+        if math.isfinite(step_time_ms) and step_time_ms > 0:
+            self.after.append(float(step_time_ms))
+        if len(self.after) < self.verify_steps and self.seen < 4 * self.max_steps:
+            return None
+        self.verdict = self._judge()
+        return self.verdict
+
+    def _judge(self) -> Verdict:
+        if len(self.before) < MIN_BASELINE or len(self.after) < 3:
+            return Verdict(
+                "kept",
+                f"too few steps to judge ({len(self.before)} before, {len(self.after)} after)",
+                {"n_before": float(len(self.before)), "n_after": float(len(self.after))},
+            )
+        b, a = float(np.median(self.before)), float(np.median(self.after))
+        ratio = a / b
+        p = mann_whitney_p(self.before, self.after)
+        ev = {
+            "before_ms": b,
+            "after_ms": a,
+            "ratio": ratio,
+            "p_value": p,
+            "n_before": float(len(self.before)),
+            "n_after": float(len(self.after)),
+        }
+        change = f"step time p50 {b:.1f} → {a:.1f} ms ({100 * (ratio - 1):+.1f} %, p = {p:.3g})"
+        if p < self.alpha and ratio > 1 + self.min_effect:
+            return Verdict("rolled_back", f"it hurt: {change}", ev)
+        if p < self.alpha and ratio < 1 - self.min_effect:
+            return Verdict("kept", f"it helped: {change}", ev)
+        return Verdict("kept", f"no significant change: {change}", ev)
