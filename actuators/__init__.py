@@ -6,7 +6,9 @@ on ``perfloop.control`` and every decision (`Decision`) on ``perfloop.actuations
 signed `Approval` (``perfloop approve``) releases a recommendation pending in tier ``approve``.
 The `JobAgent` inside the training process verifies each command (signature, expiry,
 sequence, bounds), applies it at the next step boundary and acks it on
-``perfloop.actuations``. An invalid command changes nothing and is acked as rejected.
+``perfloop.actuations``; then judges it from the steps around it (`ChangeVerifier`) and keeps
+it or rolls it back to the last value known good. An invalid command changes nothing and is
+acked as rejected.
 """
 
 from perfloop.actuators.agent import (
@@ -19,16 +21,19 @@ from perfloop.actuators.agent import (
 from perfloop.actuators.policy import KNOB_BOUNDS, JobRules, Policy
 from perfloop.actuators.service import ActuatorService
 from perfloop.actuators.signing import sign, signature_of, verify
+from perfloop.actuators.verify import ChangeVerifier, Verdict
 
 __all__ = [
     "KNOB_BOUNDS",
     "ActuatorService",
+    "ChangeVerifier",
     "ConfigHandler",
     "ConfigListener",
     "JobAgent",
     "JobRules",
     "KnobHandler",
     "Policy",
+    "Verdict",
     "apply_config",
     "sign",
     "signature_of",

@@ -101,3 +101,24 @@ def one_line(text: str) -> str:
     lines = text.strip("\n").splitlines()
     assert len(lines) == 1, f"expected one line, got {text!r}"
     return lines[0]
+
+
+# -- the control loop ---------------------------------------------------------------------------
+def recommendation(**kw: Any) -> Any:
+    """A recommendation for ``job-1`` to raise the loader workers 2 → 5 (fields overridable)."""
+    from perfloop.schemas import Recommendation
+
+    fields: dict[str, Any] = dict(
+        ts_ns=1_700_000_000 * 1_000_000_000,
+        job_id="job-1",
+        node="n0",
+        rank=-1,
+        knob="dataloader.num_workers",
+        from_value=2,
+        to_value=5,
+        loop="fast",
+        expected_gain_pct=40.0,
+        confidence=0.9,
+        rationale="waits for input",
+    )
+    return Recommendation(**(fields | kw))

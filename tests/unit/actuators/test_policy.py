@@ -11,6 +11,7 @@ import pytest
 from perfloop.actuators import KNOB_BOUNDS, JobRules, Policy, sign
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import Approval, Command, ConfigChange, Recommendation
+from tests.helpers import recommendation
 
 KNOB = "dataloader.num_workers"
 S = 1_000_000_000
@@ -18,21 +19,7 @@ T0 = 1_700_000_000 * S
 KEY = b"k"
 
 
-def _rec(**kw: Any) -> Recommendation:
-    fields: dict[str, Any] = dict(
-        ts_ns=T0,
-        job_id="job-1",
-        node="n0",
-        rank=-1,
-        knob=KNOB,
-        from_value=2,
-        to_value=5,
-        loop="fast",
-        expected_gain_pct=40.0,
-        confidence=0.9,
-        rationale="waits for input",
-    )
-    return Recommendation(**(fields | kw))
+_rec = recommendation
 
 
 def _policy(**rules: Any) -> Policy:

@@ -10,29 +10,16 @@ import pytest
 
 from perfloop.actuators import ActuatorService, verify
 from perfloop.catalog import Topics
-from perfloop.schemas import Command, ConfigChange, Recommendation, encode_event
+from perfloop.schemas import Command, ConfigChange, encode_event
 from perfloop.settings import ActuatorSettings
+from tests.helpers import recommendation
 
 KNOB = "dataloader.num_workers"
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
 
 
-def _rec(**kw: Any) -> Recommendation:
-    fields: dict[str, Any] = dict(
-        ts_ns=T0,
-        job_id="job-1",
-        node="n0",
-        rank=-1,
-        knob=KNOB,
-        from_value=2,
-        to_value=5,
-        loop="fast",
-        expected_gain_pct=40.0,
-        confidence=0.9,
-        rationale="waits for input",
-    )
-    return Recommendation(**(fields | kw))
+_rec = recommendation
 
 
 @pytest.fixture
