@@ -9,11 +9,13 @@ the Faust app's own producer, a run of closed windows (messages of ~300 KB) wait
 previous one's round trip to the broker, inside the saturated loop (close → sent p50 0.5-1 s
 under the e2e bench's 220k samples/s).
 
-Delivery is at least once, as the snapshots need (`perfloop.streams.app`): `flush` waits in
-a worker thread until everything sent so far is delivered and says whether all of it was; a
-snapshot is written, and the input it covers acknowledged, only then. A message librdkafka
-could not deliver (the broker gone past ``message.timeout.ms``) is counted and logged: the
-snapshot after it is not taken, so a restarted worker emits it again from the input.
+Before a snapshot is written, and the input it covers acknowledged, `flush` waits in a worker
+thread until everything sent so far is delivered and says whether all of it was
+(`perfloop.streams.app`), so a snapshot never covers output still in librdkafka's queue.
+librdkafka retries a message until ``message.timeout.ms`` (5 minutes); one it could not
+deliver by then is counted (``failed``, in the worker's stats line) and logged, and that
+snapshot is not taken: a worker restarted before the next one publishes it again from its
+input, otherwise it is lost.
 """
 
 from __future__ import annotations

@@ -430,7 +430,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
             "%d window rows, %d phase events, %d diagnoses, %d recommendations; %d held, "
             "%d read behind their partition's end, %d partitions behind now; snapshots every "
             "%.1f s (%.1f MB, serialised in %.0f ms); %d fetches; %.1f s in %d garbage "
-            "collections",
+            "collections; %d published, %d undelivered",
             st["messages"],
             st["samples"],
             st["events"],
@@ -450,6 +450,8 @@ def create_app(settings: StreamsSettings) -> faust.App:
             (pace_fetches(app, settings.fetch_min_interval_ms) or {}).get("fetches", 0),
             gc_clock.seconds,
             gc_clock.collections,
+            output.sent,
+            output.failed,
         )
 
     app.perfloop_engine = engine  # type: ignore[attr-defined]
