@@ -224,7 +224,8 @@ class JobAgent:
             **{"auto.offset.reset": "latest"},
         )
         self._producer = producer(settings, **{"linger.ms": 0})
-        self._ready: queue.Queue[Command] = queue.Queue()
+        # Commands that passed, with the monotonic time their expiry falls at.
+        self._ready: queue.Queue[tuple[Command, float]] = queue.Queue()
         self._last_seq = 0
         self._stop = threading.Event()
         self._assigned = threading.Event()
@@ -282,12 +283,13 @@ class JobAgent:
             return outcome if isinstance(outcome, str) else None
         if not isinstance(cmd, Command) or cmd.job_id != self.job_id:
             return None
-        reason = self.check(cmd, now_ns=time.time_ns() if now_ns is None else now_ns)
+        now = time.time_ns() if now_ns is None else now_ns
+        reason = self.check(cmd, now_ns=now)
         if reason:
             self._ack(cmd, "rejected", reason, step=0)
             return reason
         self._last_seq = cmd.seq
-        self._ready.put(cmd)
+        self._ready.put((cmd, time.monotonic() + (cmd.expires_ts_ns - now) / 1e9))
         return None
 
     def check(self, cmd: Command, *, now_ns: int) -> str:
@@ -318,9 +320,14 @@ class JobAgent:
             done.append(self._roll_back(step))
         while self._trial is None:
             try:
-                cmd = self._ready.get_nowait()
+                cmd, expires = self._ready.get_nowait()
             except queue.Empty:
                 break
+            late = time.monotonic() - expires
+            if late >= 0:  # it waited for a verdict past its expiry
+                why = f"expired {late:.1f} s ago, before its turn"
+                done.append(self._ack(cmd, "rejected", why, step=step))
+                continue
             before = self._good.get(cmd.knob, cmd.from_value)
             try:
                 self._handlers[cmd.knob](cmd.value)

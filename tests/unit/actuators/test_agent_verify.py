@@ -4,6 +4,7 @@ steps; the next command waits for the verdict. No broker: the acks go to a close
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -39,9 +40,11 @@ def _agent(knob: Knob) -> JobAgent:
                     settle_steps=SETTLE, verify_steps=VERIFY)  # fmt: skip
 
 
-def _cmd(seq: int, value: int, from_value: int | None = 2) -> bytes:
-    cmd = Command(ts_ns=NOW, job_id="job-1", node="n0", rank=-1, seq=seq, knob=KNOB,
-                  from_value=from_value, value=value, expires_ts_ns=NOW + 60 * S)  # fmt: skip
+def _cmd(seq: int, value: int, from_value: int | None = 2, ttl_s: float = 60) -> bytes:
+    cmd = Command(
+        ts_ns=NOW, job_id="job-1", node="n0", rank=-1, seq=seq, knob=KNOB,
+        from_value=from_value, value=value, expires_ts_ns=NOW + int(ttl_s * S),
+    )  # fmt: skip
     return encode_event(sign(cmd, KEY))
 
 
@@ -172,3 +175,18 @@ def test_the_baseline_is_the_steps_just_before_the_change() -> None:
     loop.run(1 + SETTLE + VERIFY, ms=100)
     assert loop.statuses() == ["applied", "kept"]
     assert loop.results[-1].reason.startswith("it helped")
+
+
+def test_a_command_that_expires_while_waiting_for_a_verdict_is_not_applied() -> None:
+    knob = Knob()
+    agent = _agent(knob)
+    loop = Loop(agent)
+    loop.run(25, ms=100)
+    agent.receive(_cmd(1, 5), now_ns=NOW)
+    agent.receive(_cmd(2, 8, ttl_s=0.2), now_ns=NOW)  # fresh when it came
+    loop.run(1, ms=60)
+    time.sleep(0.3)  # the verdict on 5 takes longer than 8 may wait
+    loop.run(SETTLE + VERIFY + 1, ms=60)
+    assert loop.statuses() == ["applied", "kept", "rejected"]
+    assert "before its turn" in loop.results[-1].reason
+    assert knob.values == [5]
