@@ -5,8 +5,8 @@ for its next batch. With ``W`` workers loading in parallel, a batch is ready eve
 ``load / W``; the loop stops waiting once ``load / W <= compute``. From one observed step
 (share ``s = wait / step``, ``W`` workers) the load time is ``W * step`` and the compute time
 is ``(1 - s) * step``, so the workers needed are ``ceil(W / (1 - s))``, plus headroom for
-jitter. A loop with no workers (loading in the main process) counts as one worker that also
-blocks compute, which the same bound covers.
+jitter. A loop with no workers loads in the main process, between computes: its wait is the
+whole load time (``s * step``), so ``ceil(s / (1 - s))`` workers hide it.
 
 `pipeline_requirement` says the same in rates, for a job whose rates are known (measured or
 planned): the device consumes ``batch / compute`` samples a second, one loader worker supplies
@@ -40,15 +40,18 @@ def loader_workers_needed(
     2
     >>> loader_workers_needed(0.9, 4, max_workers=8)
     8
+    >>> loader_workers_needed(0.4, 0, max_workers=16)  # loading in the loop: 0.4 / 0.6 +25 %
+    1
     """
     if not 0.0 <= data_wait_share < 1.0:
         raise ValueError(f"data_wait_share must be in [0, 1), got {data_wait_share!r}")
     if current_workers < 0 or max_workers < 1:
         raise ValueError(f"workers must be >= 0 and max >= 1, got {current_workers}, {max_workers}")
-    workers = max(current_workers, 1)
     if data_wait_share == 0.0:
         return current_workers
-    needed = math.ceil(workers / (1.0 - data_wait_share) * (1.0 + headroom))
+    # the load time of one batch by one worker, in units of the current step time
+    load = float(current_workers) if current_workers else data_wait_share
+    needed = max(1, math.ceil(load / (1.0 - data_wait_share) * (1.0 + headroom)))
     return max(current_workers, min(needed, max_workers))
 
 
@@ -59,6 +62,8 @@ def expected_step_gain(data_wait_share: float, current_workers: int, new_workers
     0.5
     >>> round(expected_step_gain(0.5, 2, 3), 3)
     0.333
+    >>> round(expected_step_gain(0.4, 0, 1), 3)  # loading moves off the training loop
+    0.4
     """
     if not 0.0 <= data_wait_share <= 1.0:
         raise ValueError(f"data_wait_share must be in [0, 1], got {data_wait_share!r}")
@@ -66,10 +71,10 @@ def expected_step_gain(data_wait_share: float, current_workers: int, new_workers
         raise ValueError(f"workers must be >= 0, got {current_workers}, {new_workers}")
     if new_workers <= current_workers or data_wait_share == 0.0:
         return 0.0
-    w0, w1 = max(current_workers, 1), max(new_workers, 1)
     compute = 1.0 - data_wait_share  # in units of the current step time
-    load = float(w0)  # load time of one batch by one worker, same units
-    new_step = max(compute, load / w1)
+    # load time of one batch by one worker, same units (no workers: the wait is the load)
+    load = float(current_workers) if current_workers else data_wait_share
+    new_step = max(compute, load / new_workers)
     return max(0.0, 1.0 - new_step)
 
 

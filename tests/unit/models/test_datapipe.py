@@ -82,6 +82,17 @@ def test_gain_examples() -> None:
     assert expected_step_gain(0.5, 2, 3) == pytest.approx(1 / 3)
 
 
+def test_a_loop_without_workers_waits_for_the_whole_load() -> None:
+    """With no workers the main process loads between computes: one worker running beside
+    it hides a load shorter than the compute, and the gain is the whole wait."""
+    assert loader_workers_needed(0.4, 0, max_workers=16) == 1
+    assert loader_workers_needed(0.6, 0, max_workers=16) == math.ceil(0.6 / 0.4 * 1.25)
+    assert expected_step_gain(0.4, 0, 1) == pytest.approx(0.4)
+    # load 0.6 over 1 worker > compute 0.4: the worker sets the pace
+    assert expected_step_gain(0.6, 0, 1) == pytest.approx(0.4)
+    assert expected_step_gain(0.6, 0, 2) == pytest.approx(0.6)
+
+
 def test_no_gain_without_more_workers_or_without_waiting() -> None:
     assert expected_step_gain(0.5, 4, 4) == 0.0
     assert expected_step_gain(0.5, 4, 2) == 0.0
