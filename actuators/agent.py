@@ -31,16 +31,17 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from confluent_kafka import KafkaError
 
-from perfloop.actuators.policy import KNOB_BOUNDS
+from perfloop.actuators.policy import ACTION_KNOBS, BOOL_KNOBS, KNOB_BOUNDS, knob_problem
 from perfloop.actuators.signing import verify
 from perfloop.actuators.verify import ChangeVerifier, Verdict
 from perfloop.catalog import Topics
@@ -185,7 +186,14 @@ class ConfigListener:
 
 
 class JobAgent:
-    """Applies verified commands for ``job_id`` through ``handlers`` (knob name → setter)."""
+    """Applies verified commands for ``job_id`` through ``handlers`` (knob name → setter).
+
+    ``handlers`` is kept, not copied: knobs a process registers later (a script's own
+    tunables) become commandable. ``bounds`` narrows the allow-list's range of a knob by what
+    this job's hardware allows (e.g. threads up to its CPUs); ``read`` gives a knob's current
+    value (what a rollback restores; without it, the last value known good or the command's
+    ``from_value``); ``rank`` names the process in its acks.
+    """
 
     def __init__(
         self,
@@ -194,15 +202,20 @@ class JobAgent:
         job_id: str,
         node: str,
         signing_key: bytes,
-        handlers: dict[str, KnobHandler],
+        handlers: Mapping[str, KnobHandler],
         on_result: Callable[[ActuationResult], None] | None = None,
         on_config: ConfigHandler | None = None,
+        bounds: Mapping[str, tuple[float, float]] | None = None,
+        read: Callable[[str], KnobValue | None] | None = None,
+        rank: int = -1,
         verify_changes: bool = True,
         baseline_steps: int = 10,
         settle_steps: int = 2,
         verify_steps: int = 20,
     ) -> None:
-        self.job_id, self.node = job_id, node
+        self.job_id, self.node, self.rank = job_id, node, rank
+        self.bounds: Mapping[str, tuple[float, float]] = bounds if bounds is not None else {}
+        self._read = read
         self.verify_changes = verify_changes
         self.settle_steps, self.verify_steps = settle_steps, verify_steps
         # The baseline is short: a change usually answers a recent slowdown, and the steps
@@ -213,7 +226,7 @@ class JobAgent:
         self._trial: tuple[Command, KnobValue | None, ChangeVerifier] | None = None
         self._undo: tuple[Command, KnobValue, Verdict] | None = None  # at the next boundary
         self._key = signing_key
-        self._handlers = dict(handlers)
+        self._handlers = handlers
         self._on_result = on_result
         self.on_config = on_config
         """Where live `ConfigChange` events for this job's producers go (see the module)."""
@@ -223,7 +236,7 @@ class JobAgent:
             f"perfloop-agent-{job_id}-{uuid.uuid4().hex[:8]}",
             **{"auto.offset.reset": "latest"},
         )
-        self._producer = producer(settings, **{"linger.ms": 0})
+        self._producer: Any = producer(settings, **{"linger.ms": 0})
         # Commands that passed, with the monotonic time their expiry falls at.
         self._ready: queue.Queue[tuple[Command, float]] = queue.Queue()
         self._last_seq = 0
@@ -245,10 +258,20 @@ class JobAgent:
         self._assigned.set()
 
     def stop(self) -> None:
+        """Stop consuming, deliver the acks still queued (5 s at most) and release the Kafka
+        clients now: a client left to the garbage collector could be finalized in a forked
+        child (a DataLoader worker), which crashes it."""
+        started = self._thread.ident is not None
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)
+        if self._producer is None:
+            return
         self._producer.flush(5)
+        self._producer.close()
+        self._producer = None
+        if not started:
+            self._consumer.close()  # run() closes it otherwise
 
     def run(self) -> None:
         try:
@@ -304,11 +327,15 @@ class JobAgent:
             return (
                 f"knob {cmd.knob!r} is not handled by this job; handled: {sorted(self._handlers)}"
             )
-        bounds = KNOB_BOUNDS.get(cmd.knob)
-        if bounds is not None and (
-            isinstance(cmd.value, bool | str) or not bounds[0] <= cmd.value <= bounds[1]
-        ):
-            return f"{cmd.knob}={cmd.value!r} is outside [{bounds[0]:g}, {bounds[1]:g}]"
+        if cmd.knob in KNOB_BOUNDS or cmd.knob in BOOL_KNOBS:
+            return knob_problem(cmd.knob, cmd.value, self.bounds.get(cmd.knob))
+        # a knob of the job's own (not the actuator's allow-list): only its own bounds
+        lo, hi = self.bounds.get(cmd.knob, (-math.inf, math.inf))
+        if math.isinf(lo) and math.isinf(hi):
+            return ""
+        if isinstance(cmd.value, bool | str) or not lo <= cmd.value <= hi:
+            return f"{cmd.knob}={cmd.value!r} is outside [{lo:g}, {hi:g}]"
+        return ""
         return ""
 
     def step_boundary(self, step: int) -> list[ActuationResult]:
@@ -328,13 +355,15 @@ class JobAgent:
                 why = f"expired {late:.1f} s ago, before its turn"
                 done.append(self._ack(cmd, "rejected", why, step=step))
                 continue
-            before = self._good.get(cmd.knob, cmd.from_value)
+            before = self._before(cmd)
             try:
                 self._handlers[cmd.knob](cmd.value)
             except Exception as e:  # a failing handler must not break training
                 done.append(self._ack(cmd, "rejected", f"handler failed: {e!r}", step=step))
                 continue
             done.append(self._ack(cmd, "applied", "", step=step))
+            if cmd.knob in ACTION_KNOBS:
+                continue  # done once: nothing to judge or undo
             if not self.verify_changes:
                 self._good[cmd.knob] = cmd.value
                 continue
@@ -343,6 +372,19 @@ class JobAgent:
             )
             self._trial = (cmd, before, verifier)
         return done
+
+    def _before(self, cmd: Command) -> KnobValue | None:
+        """The knob's value before ``cmd``: as read from the job, else as last known good,
+        else as the command says."""
+        if self._read is not None:
+            try:
+                value = self._read(cmd.knob)
+            except Exception as e:  # a failing reader: fall back
+                log.warning("cannot read %s before changing it: %r", cmd.knob, e)
+            else:
+                if value is not None:
+                    return value
+        return self._good.get(cmd.knob, cmd.from_value)
 
     def observe_step(self, step: int, step_time_ms: float, loss: float | None = None) -> None:
         """Report one finished step (its time, and its loss when known); never raises."""
@@ -408,7 +450,7 @@ class JobAgent:
             ts_ns=time.time_ns(),
             job_id=self.job_id,
             node=self.node,
-            rank=-1,
+            rank=self.rank,
             command_id=cmd.event_id,
             status=status,  # type: ignore[arg-type]
             reason=reason[:1000],
@@ -419,6 +461,8 @@ class JobAgent:
         )
         self.results.append(result)
         try:
+            if self._producer is None:
+                raise BufferError("the agent is stopped")
             self._producer.produce(
                 Topics.ACTUATIONS, key=self.job_id.encode(), value=encode_event(result)
             )

@@ -37,19 +37,57 @@ from perfloop.schemas import (
     Recommendation,
 )
 
-__all__ = ["KNOB_BOUNDS", "JobRules", "Policy"]
+__all__ = ["ACTION_KNOBS", "BOOL_KNOBS", "KNOB_BOUNDS", "JobRules", "Policy", "knob_problem"]
 
 NS = 1_000_000_000
 RATE_WINDOW_NS = 60 * NS
 ACTED_MEMORY = 10_000
 """Recommendations remembered as acted on (an approval of one of them is refused as a repeat)."""
 
-# Knobs the fast loop may change, with their inclusive bounds.
+# Knobs the actuator may command, with their inclusive bounds (the allow-list). The job agent
+# narrows them by what the job's hardware allows (threads and workers by its CPUs, the power
+# limit by the GPU's range) and refuses knobs its process does not handle.
 KNOB_BOUNDS: dict[str, tuple[float, float]] = {
+    "torch.num_threads": (1, 1024),
     "dataloader.num_workers": (0, 64),
     "dataloader.prefetch_factor": (1, 64),
-    "gpu.power_limit_w": (100, 700),  # per-device NVML limits narrow it (optimization tier)
+    "train.grad_accum_steps": (1, 1024),
+    "train.checkpoint_every_steps": (1, 10_000_000),
+    "profiler.capture_steps": (1, 50),
+    "gpu.power_limit_w": (100, 700),
 }
+BOOL_KNOBS: frozenset[str] = frozenset({"dataloader.pin_memory"})
+"""Knobs that are switched on or off."""
+ACTION_KNOBS: frozenset[str] = frozenset({"profiler.capture_steps"})
+"""Knobs that do something once rather than hold a value: applied, never judged or undone."""
+INT_KNOBS: frozenset[str] = frozenset(KNOB_BOUNDS) - {"gpu.power_limit_w"}
+"""Knobs that take whole numbers."""
+
+
+def knob_problem(knob: str, value: Any, bounds: tuple[float, float] | None = None) -> str:
+    """Why ``value`` is not a valid setting of ``knob`` ("" if it is); ``bounds`` narrows the
+    allow-list's range (a job's own limits).
+
+    >>> knob_problem("torch.num_threads", 4), knob_problem("dataloader.pin_memory", True)
+    ('', '')
+    >>> knob_problem("torch.num_threads", 4, bounds=(1, 2))
+    'torch.num_threads=4 is outside [1, 2]'
+    >>> knob_problem("dataloader.pin_memory", 1)
+    'dataloader.pin_memory must be true or false, got 1'
+    """
+    if knob in BOOL_KNOBS:
+        return "" if isinstance(value, bool) else f"{knob} must be true or false, got {value!r}"
+    allowed = KNOB_BOUNDS.get(knob)
+    if allowed is None:
+        return f"knob {knob!r} is not allowed; allowed: {sorted([*KNOB_BOUNDS, *BOOL_KNOBS])}"
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return f"{knob}={value!r} is not a number"
+    if knob in INT_KNOBS and not float(value).is_integer():
+        return f"{knob}={value!r} is not a whole number"
+    lo, hi = allowed if bounds is None else (max(allowed[0], bounds[0]), min(allowed[1], bounds[1]))
+    if not lo <= value <= hi:
+        return f"{knob}={value!r} is outside [{lo:g}, {hi:g}]"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -248,14 +286,7 @@ class Policy:
     ) -> tuple[Command | None, Decision]:
         rec_id = src.event_id if isinstance(src, Recommendation) else src.rec_id
         value = src.to_value
-        bounds = KNOB_BOUNDS.get(src.knob)
-        why = ""
-        if bounds is None:
-            why = f"knob {src.knob!r} is not allowed; allowed: {sorted(KNOB_BOUNDS)}"
-        elif isinstance(value, bool) or not isinstance(value, int | float):
-            why = f"{src.knob} target {value!r} is not a number"
-        elif not bounds[0] <= value <= bounds[1]:
-            why = f"{src.knob} target {value} is outside [{bounds[0]:g}, {bounds[1]:g}]"
+        why = knob_problem(src.knob, value)
         if why:
             return None, self._decision(src, rules, now_ns, "refused", why, actor=actor)
         key = (src.job_id, src.knob)

@@ -171,11 +171,36 @@ def test_unknown_knob_is_rejected(agent: JobAgent, handler: Recorder) -> None:
     _rejected(agent, _cmd(knob="optimizer.lr", value=0.1), handler, "'optimizer.lr'")
 
 
-@pytest.mark.parametrize("value", [65, -1, 1e6, "8", True])
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [(65, "outside"), (-1, "outside"), (1e6, "outside"), ("8", "not a number"),
+     (True, "not a number"), (2.5, "not a whole number")],
+)  # fmt: skip
 def test_out_of_bounds_or_non_numeric_value_is_rejected(
-    agent: JobAgent, handler: Recorder, value: KnobValue
+    agent: JobAgent, handler: Recorder, value: KnobValue, why: str
 ) -> None:
-    _rejected(agent, _cmd(value=value), handler, "outside")
+    _rejected(agent, _cmd(value=value), handler, why)
+
+
+def test_the_jobs_own_bounds_narrow_the_allow_list(settings: BaseServiceSettings) -> None:
+    """A 2-CPU job refuses 5 loader workers although the allow-list admits 64."""
+    handler = Recorder()
+    agent = JobAgent(
+        settings, job_id="job-1", node="n0", signing_key=KEY, handlers={KNOB: handler},
+        bounds={KNOB: (0, 2)},
+    )  # fmt: skip
+    _rejected(agent, _cmd(value=5), handler, "outside [0, 2]")
+    assert agent.receive(_cmd(2, value=2), now_ns=NOW) is None
+
+
+def test_a_switch_takes_only_true_or_false(settings: BaseServiceSettings) -> None:
+    handler = Recorder()
+    pin = "dataloader.pin_memory"
+    agent = JobAgent(settings, job_id="job-1", node="n0", signing_key=KEY, handlers={pin: handler})
+    _rejected(agent, _cmd(knob=pin, value=1), handler, "true or false")
+    assert agent.receive(_cmd(2, knob=pin, value=True), now_ns=NOW) is None
+    agent.step_boundary(1)
+    assert handler.values == [True]
 
 
 @pytest.mark.parametrize("data", [b"", b"\x00\xff garbage", b"[]", b'{"kind": "command"}'])

@@ -190,3 +190,35 @@ def test_a_command_that_expires_while_waiting_for_a_verdict_is_not_applied() -> 
     assert loop.statuses() == ["applied", "kept", "rejected"]
     assert "before its turn" in loop.results[-1].reason
     assert knob.values == [5]
+
+
+def test_a_rollback_restores_the_value_read_from_the_job_not_the_commands_claim() -> None:
+    """The command says "from 2", but the job ran 4 workers: a harmful change goes back to 4."""
+    knob = Knob()
+    settings = BaseServiceSettings(PERFLOOP_KAFKA_BOOTSTRAP="127.0.0.1:1")
+    agent = JobAgent(settings, job_id="job-1", node="n0", signing_key=KEY, handlers={KNOB: knob},
+                     read={KNOB: 4}.get, settle_steps=SETTLE, verify_steps=VERIFY)  # fmt: skip
+    loop = Loop(agent)
+    loop.run(30, ms=100)
+    agent.receive(_cmd(1, 0, from_value=2), now_ns=NOW)
+    loop.run(1 + SETTLE + VERIFY + 1, ms=160)
+    assert loop.statuses() == ["applied", "rolled_back"]
+    assert knob.values == [0, 4] and loop.results[-1].value == 4
+
+
+def test_an_action_knob_is_applied_once_and_never_judged() -> None:
+    """A profiler capture slows the steps it profiles; it is not a setting to roll back."""
+    capture = Knob()
+    settings = BaseServiceSettings(PERFLOOP_KAFKA_BOOTSTRAP="127.0.0.1:1")
+    knob = "profiler.capture_steps"
+    agent = JobAgent(settings, job_id="job-1", node="n0", signing_key=KEY,
+                     handlers={knob: capture, KNOB: Knob()})  # fmt: skip
+    loop = Loop(agent)
+    loop.run(30, ms=100)
+    cmd = Command(ts_ns=NOW, job_id="job-1", node="n0", rank=-1, seq=1, knob=knob,
+                  from_value=None, value=5, expires_ts_ns=NOW + 60 * S)  # fmt: skip
+    agent.receive(encode_event(sign(cmd, KEY)), now_ns=NOW)
+    loop.run(1, ms=100)
+    assert not agent.verifying, "the next command need not wait for a verdict"
+    loop.run(SETTLE + VERIFY + 5, ms=300)
+    assert loop.statuses() == ["applied"] and capture.values == [5]
