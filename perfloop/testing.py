@@ -3,7 +3,9 @@
 `FakeGpuBackend` is a `GpuBackend` that generates GPU readings (a busy GPU by default, or any
 function of device and read number), replays recorded rows, or plays the failures a real node
 shows: a driver that is missing, signals a device does not support, a GPU lost mid-run. It
-keeps what it was asked for (``requests``) so tests can check which signals were read.
+keeps what it was asked for (``requests``) so tests can check which signals were read. Its power
+limits can be set within a range (100–700 W unless told otherwise), and the readings then report
+the new limit; setting them can be made to fail as NVML does without root.
 """
 
 from __future__ import annotations
@@ -13,12 +15,20 @@ import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from perfloop.producers.gpu import GPU_SIGNALS, GpuBackend, GpuCapability
+from perfloop.exceptions import ConfigError
+from perfloop.producers.gpu import (
+    GPU_SIGNALS,
+    GpuBackend,
+    GpuCapability,
+    power_limit_permission_text,
+)
 from perfloop.schemas.telemetry import GpuSample
 
-__all__ = ["FakeGpuBackend", "busy_gpu"]
+__all__ = ["POWER_LIMIT_RANGE_W", "FakeGpuBackend", "busy_gpu"]
 
 Reading = Callable[[int, int], Mapping[str, Any]]
+POWER_LIMIT_RANGE_W = (100.0, 700.0)
+"""The fake GPUs' power-limit range unless told otherwise (W)."""
 
 
 def busy_gpu(device: int, n: int) -> dict[str, Any]:
@@ -62,6 +72,13 @@ class FakeGpuBackend(GpuBackend):
     ``unavailable`` makes ``open()`` report no GPU with that reason; ``lose_after`` loses every
     device after that many reads.
 
+    ``power_limit_range_w`` is every device's power-limit range in W, or a mapping of device to
+    its range (devices it leaves out: `POWER_LIMIT_RANGE_W`); ``deny_power_limit`` makes setting
+    the limit fail as it does without root, on every device (True) or on those listed. Once a
+    device's limit is set, its readings report it (``power_limit_w``) and ``power_limits_w``
+    holds it; before, its limit is the top of its range (what the first `set_power_limit_w`
+    returns) and its readings are ``reading``'s.
+
     >>> gpu = FakeGpuBackend(devices=2, missing={"nvlink": "no NVLink"})
     >>> cap = gpu.open()
     >>> cap.available, cap.devices, cap.missing
@@ -71,6 +88,8 @@ class FakeGpuBackend(GpuBackend):
     ([0, 1], 0.0)
     >>> FakeGpuBackend(unavailable="no NVIDIA driver").open().available
     False
+    >>> gpu.set_power_limit_w(1, 450.0), gpu.sample({"power_limit"})[1]["power_limit_w"]
+    (700.0, 450.0)
     """
 
     name = "fake"
@@ -85,6 +104,9 @@ class FakeGpuBackend(GpuBackend):
         unavailable: str | None = None,
         lose_after: int | None = None,
         floors: Mapping[str, float] | None = None,
+        power_limit_range_w: tuple[float, float]
+        | Mapping[int, tuple[float, float]] = POWER_LIMIT_RANGE_W,
+        deny_power_limit: bool | Collection[int] = False,
     ) -> None:
         unknown = set(missing or {}) - set(GPU_SIGNALS)
         if unknown:
@@ -103,6 +125,17 @@ class FakeGpuBackend(GpuBackend):
         self.requests: list[frozenset[str]] = []
         """The signals asked for by each ``sample`` call."""
         self.opened = self.closed = False
+        if isinstance(power_limit_range_w, Mapping):
+            given = {int(d): _range(r) for d, r in power_limit_range_w.items()}
+            default = _range(POWER_LIMIT_RANGE_W)
+        else:
+            given, default = {}, _range(power_limit_range_w)
+        self._power_ranges = {d: given.get(d, default) for d in range(max(devices, 0))}
+        self._deny_power = (
+            set(range(max(devices, 0))) if deny_power_limit is True else set(deny_power_limit or ())
+        )
+        self.power_limits_w: dict[int, float] = {}
+        """The power limit each device was set to (devices never set are absent)."""
 
     def open(self) -> GpuCapability:
         self.opened = True
@@ -162,7 +195,50 @@ class FakeGpuBackend(GpuBackend):
                     for f in GPU_SIGNALS.get(signal, ()):
                         if f in fields:
                             last[f] = fields[f]
+                    if signal == "power_limit" and d in self.power_limits_w:
+                        last["power_limit_w"] = self.power_limits_w[d]
             return [dict(r) for r in self._last]
 
     def close(self) -> None:
         self.closed = True
+
+    def power_limit_range_w(self, device: int) -> tuple[float, float]:
+        if not self._cap.available:
+            raise ConfigError(f"GPU {device}: no GPU is open ({self._cap.reason})")
+        r = self._power_ranges.get(device)
+        if r is None:
+            raise ConfigError(
+                f"GPU {device} is not one this backend opened; opened: "
+                + ", ".join(map(str, range(self.devices)))
+            )
+        return r
+
+    def set_power_limit_w(self, device: int, watts: float) -> float:
+        if (
+            isinstance(watts, bool)
+            or not isinstance(watts, int | float)
+            or not math.isfinite(watts)
+        ):
+            raise ConfigError(f"power limit {watts!r} for GPU {device} is not a number of watts")
+        lo, hi = self.power_limit_range_w(device)
+        if not lo <= watts <= hi:
+            raise ConfigError(
+                f"power limit {watts:g} W is outside GPU {device}'s range [{lo:g}, {hi:g}] W"
+            )
+        if device in self._deny_power:
+            raise ConfigError(
+                f"{power_limit_permission_text(device)} (NVML: Insufficient Permissions)"
+            )
+        with self._lock:
+            before = self.power_limits_w.get(device, hi)
+            self.power_limits_w[device] = float(watts)
+        return before
+
+
+def _range(r: tuple[float, float]) -> tuple[float, float]:
+    lo, hi = float(r[0]), float(r[1])
+    if not 0 <= lo <= hi:
+        raise ValueError(
+            f"power limit range {r!r}: use (lowest, highest) W with 0 ≤ lowest ≤ highest"
+        )
+    return lo, hi

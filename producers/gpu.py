@@ -28,6 +28,11 @@ their last value, so every row is complete.
   are not available the capability says so under ``missing``/``details``.
 - ``process_mem_bytes`` sums the device memory of the given pids among the device's compute
   processes (all compute processes when no pid is given).
+- Power limits (the ``gpu.power_limit_w`` knob): `GpuBackend.power_limit_range_w` and
+  `GpuBackend.set_power_limit_w` work on an opened device, in W (NVML: mW); they raise
+  `ConfigError` with one line naming the device, the value and the valid range, or what is
+  missing (root, support), the NVML error wrapped (``raise … from e``). Backends without power
+  control inherit defaults that refuse.
 
 Device indices are NVML's (PCI bus order), not CUDA's (``CUDA_VISIBLE_DEVICES``): a caller that
 knows its CUDA device maps it by UUID or PCI bus id before passing ``devices``.
@@ -40,6 +45,7 @@ import abc
 import contextlib
 import ctypes
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -48,7 +54,7 @@ from typing import Any
 
 import pynvml
 
-from perfloop.exceptions import PerfloopError
+from perfloop.exceptions import ConfigError, PerfloopError
 
 __all__ = [
     "GPU_SIGNALS",
@@ -58,6 +64,7 @@ __all__ = [
     "GpuCapability",
     "GpuUnavailableError",
     "NvmlBackend",
+    "power_limit_permission_text",
 ]
 
 log = logging.getLogger("perfloop.producers.gpu")
@@ -174,6 +181,30 @@ class GpuBackend(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the backend's resources."""
 
+    def power_limit_range_w(self, device: int) -> tuple[float, float]:
+        """The power limits ``device`` accepts, in W: ``(lowest, highest)``.
+
+        Raises `ConfigError` when the backend or the device cannot say (by default).
+        """
+        raise ConfigError(f"GPU power limits are not supported by this backend ({self.name})")
+
+    def set_power_limit_w(self, device: int, watts: float) -> float:
+        """Set ``device``'s power limit to ``watts``; return the limit it had before, in W.
+
+        Raises `ConfigError` (nothing changed) for a value outside `power_limit_range_w`, a
+        device without power management, or a process without the permission (by default).
+        """
+        raise ConfigError(f"GPU power limits are not supported by this backend ({self.name})")
+
+
+def power_limit_permission_text(device: int) -> str:
+    """What to do when this process may not set ``device``'s power limit (one line)."""
+    return (
+        f"setting the power limit of GPU {device} needs root: run the job as root, or have an "
+        f"administrator set it (nvidia-smi -i {device} -pl WATTS, with nvidia-smi -pm 1 so it "
+        "stays)"
+    )
+
 
 def _signal_defaults() -> dict[str, Any]:
     return {f: 0 if f in _INT_FIELDS else 0.0 for fs in GPU_SIGNALS.values() for f in fs}
@@ -241,6 +272,25 @@ def _field_value(fv: Any) -> float:
 
 def _err_text(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def _power_error(
+    e: Any, device: int, what: str, lo_mw: int | None = None, hi_mw: int | None = None
+) -> ConfigError:
+    """One line for an NVML error met while reading or setting a power limit."""
+    code, text = getattr(e, "value", None), _err_text(e)
+    if code == _E.NVML_ERROR_NO_PERMISSION:
+        return ConfigError(f"{power_limit_permission_text(device)} (NVML: {text})")
+    if code == _E.NVML_ERROR_NOT_SUPPORTED:
+        return ConfigError(f"GPU {device} does not support power management limits (NVML: {text})")
+    if code == _E.NVML_ERROR_INVALID_ARGUMENT and lo_mw is not None and hi_mw is not None:
+        return ConfigError(
+            f"GPU {device} refused {what}: outside its range "
+            f"[{lo_mw / 1000:g}, {hi_mw / 1000:g}] W (NVML: {text})"
+        )
+    if code in _LOST:
+        return ConfigError(f"GPU {device} is lost (NVML: {text}); its power limit cannot be set")
+    return ConfigError(f"GPU {device}: {what} failed (NVML: {text})")
 
 
 class _Rate:
@@ -398,6 +448,56 @@ class NvmlBackend(GpuBackend):
 
     def min_interval_s(self) -> Mapping[str, float]:
         return dict(self._floors)
+
+    # -- power limits ----------------------------------------------------------------------
+
+    def _opened(self, device: int) -> _Device:
+        for d in self._devices:
+            if d.index == device:
+                if d.lost:
+                    raise ConfigError(
+                        f"GPU {device} is lost ({d.lost}); its power limit cannot be set"
+                    )
+                return d
+        opened = ", ".join(str(d.index) for d in self._devices)
+        raise ConfigError(
+            f"GPU {device} is not one this backend opened; opened: {opened}"
+            if opened
+            else f"GPU {device}: NVML is not open (call open() first)"
+        )
+
+    def _limits_mw(self, d: _Device) -> tuple[int, int]:
+        try:
+            lo, hi = pynvml.nvmlDeviceGetPowerManagementLimitConstraints(d.handle)
+        except _NVMLError as e:
+            raise _power_error(e, d.index, "reading its power limit range") from e
+        return int(lo), int(hi)
+
+    def power_limit_range_w(self, device: int) -> tuple[float, float]:
+        lo, hi = self._limits_mw(self._opened(device))
+        return lo / 1000.0, hi / 1000.0
+
+    def set_power_limit_w(self, device: int, watts: float) -> float:
+        if (
+            isinstance(watts, bool)
+            or not isinstance(watts, int | float)
+            or not math.isfinite(watts)
+        ):
+            raise ConfigError(f"power limit {watts!r} for GPU {device} is not a number of watts")
+        d = self._opened(device)
+        lo, hi = self._limits_mw(d)
+        mw = round(watts * 1000)
+        if not lo <= mw <= hi:
+            raise ConfigError(
+                f"power limit {watts:g} W is outside GPU {device}'s range "
+                f"[{lo / 1000:g}, {hi / 1000:g}] W"
+            )
+        try:
+            before = pynvml.nvmlDeviceGetPowerManagementLimit(d.handle)
+            pynvml.nvmlDeviceSetPowerManagementLimit(d.handle, mw)
+        except _NVMLError as e:
+            raise _power_error(e, device, f"setting its power limit to {watts:g} W", lo, hi) from e
+        return int(before) / 1000.0
 
     # -- probing ---------------------------------------------------------------------------
 
