@@ -58,7 +58,7 @@ def _run_round(settings: Any, args: argparse.Namespace, key: bytes, tag: str) ->
         )
         job = SimulatedJob(cfg, publisher)
         agent = JobAgent(settings, job_id=cfg.job_id, node=cfg.node, signing_key=key,
-                         handlers={KNOB: job.set_num_workers})  # fmt: skip
+                         handlers={KNOB: job.set_num_workers}, read=job.knob_value)  # fmt: skip
         loops.append((job, agent))
     for _, agent in loops:
         if not agent.start(20.0):

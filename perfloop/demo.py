@@ -172,6 +172,7 @@ def run_demo(
         node=job.cfg.node,
         signing_key=signing_key,
         handlers={KNOB: job.set_num_workers},
+        read=job.knob_value,
         on_result=on_result,
     )
     watcher = _Watcher(settings, job_id, emit)

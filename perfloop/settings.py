@@ -31,6 +31,10 @@ _CONFIG = SettingsConfigDict(
 )
 
 
+DEV_SIGNING_KEY = "perfloop-embedded-dev-key"
+"""The embedded stack's command-signing key; set ``PERFLOOP_SIGNING_KEY`` in production."""
+
+
 class BaseServiceSettings(BaseSettings):
     """What every perfloop process needs: where state lives and how to reach the stack."""
 
@@ -101,6 +105,11 @@ class ProducerSettings(BaseServiceSettings):
     host_interval_ms: float = Field(1000.0, ge=10, le=600_000)
     overhead_budget_pct: float = Field(0.5, gt=0, le=100)
     adaptive_sampling: bool = True
+    # the job agent in traced training processes
+    agent: bool = Field(True, description="Apply signed commands (`perfloop run`'s job agent).")
+    signing_key: SecretStr = Field(
+        SecretStr(DEV_SIGNING_KEY), description="The key commands to this job are signed with."
+    )
 
 
 class StackSettings(BaseServiceSettings):
@@ -200,7 +209,7 @@ class ActuatorSettings(BaseServiceSettings):
 
     group_id: str = "perfloop-actuator"
     tier: str = Field("auto", pattern="^(observe|recommend|approve|auto)$")
-    signing_key: SecretStr = SecretStr("perfloop-embedded-dev-key")
+    signing_key: SecretStr = SecretStr(DEV_SIGNING_KEY)
     command_ttl_s: float = Field(60.0, gt=0)
     cooldown_s: float = Field(30.0, ge=0)
     dry_run: bool = False

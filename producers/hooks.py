@@ -86,6 +86,8 @@ COLLECTIVES: dict[str, str] = {
     "recv": "recv",
     "irecv": "recv",
 }
+CAPTURE_MAX_STEPS = 50
+"""The longest profiler capture a command may ask for (``profiler.capture_steps``)."""
 _PAYLOAD_NAMES = ("tensor", "input_tensor", "input", "input_list", "input_tensor_list")
 
 
@@ -125,6 +127,11 @@ class Tracer:
         self._other: int | None = None
         self._other_run = 0
         self._reset()
+
+    @property
+    def source(self) -> Any:
+        """The loader pass the training data last came from: ``(id(iterator), epoch)``."""
+        return self._source
 
     def _reset(self) -> None:
         self.batch_size = 0
@@ -357,6 +364,49 @@ class Session:
             self.pipeline.callbacks.on_train_begin(
                 {"job_id": job_id, "node": node, "rank": world["rank"]}
             )
+        self.knobs: Any = None
+        self.agent: Any = None
+        if getattr(settings, "agent", False):
+            self._start_agent(job_id, node, world["rank"])
+
+    def _start_agent(self, job_id: str, node: str, rank: int) -> None:
+        """The job agent: this process's knobs, changed by signed commands between steps."""
+        try:
+            from perfloop.actuators.agent import JobAgent
+            from perfloop.producers.knobs import TorchKnobs
+
+            self.knobs = TorchKnobs(_S.torch, _live_loader, **_optional_knobs(self, rank))
+            self.agent = JobAgent(
+                self.settings,
+                job_id=job_id,
+                node=node,
+                rank=rank,
+                signing_key=self.settings.signing_key.get_secret_value().encode(),
+                handlers=self.knobs.handlers,
+                bounds=self.knobs.bounds,
+                read=self.knobs.value,
+                on_result=self._changed,
+            )
+            self.agent.start(wait_assigned_s=0)
+        except Exception as e:  # the job runs on, unchanged
+            self.agent = None
+            self.pipeline.errors("starting the job agent (no changes will be applied)", e)
+
+    def _changed(self, result: Any) -> None:
+        """An ack: a knob that moved is published in the next job info."""
+        if result.status in ("applied", "rolled_back"):
+            self.info_dirty = True
+
+    def boundary(self, rec: StepRecord) -> None:
+        """Between two steps: the agent judges the step, then applies what is due."""
+        agent = self.agent
+        if agent is None:
+            return
+        losses = rec.fields.get("loss") or ()
+        loss = _scalar(losses[-1]) if losses else None
+        agent.observe_step(rec.step, rec.step_time_ms, loss)
+        agent.step_boundary(rec.step + 1)
+        self.knobs.step_boundary(rec.step + 1)
 
     @property
     def job_id(self) -> str:
@@ -369,6 +419,10 @@ class Session:
         if first is not None:
             extra["batch_size"] = first.fields.get("batch_size") or None
             extra["grad_accum_steps"] = first.fields.get("grad_accum_steps") or None
+        if self.knobs is not None:
+            with contextlib.suppress(Exception):
+                knobs = {k: str(v) for k, v in self.knobs.current().items()}
+                extra["extra"] = {**knobs, "cpu_affinity": str(self.knobs.cpus)}
         return describe_job(
             model=model,
             optimizer=opt,
@@ -383,6 +437,11 @@ class Session:
             self.pipeline.job_info(self.describe(rec))
 
     def close(self, state: str = "finished", exit_code: int | None = None) -> None:
+        if self.agent is not None:
+            with contextlib.suppress(Exception):
+                self.agent.stop()
+            with contextlib.suppress(Exception):
+                self.knobs.close()
         try:
             self.tracer.close()
             if not self.info_published:
@@ -391,6 +450,58 @@ class Session:
         except Exception as e:
             self.pipeline.errors("closing the tracer", e)
         self.pipeline.close(state, exit_code, self.failure)
+
+
+def _live_loader() -> tuple[Any, Any] | None:
+    """The iterator the training data last came from, and its DataLoader (None if gone)."""
+    tr = _S.tracer
+    source = tr.source if tr is not None else None
+    ref = _S.iters.get(source[0]) if source else None
+    it = ref() if ref is not None else None
+    loader = getattr(it, "_perfloop_loader", None)
+    return None if it is None or loader is None else (it, loader)
+
+
+def _optional_knobs(session: Session, rank: int) -> dict[str, Any]:
+    """The profiler capture and, with CUDA, the GPU power limit (each where available)."""
+    out: dict[str, Any] = {}
+    try:
+        from perfloop.producers._capture import ProfileCapture, emit_to
+
+        out["capture"] = ProfileCapture(
+            job_id=session.job_id,
+            node=session.pipeline.node,
+            rank=rank,
+            emit=emit_to(session.pipeline.emitter),
+            max_steps=CAPTURE_MAX_STEPS,
+        )
+    except Exception as e:
+        session.pipeline.errors("the profiler capture knob", e)
+    torch = _S.torch
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            from perfloop.producers._power import power_limit_handler, power_limit_range
+            from perfloop.producers.gpu import NvmlBackend
+
+            backend = NvmlBackend()
+            backend.init()
+            devices = [_nvml_index(torch)]
+            out["power"] = power_limit_handler(backend, devices)
+            out["power_range"] = power_limit_range(backend, devices)
+    except Exception as e:  # no NVML, or no power control here: the knob is not offered
+        log.info("perfloop: no GPU power-limit knob: %s", e)
+    return out
+
+
+def _nvml_index(torch: Any) -> int:
+    """The NVML index of this process's CUDA device (CUDA_VISIBLE_DEVICES renumbers CUDA's;
+    NVML's follow the PCI bus), found by its PCI bus id."""
+    import pynvml
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus.encode())
+    return int(pynvml.nvmlDeviceGetIndex(handle))
 
 
 def _capability() -> type[Any]:
@@ -426,6 +537,7 @@ class _State:
         self.opt_handles: list[Any] = []
         self.roots: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
         self.epochs: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self.iters: dict[int, weakref.ref[Any]] = {}  # recent loader iterators, by id
         self.patches: list[tuple[Any, str, Any]] = []
         self.groups: dict[int, tuple[str, int]] = {}
         self.warned: set[str] = set()
@@ -501,6 +613,7 @@ def _at_exit() -> None:
 def _after_step(rec: StepRecord) -> None:
     s = _S
     if s.session is not None:
+        s.session.boundary(rec)
         s.session.after_step(rec)
     n = rec.step + 1
     want = n < s.discovery_steps or n % s.rediscover_every == 0
@@ -731,13 +844,19 @@ def _make_next(orig: Any) -> Any:
         t1 = _now()
         try:
             bs, tok = _inspect_batch(batch, _S.torch.Tensor)
+            iters = _S.iters
+            ref = iters.get(id(self))
+            if ref is None or ref() is not self:
+                if len(iters) >= 16:
+                    iters.clear()
+                iters[id(self)] = weakref.ref(self)
             tr.fetch(
                 t0,
                 t1,
                 bs,
                 tok,
                 (id(self), getattr(self, "_perfloop_epoch", 0)),
-                getattr(self, "_num_workers", 0),
+                getattr(self, "_num_workers", 0),  # kept current by a mid-epoch change
             )
         except Exception as e:
             _oops("the data-loader hook", e)
@@ -756,6 +875,7 @@ def _make_iter(orig: Any) -> Any:
             n = _S.epochs.get(self, -1) + 1
             _S.epochs[self] = n
             it._perfloop_epoch = n
+            it._perfloop_loader = self  # what the job agent changes
         except Exception as e:
             _oops("the data-loader epoch counter", e)
         return it

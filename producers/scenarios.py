@@ -376,6 +376,7 @@ def _simulate(
         node=cfg.node,
         signing_key=signing_key,
         handlers=job.knob_handlers(),
+        read=job.knob_value,
     )
     agent.start(wait_assigned_s=0.0)  # commands count from when the control topic is assigned
     stop: list[str] = []

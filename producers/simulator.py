@@ -306,6 +306,15 @@ class SimulatedJob:
             "gpu.power_limit_w": self.set_power_limit_w,
         }
 
+    def knob_value(self, knob: str) -> KnobValue | None:
+        """A knob's current value (None for a knob the job does not have): what a rollback
+        restores."""
+        return {
+            "dataloader.num_workers": self.num_workers,
+            "dataloader.prefetch_factor": self.prefetch_factor,
+            "gpu.power_limit_w": self.power_limit_w,
+        }.get(knob)
+
     # -- state -------------------------------------------------------------------------------
     @property
     def clock_s(self) -> float:

@@ -167,7 +167,7 @@ class FakePublisher:
 @pytest.fixture
 def installed() -> Iterator[FakePublisher]:
     pub = FakePublisher()
-    settings = ProducerSettings(job_id="hooks-test", node="n0", stats_interval_s=3600)
+    settings = ProducerSettings(job_id="hooks-test", node="n0", stats_interval_s=3600, agent=False)
     assert hooks.install(settings, publisher=pub, command="pytest")
     try:
         yield pub

@@ -1,0 +1,230 @@
+"""The knobs of a traced training process: what its job agent may change, between two steps.
+
+`TorchKnobs` gives the job agent (`perfloop.actuators.JobAgent`) a handler per knob, the job's
+own bounds (what its hardware allows) and the current values (published in its job info):
+
+- ``torch.num_threads``: ``torch.set_num_threads``, 1 … the CPUs this process may run on;
+- ``dataloader.num_workers`` / ``dataloader.prefetch_factor`` / ``dataloader.pin_memory``: the
+  DataLoader the training data comes from, changed mid-epoch: the iterator the script holds
+  keeps giving the same batches in the same order (`perfloop.producers._loader_swap`); workers
+  up to the process's CPUs;
+- ``profiler.capture_steps``: a PyTorch-profiler capture of the next N steps, published
+  (`perfloop.producers._capture`);
+- ``gpu.power_limit_w``: the NVML power limit of the GPUs this process uses, within each one's
+  range, where the process is permitted to set it;
+- the script's own tunables (`tunable`), e.g. ``train.grad_accum_steps`` or
+  ``train.checkpoint_every_steps``: values a script reads each step, for knobs no hook can
+  reach in an unmodified script.
+
+Every handler runs on the training thread at a step boundary and raises `ConfigError` (one
+line naming the value and what is valid) to refuse; the agent acks the refusal and changes
+nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from perfloop.exceptions import ConfigError
+
+__all__ = ["TorchKnobs", "Tunable", "tunable", "tunables"]
+
+log = logging.getLogger("perfloop.producers")
+
+KnobValue = int | float | bool | str
+LiveLoader = Callable[[], "tuple[Any, Any] | None"]
+"""Returns ``(iterator, loader)`` of the training data's current pass, or None."""
+
+
+class Tunable:
+    """A value a script reads at each step and the job agent may change between steps.
+
+    >>> accum = Tunable("train.grad_accum_steps", 4, lo=1, hi=64)
+    >>> accum.value
+    4
+    >>> accum.set(8); accum.value
+    8
+    >>> accum.set(0)
+    Traceback (most recent call last):
+    ...
+    perfloop.exceptions.ConfigError: train.grad_accum_steps=0 is outside [1, 64]
+    """
+
+    def __init__(self, name: str, default: int | float, *, lo: float, hi: float) -> None:
+        if not lo <= default <= hi:
+            raise ConfigError(f"{name} default {default!r} is outside [{lo:g}, {hi:g}]")
+        self.name, self.lo, self.hi = name, lo, hi
+        self._integer = isinstance(default, int)
+        self.value: int | float = default
+
+    def set(self, value: KnobValue) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{self.name}={value!r} is not a number")
+        if self._integer and not float(value).is_integer():
+            raise ConfigError(f"{self.name}={value!r} is not a whole number")
+        if not self.lo <= value <= self.hi:
+            raise ConfigError(f"{self.name}={value!r} is outside [{self.lo:g}, {self.hi:g}]")
+        self.value = int(value) if self._integer else float(value)
+
+
+_TUNABLES: dict[str, Tunable] = {}
+_LOCK = threading.Lock()
+
+
+def tunable(name: str, default: int | float, *, lo: float, hi: float) -> Tunable:
+    """Declare (or get) the process's tunable ``name``; read ``.value`` at each step.
+
+    >>> t = tunable("train.checkpoint_every_steps", 500, lo=1, hi=100_000)
+    >>> t is tunable("train.checkpoint_every_steps", 500, lo=1, hi=100_000), t.value
+    (True, 500)
+    """
+    with _LOCK:
+        t = _TUNABLES.get(name)
+        if t is None:
+            t = _TUNABLES[name] = Tunable(name, default, lo=lo, hi=hi)
+        return t
+
+
+def tunables() -> dict[str, Tunable]:
+    """The tunables this process declared, by name."""
+    with _LOCK:
+        return dict(_TUNABLES)
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class _Handlers(Mapping[str, Callable[[KnobValue], None]]):
+    """The built-in handlers plus the tunables declared so far (live)."""
+
+    def __init__(self, builtin: dict[str, Callable[[KnobValue], None]]) -> None:
+        self._builtin = builtin
+
+    def _all(self) -> dict[str, Callable[[KnobValue], None]]:
+        return {**{n: t.set for n, t in tunables().items()}, **self._builtin}
+
+    def __getitem__(self, knob: str) -> Callable[[KnobValue], None]:
+        return self._all()[knob]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+class _Bounds(Mapping[str, tuple[float, float]]):
+    def __init__(self, builtin: dict[str, tuple[float, float]]) -> None:
+        self._builtin = builtin
+
+    def _all(self) -> dict[str, tuple[float, float]]:
+        return {**{n: (t.lo, t.hi) for n, t in tunables().items()}, **self._builtin}
+
+    def __getitem__(self, knob: str) -> tuple[float, float]:
+        return self._all()[knob]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+class TorchKnobs:
+    """The knobs of this process, for its job agent.
+
+    ``torch`` is the imported module; ``live_loader`` finds the training data's iterator and
+    DataLoader (the hooks know which one fed the last step). ``capture`` (a
+    `perfloop.producers._capture.ProfileCapture`) and ``power`` (a knob handler for the GPUs'
+    power limit, with ``power_range`` its bounds) are optional.
+    """
+
+    def __init__(
+        self,
+        torch: Any,
+        live_loader: LiveLoader,
+        *,
+        capture: Any = None,
+        power: Callable[[KnobValue], None] | None = None,
+        power_range: tuple[float, float] | None = None,
+    ) -> None:
+        self.torch = torch
+        self._live = live_loader
+        self.capture = capture
+        self.cpus = _cpus()
+        builtin: dict[str, Callable[[KnobValue], None]] = {
+            "torch.num_threads": self._set_threads,
+            "dataloader.num_workers": self._loader_setter("num_workers"),
+            "dataloader.prefetch_factor": self._loader_setter("prefetch_factor"),
+            "dataloader.pin_memory": self._loader_setter("pin_memory"),
+        }
+        bounds = {
+            "torch.num_threads": (1.0, float(self.cpus)),
+            "dataloader.num_workers": (0.0, float(self.cpus)),
+        }
+        if capture is not None:
+            builtin["profiler.capture_steps"] = capture.request
+        if power is not None:
+            builtin["gpu.power_limit_w"] = power
+            if power_range is not None:
+                bounds["gpu.power_limit_w"] = power_range
+        self.handlers: Mapping[str, Callable[[KnobValue], None]] = _Handlers(builtin)
+        self.bounds: Mapping[str, tuple[float, float]] = _Bounds(bounds)
+
+    def _set_threads(self, value: KnobValue) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"torch.num_threads={value!r}: use a whole number ≥ 1")
+        self.torch.set_num_threads(int(value))
+
+    def _loader_setter(self, name: str) -> Callable[[KnobValue], None]:
+        def set_(value: KnobValue) -> None:
+            from perfloop.producers._loader_swap import rebuild_iterator
+
+            live = self._live()
+            if live is None:
+                raise ConfigError(
+                    f"dataloader.{name}: no training DataLoader is being iterated in this process"
+                )
+            it, loader = live
+            rebuild_iterator(it, loader, **{name: value})
+
+        return set_
+
+    def current(self) -> dict[str, KnobValue]:
+        """The knobs' current values (what the job info reports)."""
+        values: dict[str, KnobValue] = {"torch.num_threads": int(self.torch.get_num_threads())}
+        live = self._live()
+        if live is not None:
+            from perfloop.producers._loader_swap import loader_settings
+
+            for k, v in loader_settings(live[1]).items():
+                if v is not None:
+                    values[f"dataloader.{k}"] = v
+        for name, t in tunables().items():
+            values[name] = t.value
+        return values
+
+    def value(self, knob: str) -> KnobValue | None:
+        """One knob's current value (None when unknown): what a rollback restores."""
+        try:
+            return self.current().get(knob)
+        except Exception:
+            return None
+
+    def step_boundary(self, step: int) -> None:
+        """Between two steps: a requested profiler capture starts or ends here."""
+        if self.capture is not None:
+            self.capture.step_boundary(step)
+
+    def close(self) -> None:
+        """Training ends: a capture still running is cut short and published."""
+        if self.capture is not None:
+            self.capture.close(timeout_s=30.0)

@@ -1,0 +1,155 @@
+"""The job agent inside a traced training process: signed commands change the real torch
+knobs between two steps, and the script's loop never notices but for the speed.
+
+The hooks run in this process with their agent; its Kafka clients point at a closed port, so
+commands go in through `JobAgent.receive`, as the agent's consumer thread would pass them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from perfloop.actuators import sign
+from perfloop.exceptions import ConfigError
+from perfloop.producers import hooks, tunable
+from perfloop.producers.knobs import TorchKnobs, Tunable
+from perfloop.schemas import Command, encode_event
+from perfloop.settings import ProducerSettings
+from tests.unit.producers.test_hooks import FakePublisher
+
+torch = pytest.importorskip("torch")
+
+KEY = "knobs-test-key"
+S = 1_000_000_000
+
+
+@pytest.fixture
+def traced(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePublisher]:
+    monkeypatch.setenv("PERFLOOP_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    pub = FakePublisher()
+    settings = ProducerSettings(
+        job_id="knobs-test", node="n0", stats_interval_s=3600, agent=True, signing_key=KEY
+    )
+    threads = torch.get_num_threads()
+    assert hooks.install(settings, publisher=pub, command="pytest")
+    try:
+        yield pub
+    finally:
+        hooks.uninstall()
+        torch.set_num_threads(threads)
+
+
+class Indexed(torch.utils.data.Dataset):  # type: ignore[misc]
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.full((4,), float(i)), i % 2
+
+
+def _command(seq: int, knob: str, value: Any, from_value: Any = None) -> bytes:
+    import time
+
+    now = time.time_ns()
+    cmd = Command(ts_ns=now, job_id="knobs-test", node="n0", rank=-1, seq=seq, knob=knob,
+                  from_value=from_value, value=value, expires_ts_ns=now + 60 * S)  # fmt: skip
+    return encode_event(sign(cmd, KEY.encode()))
+
+
+def _train(commands: dict[int, list[bytes]]) -> list[int]:
+    """One epoch of a plain loop; ``commands[k]`` reach the agent during step k. Returns the
+    sample indices in the order the loop got them."""
+    gen = torch.Generator().manual_seed(7)
+    loader = torch.utils.data.DataLoader(Indexed(), batch_size=4, shuffle=True, generator=gen)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen: list[int] = []
+    for k, (x, y) in enumerate(loader):
+        seen.extend(int(v) for v in x[:, 0])
+        for data in commands.get(k, []):
+            sess = hooks.session()
+            assert sess is not None and sess.agent is not None
+            assert sess.agent.receive(data) is None, "the command passes the agent's checks"
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return seen
+
+
+def test_commands_change_threads_and_workers_mid_epoch_without_changing_the_data(
+    traced: FakePublisher,
+) -> None:
+    threads = torch.get_num_threads()
+    expected = _train({})  # the same loop, unchanged (no agent involvement)
+    hooks.uninstall()
+    traced.messages.clear()
+    settings = ProducerSettings(
+        job_id="knobs-test", node="n0", stats_interval_s=3600, agent=True, signing_key=KEY
+    )
+    assert hooks.install(settings, publisher=traced, command="pytest")
+    got = _train({
+        2: [_command(1, "dataloader.num_workers", 1, from_value=0)],
+        3: [_command(2, "torch.num_threads", 1, from_value=threads)],
+    })  # fmt: skip
+    sess = hooks.session()
+    assert sess is not None
+    results = [(r.knob, r.status, r.value) for r in sess.agent.results if r.status == "applied"]
+    assert results == [("dataloader.num_workers", "applied", 1)]
+    # one change at a time: the thread command waits for the workers' verdict (22 steps),
+    # which this 16-step epoch does not reach
+    assert got == expected, "the loop got the same samples in the same order"
+    hooks.uninstall()
+    rows = traced.rows("step")
+    assert rows["num_workers"][:3] == [0, 0, 0] and set(rows["num_workers"][3:]) == {1}
+    infos = traced.events("job_info")
+    assert infos[-1].extra["dataloader.num_workers"] == "1", "the job info follows the change"
+    assert int(infos[-1].extra["cpu_affinity"]) >= 1
+
+
+def test_a_command_for_a_knob_out_of_the_jobs_hardware_is_rejected(
+    traced: FakePublisher,
+) -> None:
+    cpus = TorchKnobs(torch, lambda: None).cpus
+    _train({})  # the session starts with the first step
+    sess = hooks.session()
+    assert sess is not None
+    reason = sess.agent.receive(_command(1, "torch.num_threads", cpus + 1))
+    assert reason == f"torch.num_threads={cpus + 1} is outside [1, {cpus}]"
+    assert sess.agent.results[-1].status == "rejected"
+
+
+def test_threads_are_set_and_read_back() -> None:
+    knobs = TorchKnobs(torch, lambda: None)
+    before = torch.get_num_threads()
+    try:
+        knobs.handlers["torch.num_threads"](1)
+        assert knobs.value("torch.num_threads") == 1 == torch.get_num_threads()
+        with pytest.raises(ConfigError, match="whole number"):
+            knobs.handlers["torch.num_threads"](1.5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_loader_knob_without_a_loader_is_refused() -> None:
+    knobs = TorchKnobs(torch, lambda: None)
+    with pytest.raises(ConfigError, match="no training DataLoader"):
+        knobs.handlers["dataloader.num_workers"](2)
+
+
+def test_a_scripts_tunable_becomes_a_knob() -> None:
+    from perfloop.producers import knobs as module
+
+    knobs = TorchKnobs(torch, lambda: None)
+    try:
+        accum = tunable("train.grad_accum_steps", 4, lo=1, hi=64)
+        assert "train.grad_accum_steps" in knobs.handlers
+        assert knobs.bounds["train.grad_accum_steps"] == (1, 64)
+        knobs.handlers["train.grad_accum_steps"](8)
+        assert accum.value == 8 == knobs.value("train.grad_accum_steps")
+        with pytest.raises(ConfigError):
+            Tunable("x", 0, lo=1, hi=2)
+    finally:
+        module._TUNABLES.pop("train.grad_accum_steps", None)
