@@ -64,9 +64,12 @@ import numpy as np
 from perfloop.catalog import KIND_TOPICS, Topics
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import (
+    ActuationResult,
     Batch,
+    Command,
     ConfigChange,
     Diagnosis,
+    JobInfo,
     PhaseChange,
     Prediction,
     Recommendation,
@@ -79,9 +82,10 @@ from perfloop.settings import StreamsSettings
 from perfloop.streams._phase_clock import JobClock, QueueEntry
 from perfloop.streams._phase_steps import DERIVED_METRICS
 from perfloop.streams.funnel import Funnel
+from perfloop.streams.outcomes import Outcomes
 from perfloop.streams.phases import PhaseMachine
 from perfloop.streams.predict import PredictionHost
-from perfloop.streams.rules import DataWaitRule
+from perfloop.streams.rules import DataWaitRule, ThreadRule
 from perfloop.streams.steps import StepAnalysis
 from perfloop.streams.windows import NS, WindowSet, parse_specs
 
@@ -100,7 +104,7 @@ SNAPSHOT_VERSION = 2
 DEFAULT_DERIVED = ("gpu_idle_ms", "straggler_score")
 """`StepAnalysis` metrics windowed by default (``windows.metrics.derived`` picks others)."""
 TELEMETRY_TOPICS = (Topics.GPU, Topics.HOST, Topics.STEP, Topics.SPAN)
-INPUT_TOPICS = (*TELEMETRY_TOPICS, Topics.JOB, Topics.CONTROL)
+INPUT_TOPICS = (*TELEMETRY_TOPICS, Topics.JOB, Topics.CONTROL, Topics.ACTUATIONS)
 _TOPIC_KINDS = {t: {k for k, kt in KIND_TOPICS.items() if kt == t} for t in INPUT_TOPICS}
 _MAX_GAP_NS = 120 * NS  # a job's clock leaping further skips the analysis ticks in between
 _FORGET_MARGIN_NS = 60 * NS
@@ -155,10 +159,15 @@ class StreamEngine:
         self.predict = PredictionHost(
             enabled=settings.predictions, every_s=settings.prediction_every_s
         )
+        self.outcomes = Outcomes()
         self.rule = DataWaitRule(
             threshold=settings.data_wait_share_threshold,
             cooldown_s=settings.recommendation_cooldown_s,
             max_workers=max(2, 2 * (os.cpu_count() or 2)),
+            outcomes=self.outcomes,
+        )
+        self.threads = ThreadRule(
+            cooldown_s=settings.recommendation_cooldown_s, outcomes=self.outcomes
         )
         self.derived_metrics: tuple[str, ...] = DEFAULT_DERIVED
         self.max_skew_ns = int(settings.max_skew_s * NS)
@@ -232,13 +241,17 @@ class StreamEngine:
             self.stats["messages"] += 1
             self.stats["samples"] += len(batch)
             return len(batch)
-        if topic in (Topics.JOB, Topics.CONTROL):
+        if topic in (Topics.JOB, Topics.CONTROL, Topics.ACTUATIONS):
             event = decode_event(data)
             if event.KIND not in _TOPIC_KINDS[topic]:
                 raise SchemaError(f"a {event.KIND} event does not belong on {topic}")
             self.stats["events"] += 1
             if isinstance(event, ConfigChange):
                 self._config(event)
+            elif isinstance(event, Command):  # its verdict teaches the rules
+                self.outcomes.expect(event.event_id, event.from_value, event.value)
+            elif isinstance(event, ActuationResult):
+                self.outcomes.observe(event)
             elif topic == Topics.JOB:
                 self._queue(event.job_id, event.ts_ns, event.KIND, event.node, event)
                 self._advance(event.job_id, wall_ns)
@@ -354,8 +367,20 @@ class StreamEngine:
             self.funnel.observe(item, jt.evt)
             self.predict.observe(item, jt.evt)
             if item.kind == "step":
-                self.rule.observe_workers(item.job_id, int(item.columns["num_workers"][-1]))
+                cols = item.columns
+                workers = int(cols["num_workers"][-1])
+                self.rule.observe_workers(item.job_id, workers)
+                self.threads.observe_steps(
+                    item.job_id,
+                    step_ms=cols["step_time_ms"].tolist(),
+                    wait_ms=cols["data_wait_ms"].tolist(),
+                    workers=workers,
+                )
         else:
+            if isinstance(item, JobInfo):
+                self.rule.observe_info(item)
+                self.threads.observe_info(item)
+                self.outcomes.observe_info(item)
             self.steps.observe_event(item, jt.evt)
             self.phases.observe_event(item, jt.evt)
             self.funnel.observe_event(item, jt.evt)
@@ -375,6 +400,8 @@ class StreamEngine:
         diagnoses = self.funnel.tick(now, jobs)
         self._out.diagnoses.extend(diagnoses)
         self._out.recommendations.extend(self.rule.evaluate(diagnoses))
+        planned = self.rule.workers(job, now)  # the threads fit the workers asked for
+        self._out.recommendations.extend(self.threads.evaluate(job, now, workers=planned))
         if self.predict.enabled:
             self.predict.steps(self.steps.last_done)
             self.predict.phases(phases)
@@ -462,6 +489,7 @@ class StreamEngine:
             if self._forget_time(job, wall_ns):
                 del self._time[job]
                 self.predict.forget(job)
+                self.threads.forget(job)
         self._out.predictions.extend(self.predict.drain())
         out, self._out = self._out, Outputs()
         cols = self.windows.advance(wall_ns)
@@ -506,6 +534,8 @@ class StreamEngine:
             "phases": self.phases.snapshot(),
             "funnel": self.funnel.snapshot(),
             "rule": self.rule.snapshot(),
+            "threads": self.threads.snapshot(),
+            "outcomes": self.outcomes.snapshot(),
             "predict": self.predict.snapshot(),
             "derived_metrics": self.derived_metrics,
             "stats": dict(self.stats),
@@ -525,6 +555,8 @@ class StreamEngine:
         self.phases.restore(state["phases"])
         self.funnel.restore(state["funnel"])
         self.rule.restore(state["rule"])
+        self.threads.restore(state.get("threads", {}))
+        self.outcomes.restore(state.get("outcomes", {}))
         self.predict.restore(state.get("predict", {}))
         self.derived_metrics = tuple(state.get("derived_metrics", DEFAULT_DERIVED))
         self._offsets = dict(state["offsets"])

@@ -272,3 +272,34 @@ def test_lifecycle_events_reach_the_components() -> None:
     ev = JobLifecycle(ts_ns=NOW - 20 * NS, job_id="j", node="n0", rank=-1, state="finished")
     assert eng.ingest(Topics.JOB, encode_event(ev), wall_ns=NOW) == 0
     assert eng.stats["events"] == 1
+
+
+def test_a_cpu_job_with_too_many_threads_gets_a_thread_recommendation() -> None:
+    """Job info says 8 threads on 2 CPUs; once 30+ steps ran with that configuration the tick
+    recommends fewer threads, and the engine learns from the verdict on the actuations topic."""
+    from perfloop.schemas import ActuationResult, Command, JobInfo
+
+    eng = _engine()
+    info = JobInfo(ts_ns=NOW - 40 * NS, job_id="j", node="n0", rank=0, cpu_count=2,
+                   extra={"torch.num_threads": "8", "cpu_affinity": "2"})  # fmt: skip
+    eng.ingest(Topics.JOB, encode_event(info), wall_ns=NOW)
+    b = BatchBuilder("step", job_id="j", node="n0", producer_id="t")
+    for i in range(60):
+        b.add(ts_ns=NOW - 30 * NS + i * 100_000_000, rank=0, step=i, step_time_ms=100.0,
+              data_wait_ms=10.0)  # fmt: skip
+    eng.ingest(Topics.STEP, b.encode(), wall_ns=NOW)
+    # the job's clock moves on with the wall's once its input is read: tick through 30 s
+    recs = [r for k in range(30) for r in eng.tick(NOW + k * NS).recommendations]
+    assert [(r.knob, r.from_value, r.to_value) for r in recs] == [("torch.num_threads", 8, 2)]
+    cmd = Command(ts_ns=NOW, job_id="j", node="n0", rank=-1, seq=1, knob="torch.num_threads",
+                  from_value=8, value=2, expires_ts_ns=NOW + 60 * NS)  # fmt: skip
+    eng.ingest(Topics.CONTROL, encode_event(cmd), wall_ns=NOW)
+    verdict = ActuationResult(ts_ns=NOW, job_id="j", node="n0", rank=0, command_id=cmd.event_id,
+                              status="kept", knob="torch.num_threads", value=2,
+                              evidence={"before_ms": 100.0, "after_ms": 75.0})  # fmt: skip
+    eng.ingest(Topics.ACTUATIONS, encode_event(verdict), wall_ns=NOW)
+    (rec,) = eng.outcomes.records.values()
+    assert (rec.kept, rec.gains) == (1, [0.25])
+    restored = _engine()
+    restored.restore(pickle.loads(pickle.dumps(eng.snapshot())))
+    assert restored.outcomes.records == eng.outcomes.records

@@ -3,6 +3,8 @@ loader workers, with the modelled target, not more often than the cooldown allow
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from perfloop.exceptions import ConfigError
@@ -137,3 +139,128 @@ def test_configure_and_snapshot() -> None:
     again = DataWaitRule(threshold=0.3, cooldown_s=0, max_workers=16)
     again.restore(rule.snapshot())
     assert again.snapshot() == rule.snapshot()
+
+
+# -- per-job bounds and what was learned ------------------------------------------------------
+def _info(job: str = "j", *, cpus: int = 2, threads: int | None = 8, gpus: int = 0) -> Any:
+    from perfloop.schemas import JobInfo
+
+    extra = {"cpu_affinity": str(cpus)}
+    if threads is not None:
+        extra["torch.num_threads"] = str(threads)
+    return JobInfo(ts_ns=NS, job_id=job, node="n0", rank=0, cpu_count=64, gpu_count=gpus,
+                   extra=extra)  # fmt: skip
+
+
+def _verdict(status: str, before: float, after: float, command_id: str = "c1") -> Any:
+    from perfloop.schemas import ActuationResult
+
+    return ActuationResult(ts_ns=NS, job_id="other", node="n0", rank=0, command_id=command_id,
+                           status=status, knob=KNOB_NUM_WORKERS, value=3,
+                           evidence={"before_ms": before, "after_ms": after})  # fmt: skip
+
+
+def test_a_jobs_workers_stay_within_its_cpus_less_one() -> None:
+    rule = _rule(max_workers=64)
+    rule.observe_info(_info(cpus=4))
+    (rec,) = _eval(rule, _diag(0.8))
+    assert rec.to_value == 3 and "at most 3" in rec.rationale
+
+
+def test_no_workers_to_one_is_worth_the_whole_wait() -> None:
+    rule = _rule()
+    rule.observe_workers("j", 0)
+    rule.observe_info(_info(cpus=2))
+    (rec,) = _eval(rule, _diag(0.45))
+    assert (rec.from_value, rec.to_value) == (0, 1)
+    assert rec.expected_gain_pct == pytest.approx(45.0)
+
+
+def test_outcomes_of_similar_changes_replace_the_prior_gain() -> None:
+    from perfloop.streams.outcomes import Outcomes
+
+    outcomes = Outcomes()
+    outcomes.expect("c1", 2, 3)
+    outcomes.observe(_verdict("kept", 100.0, 90.0))  # another job: 2 -> 3 workers, 10 % faster
+    rule = DataWaitRule(threshold=0.3, cooldown_s=30, max_workers=16, outcomes=outcomes)
+    rule.observe_workers("j", 2)
+    (rec,) = _eval(rule, _diag(0.5))
+    prior = 100 * expected_step_gain(0.5, 2, rec.to_value)
+    assert rec.expected_gain_pct == pytest.approx((prior + 10.0) / 2, abs=0.01)
+    assert "1 similar change kept of 1, measured gain 10%" in rec.rationale
+
+
+def test_a_change_rolled_back_repeatedly_and_never_kept_is_not_recommended() -> None:
+    from perfloop.streams.outcomes import Outcomes
+
+    outcomes = Outcomes(min_failures=2)
+    for i in range(2):
+        outcomes.expect(f"c{i}", 2, 5)
+        outcomes.observe(_verdict("rolled_back", 100.0, 130.0, command_id=f"c{i}"))
+    rule = DataWaitRule(threshold=0.3, cooldown_s=0, max_workers=16, outcomes=outcomes)
+    rule.observe_workers("j", 2)
+    assert _eval(rule, _diag(0.5)) == []
+    rule.observe_workers("j", 1)  # a different kind of change? no: still "up"
+    assert _eval(rule, _diag(0.5, t_s=20)) == []
+
+
+# -- the thread rule ---------------------------------------------------------------------------
+def _threads(
+    *, cpus: int = 2, threads: int = 8, workers: int = 0, wait: float = 0.4, steps: int = 40
+) -> Any:
+    from perfloop.streams.rules import ThreadRule
+
+    rule = ThreadRule(cooldown_s=30, settle_steps=30)
+    rule.observe_info(_info(cpus=cpus, threads=threads))
+    rule.observe_steps("j", step_ms=[100.0] * steps, wait_ms=[100.0 * wait] * steps,
+                       workers=workers)  # fmt: skip
+    return rule
+
+
+@pytest.mark.parametrize(
+    ("cpus", "threads", "workers", "planned", "want"),
+    [
+        (2, 8, 0, None, 2),  # oversubscribed on its own
+        (2, 8, 0, 1, 1),  # ... and the data rule just asked for a worker
+        (2, 2, 1, None, 1),  # a worker took a core
+        (16, 1, 2, None, 14),  # idle cores while compute dominates
+    ],
+)
+def test_threads_fit_the_cores_left_by_the_loader_workers(
+    cpus: int, threads: int, workers: int, planned: int | None, want: int
+) -> None:
+    rule = _threads(cpus=cpus, threads=threads, workers=workers)
+    (rec,) = rule.evaluate("j", 10 * NS, workers=planned)
+    assert (rec.knob, rec.from_value, rec.to_value) == ("torch.num_threads", threads, want)
+    assert rec.expected_gain_pct > 0 and rec.loop == "fast"
+    assert f"{cpus} CPUs per rank" in rec.rationale
+
+
+def test_threads_that_fit_or_an_unsettled_or_gpu_job_recommend_nothing() -> None:
+    assert _threads(threads=2).evaluate("j", 10 * NS) == []
+    assert _threads(steps=29).evaluate("j", 10 * NS) == [], "not settled yet"
+    assert _threads(wait=0.8).evaluate("j", 10 * NS) == [], "compute is not what matters"
+    rule = _threads()
+    rule.observe_info(_info(threads=8, gpus=1))
+    assert rule.evaluate("j", 10 * NS) == [], "a GPU job's threads feed the GPU"
+    rule.observe_info(_info(threads=None))
+    assert rule.evaluate("j", 10 * NS) == [], "threads not reported"
+
+
+def test_the_thread_rule_waits_its_cooldown_and_a_new_config_settles_again() -> None:
+    rule = _threads()
+    assert len(rule.evaluate("j", 10 * NS)) == 1
+    assert rule.evaluate("j", 20 * NS) == []
+    rule.observe_info(_info(threads=2))  # applied: a new configuration, judged afresh
+    rule.observe_steps("j", step_ms=[100.0] * 40, wait_ms=[0.0] * 40, workers=1)
+    (rec,) = rule.evaluate("j", 41 * NS)
+    assert (rec.from_value, rec.to_value) == (2, 1)
+
+
+def test_thread_rule_state_survives_a_snapshot() -> None:
+    from perfloop.streams.rules import ThreadRule
+
+    rule = _threads()
+    again = ThreadRule(cooldown_s=30, settle_steps=30)
+    again.restore(rule.snapshot())
+    assert [r.to_value for r in again.evaluate("j", 10 * NS)] == [2]
