@@ -46,7 +46,7 @@ from perfloop.actuators.signing import verify
 from perfloop.actuators.verify import ChangeVerifier, Verdict
 from perfloop.catalog import Topics
 from perfloop.exceptions import ConfigError
-from perfloop.kafka import consumer, producer
+from perfloop.kafka import consumer, producer, tail
 from perfloop.schemas import (
     ActuationResult,
     Command,
@@ -141,7 +141,6 @@ class ConfigListener:
 
     def start(self, wait_assigned_s: float = 0.0) -> bool:
         """Start consuming; return True once the control topic is assigned (no wait by default)."""
-        self._consumer.subscribe([Topics.CONTROL], on_assign=lambda c, p: self._assigned.set())
         self._thread.start()
         return self._assigned.wait(wait_assigned_s)
 
@@ -158,6 +157,7 @@ class ConfigListener:
 
     def run(self) -> None:
         try:
+            tail(self._consumer, [Topics.CONTROL], self._stop, self._assigned)
             while not self._stop.is_set():
                 msg = self._consumer.poll(0.1)
                 if msg is None:
@@ -230,7 +230,7 @@ class JobAgent:
         self._on_result = on_result
         self.on_config = on_config
         """Where live `ConfigChange` events for this job's producers go (see the module)."""
-        # Each agent reads the control topic from its start; a group per agent instance.
+        # Each agent reads every control partition from its start (`tail`: no group to join).
         self._consumer = consumer(
             settings,
             f"perfloop-agent-{job_id}-{uuid.uuid4().hex[:8]}",
@@ -248,14 +248,8 @@ class JobAgent:
     # -- service -----------------------------------------------------------------------------
     def start(self, wait_assigned_s: float = 15.0) -> bool:
         """Start consuming; return True once the control topic is assigned."""
-        self._consumer.subscribe(
-            [Topics.CONTROL], on_assign=lambda c, parts: self._on_assign(c, parts)
-        )
         self._thread.start()
         return self._assigned.wait(wait_assigned_s)
-
-    def _on_assign(self, c: object, parts: list[object]) -> None:
-        self._assigned.set()
 
     def stop(self) -> None:
         """Stop consuming, deliver the acks still queued (5 s at most) and release the Kafka
@@ -275,6 +269,7 @@ class JobAgent:
 
     def run(self) -> None:
         try:
+            tail(self._consumer, [Topics.CONTROL], self._stop, self._assigned)
             while not self._stop.is_set():
                 msg = self._consumer.poll(0.1)
                 if msg is None:

@@ -5,12 +5,20 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka import (
+    OFFSET_END,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from perfloop.catalog import TOPICS
@@ -25,6 +33,7 @@ __all__ = [
     "ensure_topics",
     "ping",
     "producer",
+    "tail",
 ]
 
 _CLIENT_LOG = logging.getLogger("perfloop.kafka.client")
@@ -80,6 +89,30 @@ def consumer(settings: BaseServiceSettings, group_id: str, **overrides: Any) -> 
         "fetch.wait.max.ms": 50,
     }
     return Consumer(conf | overrides)
+
+
+def tail(c: Consumer, topics: list[str], stop: threading.Event, assigned: threading.Event) -> bool:
+    """Assign every partition of ``topics`` to ``c`` at its end, with no consumer group: a
+    group join takes seconds (half the session timeout on the embedded broker), and what is
+    published meanwhile would be missed. Retries while the broker is away; sets ``assigned``
+    and returns True once assigned, False if ``stop`` was set first."""
+    while not stop.is_set():
+        try:
+            md = c.list_topics(timeout=2.0)
+            parts = []
+            for name in topics:
+                t = md.topics.get(name)
+                if t is None or t.error is not None or not t.partitions:
+                    break
+                parts += [TopicPartition(name, p, OFFSET_END) for p in t.partitions]
+            else:
+                c.assign(parts)
+                assigned.set()
+                return True
+        except KafkaException as e:
+            _CLIENT_LOG.debug("topics %s not reachable yet: %s", topics, e)
+        stop.wait(1.0)
+    return False
 
 
 def ping(settings: BaseServiceSettings, timeout_s: float = 3.0) -> int:
