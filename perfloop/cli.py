@@ -41,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("migrate", help="create the topics and apply warehouse migrations")
 
     demo = sub.add_parser("demo", help="close the loop on a simulated job with a data-loader fault")
+    demo.add_argument(
+        "--real",
+        action="store_true",
+        help="close it on a real torch training job on this machine's CPUs instead (needs torch)",
+    )
+    demo.add_argument(
+        "--seconds", type=float, default=60.0, metavar="S", help="--real: train S seconds (60)"
+    )
     demo.add_argument("--ranks", type=int, default=4, help="simulated ranks (default 4)")
     demo.add_argument(
         "--fault-at",
@@ -62,11 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="run a training script with perfloop's hooks installed (no code change)",
-        usage="perfloop run [--job-id ID] [--node NAME] -- COMMAND [ARGS...]",
+        usage="perfloop run [--job-id ID] [--node NAME] [--tier TIER] -- COMMAND [ARGS...]",
     )
     run.add_argument("--job-id", help="job id (default: generated, printed at start)")
     run.add_argument("--node", help="node name (default: the host name)")
     run.add_argument("--no-gpu", action="store_true", help="do not start the NVML sampler")
+    run.add_argument(
+        "--tier",
+        choices=("observe", "recommend", "approve", "auto"),
+        help="the job's automation tier (default: the actuator's, auto unless configured)",
+    )
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND")
 
     rep = sub.add_parser("replay", help="stream PyTorch-profiler traces as perfloop telemetry")
@@ -196,9 +209,21 @@ def _demo(args: argparse.Namespace) -> int:
     from perfloop.stack import read_state, up_detached
 
     settings = _settings(StackSettings)
+    if args.real:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "perfloop demo --real trains a torch model: pip install torch==2.13.0 "
+                "(or `make demo`, which installs it)"
+            ) from None
     if read_state(settings) is None:
         print("bringing the embedded stack up…", flush=True)
         up_detached(settings)
+    if args.real:
+        from perfloop.demo_real import real_demo
+
+        return real_demo(settings, seconds=args.seconds)
     key = _settings(ActuatorSettings).signing_key.get_secret_value().encode()
     res = run_demo(settings, signing_key=key, ranks=args.ranks, fault_at_s=args.fault_at)
     verify_in_warehouse(settings, res)

@@ -1,4 +1,4 @@
-"""`perfloop run [--job-id ID] [--node NAME] [--no-gpu] -- COMMAND [ARGS...]`.
+"""`perfloop run [--job-id ID] [--node NAME] [--no-gpu] [--tier T] -- COMMAND [ARGS...]`.
 
 Runs COMMAND as a subprocess with perfloop's run bootstrap first on ``PYTHONPATH`` (any
 ``sitecustomize`` it shadows still runs) and the run described in ``PERFLOOP_*`` variables:
@@ -8,6 +8,11 @@ children) installs the training hooks and publishes its steps, spans, collective
 and lifecycle; the launcher publishes the job's lifecycle (rank -1: started, then finished,
 failed or killed with the exit code) and runs the node sampler (host, and GPU unless
 ``--no-gpu``) next to the command.
+
+Every traced process runs a job agent that applies the actuator's signed commands between
+steps (``PERFLOOP_AGENT=0`` turns it off). ``--tier`` sets the job's automation tier before
+the command starts (a live ``actuator.tier`` change for this job on ``perfloop.control``:
+observe, recommend, approve or auto); without it the actuator's default applies.
 
 The command's exit code is ``perfloop run``'s (128 + N when it dies of signal N). SIGTERM,
 SIGHUP and SIGINT are forwarded to it; a Ctrl-C typed in the terminal already reaches the
@@ -161,6 +166,8 @@ def run_command(args: argparse.Namespace, settings: Any) -> int:
             )
 
     lifecycle("started", message=shlex.join(cmd))
+    if getattr(args, "tier", None):
+        _publish_tier(settings, job_id, args.tier)
     try:
         proc = subprocess.Popen(cmd, env=env)
     except OSError as e:
@@ -208,6 +215,39 @@ def run_command(args: argparse.Namespace, settings: Any) -> int:
         lifecycle("finished", 0)
     _close(emitter, publisher, settings.kafka_bootstrap)
     return code
+
+
+def _publish_tier(settings: Any, job_id: str, tier: str, timeout_s: float = 10.0) -> None:
+    """Set the job's automation tier (``actuator.tier``, for this job only); a broker that does
+    not take it is one line on stderr, and the command runs regardless."""
+    from perfloop._config_cli import build_change
+    from perfloop.catalog import Topics
+    from perfloop.kafka import producer
+    from perfloop.schemas import encode_event
+
+    change = build_change(
+        "actuator.tier", tier, job=job_id, reason="perfloop run --tier", author="perfloop run"
+    )
+    errors: list[str] = []
+
+    def delivered(err: Any, _msg: Any) -> None:
+        if err is not None:
+            errors.append(err.str())
+
+    try:
+        p = producer(settings, **{"linger.ms": 0, "message.timeout.ms": int(timeout_s * 1000)})
+        p.produce(
+            Topics.CONTROL, key=job_id.encode(), value=encode_event(change), on_delivery=delivered
+        )
+        left = p.flush(timeout_s + 1)
+    except Exception as e:  # never stops the job
+        errors.append(str(e))
+        left = 0
+    if left or errors:
+        why = errors[0] if errors else "no answer"
+        print(f"perfloop: tier {tier} not set for job {job_id}: {why}", file=sys.stderr)
+    else:
+        print(f"perfloop: job {job_id}: automation tier {tier}", file=sys.stderr, flush=True)
 
 
 def _close(emitter: Any, publisher: Any, where: str, timeout_s: float = 5.0) -> None:
