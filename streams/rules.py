@@ -134,7 +134,10 @@ class DataWaitRule:
             )  # fmt: skip
             self._last_emit[d.job_id] = now
             self._planned[d.job_id] = (target, now)
-            where = f"{len(d.ranks)} ranks" if d.ranks else "the job"
+            n = len(d.ranks)
+            where = (
+                f"{n} ranks wait" if n > 1 else f"rank {d.ranks[0]} waits" if n else "the job waits"
+            )
             recs.append(
                 Recommendation(
                     ts_ns=d.ts_ns,
@@ -148,7 +151,7 @@ class DataWaitRule:
                     expected_gain_pct=round(gain, 2),
                     confidence=round(confidence, 3),
                     rationale=(
-                        f"{where} wait for input {100 * share:.0f}% of each step "
+                        f"{where} for input {100 * share:.0f}% of each step "
                         f"(diagnosis {d.diagnosis_id}, on the critical path); "
                         f"{current} loader workers cannot keep up, {target} can"
                         + (
