@@ -47,6 +47,8 @@ def test_wheel_installs_only_the_perfloop_namespace(wheel: Path) -> None:
     assert not any(n.startswith(("models/", "schemas/", "tests/", "bench/")) for n in names)
     # `perfloop run` puts this folder on the command's PYTHONPATH: it must ship.
     assert "perfloop/producers/_bootstrap/sitecustomize.py" in names
+    # `perfloop demo --real` runs this script: it must ship.
+    assert "perfloop/examples/cpu_training.py" in names
 
 
 def test_wheel_declares_the_console_script_and_keeps_torch_optional(wheel: Path) -> None:
