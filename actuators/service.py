@@ -4,11 +4,12 @@ It reads ``perfloop.recommendations`` (the stream tier's `Recommendation` events
 `Approval` events, keyed by job so a job's approval follows its recommendation) and, from
 ``perfloop.control``, the ``ConfigChange`` events addressed to it (target ``actuator``: a
 job's tier, dry run and limits; `perfloop.actuators.policy`). For each recommendation and
-approval, `Policy` decides; the service signs the command it issues (HMAC-SHA256, key
-``default`` from the settings) and publishes it on ``perfloop.control``, and publishes the
-`Decision` (issued, pending, refused with the reason, …) on ``perfloop.actuations``, from where
-the sink lands it in the ``audit`` table. Offsets are committed after both are delivered (at
-least once; the job agent drops a replayed command by its sequence number).
+approval, `Policy` decides; the service signs the command it issues (HMAC-SHA256 with the
+job's own key when ``job_signing_keys`` has one, key id ``job:<id>``, else key ``default``)
+and publishes it on ``perfloop.control``, and publishes the `Decision` (issued, pending,
+refused with the reason, …) on ``perfloop.actuations``, from where the sink lands it in the
+``audit`` table. Offsets are committed after both are delivered (at least once; the job agent
+drops a replayed command by its sequence number).
 
 The settings it was given live are read back from the warehouse (``config_changes``) when it
 starts, so a restarted service keeps each job's tier; a change published in the second before
@@ -174,7 +175,8 @@ class ActuatorService:
             decision.reason,
         )
         if cmd is not None:
-            cmd = sign(cmd, self._key)
+            key_id, key = self.signing_key_for(cmd.job_id)
+            cmd = sign(cmd.model_copy(update={"key_id": key_id}), key)
             if not self._publish(Topics.CONTROL, cmd):
                 decision = decision.model_copy(
                     update={"outcome": "refused", "reason": "the command could not be published"}
@@ -185,6 +187,13 @@ class ActuatorService:
         if self._publish(Topics.ACTUATIONS, decision):
             self.decisions += 1
         return cmd
+
+    def signing_key_for(self, job_id: str) -> tuple[str, bytes]:
+        """``(key id, key)`` a job's commands are signed with: its own when it has one."""
+        own = self.settings.job_signing_keys.get(job_id)
+        if own is not None:
+            return f"job:{job_id}", own.get_secret_value().encode()
+        return SIGNING_KEY_ID, self._key
 
     def _configure(self, change: ConfigChange) -> None:
         if change.target != "actuator":

@@ -210,6 +210,11 @@ class ActuatorSettings(BaseServiceSettings):
     group_id: str = "perfloop-actuator"
     tier: str = Field("auto", pattern="^(observe|recommend|approve|auto)$")
     signing_key: SecretStr = SecretStr(DEV_SIGNING_KEY)
+    job_signing_keys: dict[str, SecretStr] = Field(
+        default_factory=dict,
+        description='Keys of individual jobs (JSON: {"job-id": "key"}); their commands are '
+        "signed with their own key (key id job:<id>), every other job's with signing_key.",
+    )
     command_ttl_s: float = Field(60.0, gt=0)
     cooldown_s: float = Field(30.0, ge=0)
     dry_run: bool = False

@@ -81,3 +81,24 @@ def test_service_takes_its_live_settings_from_the_control_topic(
     assert service.policy.rules("job-1").tier == "approve"
     assert service.handle(encode_event(_rec())) is None, "pending approval"
     assert (service.issued, service.decisions) == (0, 1)
+
+
+def test_a_job_with_its_own_key_gets_commands_only_it_can_verify(
+    unreachable_settings: ActuatorSettings,
+) -> None:
+    settings = ActuatorSettings(
+        PERFLOOP_KAFKA_BOOTSTRAP="127.0.0.1:1", signing_key="k", job_signing_keys={"job-1": "own"}
+    )
+    service = ActuatorService(settings)
+    mine = service.handle(encode_event(_rec()))
+    other = service.handle(encode_event(_rec(job_id="job-2")))
+    assert mine is not None and other is not None
+    assert (mine.key_id, other.key_id) == ("job:job-1", "default")
+    assert verify(mine, b"own") and not verify(mine, b"k")
+    assert verify(other, b"k") and not verify(other, b"own")
+
+
+def test_job_keys_come_from_the_environment_as_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PERFLOOP_JOB_SIGNING_KEYS", '{"llm-7": "s3cret"}')
+    keys = ActuatorSettings().job_signing_keys
+    assert {j: k.get_secret_value() for j, k in keys.items()} == {"llm-7": "s3cret"}
