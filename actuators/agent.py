@@ -41,6 +41,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError
 
+from perfloop.actuators.patch import ConfigPatch
 from perfloop.actuators.policy import ACTION_KNOBS, BOOL_KNOBS, KNOB_BOUNDS, knob_problem
 from perfloop.actuators.signing import verify
 from perfloop.actuators.verify import ChangeVerifier, Verdict
@@ -192,7 +193,9 @@ class JobAgent:
     tunables) become commandable. ``bounds`` narrows the allow-list's range of a knob by what
     this job's hardware allows (e.g. threads up to its CPUs); ``read`` gives a knob's current
     value (what a rollback restores; without it, the last value known good or the command's
-    ``from_value``); ``rank`` names the process in its acks.
+    ``from_value``); ``patch`` records slow-loop commands for the job's next start (they are
+    acked as applied at once, and not judged: the run they change has not started);
+    ``rank`` names the process in its acks.
     """
 
     def __init__(
@@ -207,6 +210,7 @@ class JobAgent:
         on_config: ConfigHandler | None = None,
         bounds: Mapping[str, tuple[float, float]] | None = None,
         read: Callable[[str], KnobValue | None] | None = None,
+        patch: ConfigPatch | None = None,
         rank: int = -1,
         verify_changes: bool = True,
         baseline_steps: int = 10,
@@ -216,6 +220,8 @@ class JobAgent:
         self.job_id, self.node, self.rank = job_id, node, rank
         self.bounds: Mapping[str, tuple[float, float]] = bounds if bounds is not None else {}
         self._read = read
+        self.patch = patch
+        """Where slow-loop commands go (`perfloop.actuators.patch`); None: they are refused."""
         self.verify_changes = verify_changes
         self.settle_steps, self.verify_steps = settle_steps, verify_steps
         # The baseline is short: a change usually answers a recent slowdown, and the steps
@@ -307,6 +313,16 @@ class JobAgent:
             self._ack(cmd, "rejected", reason, step=0)
             return reason
         self._last_seq = cmd.seq
+        if cmd.loop == "slow":  # for the next start: recorded now, nothing changes in the run
+            assert self.patch is not None  # check() refused it otherwise
+            try:
+                self.patch.record(cmd)
+            except ConfigError as e:
+                self._ack(cmd, "rejected", str(e), step=0)
+                return str(e)
+            self._ack(cmd, "applied", f"slow loop: in {self.patch.path}, from the next start",
+                      step=0)  # fmt: skip
+            return None
         self._ready.put((cmd, time.monotonic() + (cmd.expires_ts_ns - now) / 1e9))
         return None
 
@@ -318,7 +334,12 @@ class JobAgent:
             return f"expired {(now_ns - cmd.expires_ts_ns) / 1e9:.1f} s ago"
         if cmd.seq <= self._last_seq:
             return f"sequence {cmd.seq} already seen (last {self._last_seq})"
-        if cmd.knob not in self._handlers:
+        if cmd.loop == "slow":
+            if self.patch is None:
+                return "this job takes no slow-loop changes (it has no config patch)"
+            if cmd.knob not in KNOB_BOUNDS and cmd.knob not in BOOL_KNOBS:
+                return f"knob {cmd.knob!r} is not on the allow-list for a config patch"
+        elif cmd.knob not in self._handlers:
             return (
                 f"knob {cmd.knob!r} is not handled by this job; handled: {sorted(self._handlers)}"
             )

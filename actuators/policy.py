@@ -55,6 +55,7 @@ KNOB_BOUNDS: dict[str, tuple[float, float]] = {
     "train.checkpoint_every_steps": (1, 10_000_000),
     "profiler.capture_steps": (1, 50),
     "gpu.power_limit_w": (100, 700),
+    "train.batch_size": (1, 1 << 20),  # slow loop: a config patch read at the next start
 }
 BOOL_KNOBS: frozenset[str] = frozenset({"dataloader.pin_memory"})
 """Knobs that are switched on or off."""

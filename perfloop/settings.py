@@ -110,6 +110,11 @@ class ProducerSettings(BaseServiceSettings):
     signing_key: SecretStr = Field(
         SecretStr(DEV_SIGNING_KEY), description="The key commands to this job are signed with."
     )
+    config_patch: Path | None = Field(
+        None,
+        description="The job's config patch (slow-loop changes, read at start); default "
+        "$PERFLOOP_HOME/patches/<job>.json.",
+    )
 
 
 class StackSettings(BaseServiceSettings):

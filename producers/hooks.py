@@ -373,9 +373,11 @@ class Session:
         """The job agent: this process's knobs, changed by signed commands between steps."""
         try:
             from perfloop.actuators.agent import JobAgent
+            from perfloop.actuators.patch import ConfigPatch, patch_path
             from perfloop.producers.knobs import TorchKnobs
 
             self.knobs = TorchKnobs(_S.torch, _live_loader, **_optional_knobs(self, rank))
+            path = self.settings.config_patch or patch_path(self.settings.home_dir, job_id)
             self.agent = JobAgent(
                 self.settings,
                 job_id=job_id,
@@ -385,6 +387,7 @@ class Session:
                 handlers=self.knobs.handlers,
                 bounds=self.knobs.bounds,
                 read=self.knobs.value,
+                patch=ConfigPatch(path, job_id=job_id),
                 on_result=self._changed,
             )
             self.agent.start(wait_assigned_s=0)
@@ -1017,6 +1020,7 @@ def install(
     s.discovery_steps = max(1, discovery_steps)
     s.rediscover_every = max(1, rediscover_every)
     s.pid = os.getpid()
+    _load_patch(settings)
     try:
         _set_discovery(True)
         s.opt_handles = [
@@ -1052,6 +1056,20 @@ def install(
     s.installed = True
     s.enabled = True
     return True
+
+
+def _load_patch(settings: Any) -> None:
+    """The job's config patch (slow-loop changes) for the script's tunables; never raises."""
+    job_id = getattr(settings, "job_id", None)
+    if not job_id:
+        return
+    try:
+        from perfloop.actuators.patch import patch_path, read_patch
+        from perfloop.producers.knobs import use_patch
+
+        use_patch(read_patch(settings.config_patch or patch_path(settings.home_dir, job_id)))
+    except Exception as e:
+        _oops("reading the config patch", e)
 
 
 def uninstall() -> None:

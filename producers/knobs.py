@@ -31,7 +31,7 @@ from typing import Any
 
 from perfloop.exceptions import ConfigError
 
-__all__ = ["TorchKnobs", "Tunable", "tunable", "tunables"]
+__all__ = ["TorchKnobs", "Tunable", "tunable", "tunables", "use_patch"]
 
 log = logging.getLogger("perfloop.producers")
 
@@ -72,11 +72,22 @@ class Tunable:
 
 
 _TUNABLES: dict[str, Tunable] = {}
+_PATCHED: dict[str, KnobValue] = {}  # the job's config patch, read at start
 _LOCK = threading.Lock()
 
 
+def use_patch(values: Mapping[str, KnobValue]) -> None:
+    """The values of the job's config patch (slow-loop changes): tunables declared from now on
+    start from them (`perfloop.actuators.patch`; `perfloop run`'s hooks call this)."""
+    with _LOCK:
+        _PATCHED.clear()
+        _PATCHED.update(values)
+
+
 def tunable(name: str, default: int | float, *, lo: float, hi: float) -> Tunable:
-    """Declare (or get) the process's tunable ``name``; read ``.value`` at each step.
+    """Declare (or get) the process's tunable ``name``; read ``.value`` at each step. It starts
+    from the job's config patch when that holds a valid value for it (a slow-loop change),
+    else from ``default``.
 
     >>> t = tunable("train.checkpoint_every_steps", 500, lo=1, hi=100_000)
     >>> t is tunable("train.checkpoint_every_steps", 500, lo=1, hi=100_000), t.value
@@ -86,6 +97,11 @@ def tunable(name: str, default: int | float, *, lo: float, hi: float) -> Tunable
         t = _TUNABLES.get(name)
         if t is None:
             t = _TUNABLES[name] = Tunable(name, default, lo=lo, hi=hi)
+            if name in _PATCHED:
+                try:
+                    t.set(_PATCHED[name])
+                except ConfigError as e:
+                    log.warning("perfloop: the config patch's value not used: %s", e)
         return t
 
 

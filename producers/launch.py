@@ -12,7 +12,9 @@ failed or killed with the exit code) and runs the node sampler (host, and GPU un
 Every traced process runs a job agent that applies the actuator's signed commands between
 steps (``PERFLOOP_AGENT=0`` turns it off). ``--tier`` sets the job's automation tier before
 the command starts (a live ``actuator.tier`` change for this job on ``perfloop.control``:
-observe, recommend, approve or auto); without it the actuator's default applies.
+observe, recommend, approve or auto); without it the actuator's default applies. The job's
+config patch (slow-loop changes its agent recorded, `perfloop.actuators.patch`) is passed to
+the command as ``PERFLOOP_CONFIG_PATCH`` and what it holds is printed.
 
 The command's exit code is ``perfloop run``'s (128 + N when it dies of signal N). SIGTERM,
 SIGHUP and SIGINT are forwarded to it; a Ctrl-C typed in the terminal already reaches the
@@ -136,6 +138,7 @@ def run_command(args: argparse.Namespace, settings: Any) -> int:
         raise ConfigError(f"invalid --node {node!r}: use 1-255 characters")
     settings = settings.model_copy(update={"job_id": job_id, "node": node})
     env = child_env(os.environ, job_id=job_id, node=node, command=cmd)
+    env["PERFLOOP_CONFIG_PATCH"] = str(_show_patch(settings, job_id))
     print(f"perfloop: job {job_id} on {node}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
 
     from perfloop.producers.emitter import Emitter
@@ -215,6 +218,22 @@ def run_command(args: argparse.Namespace, settings: Any) -> int:
         lifecycle("finished", 0)
     _close(emitter, publisher, settings.kafka_bootstrap)
     return code
+
+
+def _show_patch(settings: Any, job_id: str) -> Path:
+    """The job's config patch file (slow-loop changes for this start); say what it holds."""
+    from perfloop.actuators.patch import patch_path, read_patch
+
+    path = Path(settings.config_patch or patch_path(settings.home_dir, job_id))
+    try:
+        values = read_patch(path)
+    except ConfigError as e:
+        print(f"perfloop: {e}", file=sys.stderr)
+        return path
+    if values:
+        shown = ", ".join(f"{k}={v!r}" for k, v in sorted(values.items()))
+        print(f"perfloop: config patch {path}: {shown}", file=sys.stderr, flush=True)
+    return path
 
 
 def _publish_tier(settings: Any, job_id: str, tier: str, timeout_s: float = 10.0) -> None:
