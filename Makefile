@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/perfloop demo
+	$(VENV)/bin/perfloop demo --real
 
 test: $(STAMP)
 	$(PY) -m pytest
