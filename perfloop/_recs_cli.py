@@ -92,27 +92,32 @@ def recs_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     """``perfloop recs``."""
     from perfloop.cli import _settings
     from perfloop.demo import format_table
-    from perfloop.settings import StackSettings
+    from perfloop.settings import ActuatorSettings
 
     out = out or sys.stdout
     if not 1 <= args.limit <= 100_000:
         raise PerfloopError(f"--limit {args.limit} is outside [1, 100000]")
-    where, params = [], {"limit": args.limit}
+    settings = _settings(ActuatorSettings)
+    # a pending recommendation past the approval horizon can no longer be approved: expired
+    cutoff = time.time_ns() - int(settings.approval_ttl_s * 1e9)
+    where, params = [], {"limit": args.limit, "cutoff": cutoff}
     if args.job is not None:
         where.append("r.job_id = {job:String}")
         params["job"] = args.job
     if not args.all:
-        where.append("a.outcome = 'pending'")
+        where.append("a.outcome = 'pending' AND toUnixTimestamp64Nano(r.ts) >= {cutoff:Int64}")
     sql = (
         "SELECT r.ts, r.rec_id, r.job_id, r.knob, r.from_value, r.to_value, r.loop, "
         "round(r.expected_gain_pct, 1), round(r.confidence, 2), "
-        "if(a.outcome = '', 'undecided', a.outcome), a.reason, a.command_id, r.rationale "
+        "multiIf(a.outcome = '', 'undecided', a.outcome = 'pending' AND "
+        "toUnixTimestamp64Nano(r.ts) < {cutoff:Int64}, 'expired', a.outcome), "
+        "a.reason, a.command_id, r.rationale "
         "FROM (SELECT * FROM recommendations ORDER BY ts DESC LIMIT 1 BY rec_id) AS r "
         f"LEFT JOIN ({_LATEST}) AS a ON a.rec_id = r.rec_id "
         + (f"WHERE {' AND '.join(where)} " if where else "")
         + "ORDER BY r.ts DESC LIMIT {limit:UInt32}"
     )
-    rows = _query(_settings(StackSettings), sql, params)
+    rows = _query(settings, sql, params)
     if args.json:
         docs = [dict(zip(_RECS_COLUMNS, row, strict=True)) for row in rows]
         print(json.dumps(docs, indent=2, default=str), file=out)
@@ -175,6 +180,12 @@ def approve_command(args: argparse.Namespace, *, out: TextIO | None = None) -> i
         raise PerfloopError(
             f"recommendation {rec_id} is {outcome} ({reason}), not pending approval; "
             "only a job in tier approve waits for one"
+        )
+    age_s = (time.time_ns() - unix_ns(ts)) / 1e9
+    if verdict == "approve" and age_s > settings.approval_ttl_s:
+        raise PerfloopError(
+            f"recommendation {rec_id} is {age_s:.0f} s old, past the {settings.approval_ttl_s:.0f}"
+            " s an approval may act on (approval_ttl_s); it expired"
         )
     author = _author()
     sent_ns = time.time_ns()

@@ -175,3 +175,30 @@ def test_bad_approvals_and_settings_are_one_line_errors(stack_env_vars: dict[str
                        env=stack_env_vars)  # fmt: skip
     assert bad.returncode != 0 and "observe" in bad.stderr and "auto" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_pending_recommendation_past_the_approval_horizon_expires(
+    stack: StackSettings, stack_env_vars: dict[str, str], job_in_approve_tier: str
+) -> None:
+    """Pending for longer than approval_ttl_s (15 min): no longer listed as pending, shown as
+    expired with --all, and an approval is refused before anything is sent."""
+    job = job_in_approve_tier
+    old = _rec(job, 6).model_copy(update={"ts_ns": time.time_ns() - 16 * 60 * 1_000_000_000})
+    _publish(stack, Topics.RECOMMENDATIONS, old)
+    [(outcome, *_)] = _decided(stack, old.event_id, 1)
+    assert outcome == "pending"
+    wait_for(
+        lambda: _query(stack, "SELECT count() FROM recommendations WHERE rec_id = {r:String}",
+                       r=old.event_id) == [(1,)],
+        30,
+        "the recommendation in the warehouse",
+    )  # fmt: skip
+    pending = perfloop_cli("recs", "--job", job, env=stack_env_vars)
+    assert pending.stdout.startswith("no recommendations pending"), pending.stdout
+    every = perfloop_cli("recs", "--job", job, "--all", "--json", env=stack_env_vars)
+    [shown] = json.loads(every.stdout)
+    assert (shown["rec_id"], shown["state"]) == (old.event_id, "expired")
+    late = perfloop_cli("approve", old.event_id, env=stack_env_vars)
+    assert late.returncode == 1 and "it expired" in late.stderr
+    assert _query(stack, "SELECT count() FROM approvals WHERE rec_id = {r:String}",
+                  r=old.event_id) == [(0,)]  # fmt: skip
