@@ -372,25 +372,13 @@ class Session:
     def _start_agent(self, job_id: str, node: str, rank: int) -> None:
         """The job agent: this process's knobs, changed by signed commands between steps."""
         try:
-            from perfloop.actuators.agent import JobAgent
-            from perfloop.actuators.patch import ConfigPatch, patch_path
-            from perfloop.producers.knobs import TorchKnobs
+            from perfloop.producers.knobs import TorchKnobs, start_agent
 
             self.knobs = TorchKnobs(_S.torch, _live_loader, **_optional_knobs(self, rank))
-            path = self.settings.config_patch or patch_path(self.settings.home_dir, job_id)
-            self.agent = JobAgent(
-                self.settings,
-                job_id=job_id,
-                node=node,
-                rank=rank,
-                signing_key=self.settings.signing_key.get_secret_value().encode(),
-                handlers=self.knobs.handlers,
-                bounds=self.knobs.bounds,
-                read=self.knobs.value,
-                patch=ConfigPatch(path, job_id=job_id),
+            self.agent = start_agent(
+                self.settings, self.knobs, job_id=job_id, node=node, rank=rank,
                 on_result=self._changed,
-            )
-            self.agent.start(wait_assigned_s=0)
+            )  # fmt: skip
         except Exception as e:  # the job runs on, unchanged
             self.agent = None
             self.pipeline.errors("starting the job agent (no changes will be applied)", e)

@@ -31,7 +31,7 @@ from typing import Any
 
 from perfloop.exceptions import ConfigError
 
-__all__ = ["TorchKnobs", "Tunable", "tunable", "tunables", "use_patch"]
+__all__ = ["TorchKnobs", "Tunable", "start_agent", "tunable", "tunables", "use_patch"]
 
 log = logging.getLogger("perfloop.producers")
 
@@ -157,8 +157,9 @@ class _Bounds(Mapping[str, tuple[float, float]]):
 class TorchKnobs:
     """The knobs of this process, for its job agent.
 
-    ``torch`` is the imported module; ``live_loader`` finds the training data's iterator and
-    DataLoader (the hooks know which one fed the last step). ``capture`` (a
+    ``torch`` is the imported module (None: no torch knobs); ``live_loader`` finds the
+    training data's iterator and DataLoader (the hooks know which one fed the last step;
+    None: no DataLoader knobs). ``capture`` (a
     `perfloop.producers._capture.ProfileCapture`) and ``power`` (a knob handler for the GPUs'
     power limit, with ``power_range`` its bounds) are optional.
     """
@@ -166,26 +167,25 @@ class TorchKnobs:
     def __init__(
         self,
         torch: Any,
-        live_loader: LiveLoader,
+        live_loader: LiveLoader | None,
         *,
         capture: Any = None,
         power: Callable[[KnobValue], None] | None = None,
         power_range: tuple[float, float] | None = None,
     ) -> None:
         self.torch = torch
-        self._live = live_loader
+        self._live: LiveLoader = live_loader if live_loader is not None else (lambda: None)
         self.capture = capture
         self.cpus = _cpus()
-        builtin: dict[str, Callable[[KnobValue], None]] = {
-            "torch.num_threads": self._set_threads,
-            "dataloader.num_workers": self._loader_setter("num_workers"),
-            "dataloader.prefetch_factor": self._loader_setter("prefetch_factor"),
-            "dataloader.pin_memory": self._loader_setter("pin_memory"),
-        }
-        bounds = {
-            "torch.num_threads": (1.0, float(self.cpus)),
-            "dataloader.num_workers": (0.0, float(self.cpus)),
-        }
+        builtin: dict[str, Callable[[KnobValue], None]] = {}
+        bounds: dict[str, tuple[float, float]] = {}
+        if torch is not None:
+            builtin["torch.num_threads"] = self._set_threads
+            bounds["torch.num_threads"] = (1.0, float(self.cpus))
+        if live_loader is not None:
+            for name in ("num_workers", "prefetch_factor", "pin_memory"):
+                builtin[f"dataloader.{name}"] = self._loader_setter(name)
+            bounds["dataloader.num_workers"] = (0.0, float(self.cpus))
         if capture is not None:
             builtin["profiler.capture_steps"] = capture.request
         if power is not None:
@@ -216,7 +216,9 @@ class TorchKnobs:
 
     def current(self) -> dict[str, KnobValue]:
         """The knobs' current values (what the job info reports)."""
-        values: dict[str, KnobValue] = {"torch.num_threads": int(self.torch.get_num_threads())}
+        values: dict[str, KnobValue] = {}
+        if self.torch is not None:
+            values["torch.num_threads"] = int(self.torch.get_num_threads())
         live = self._live()
         if live is not None:
             from perfloop.producers._loader_swap import loader_settings
@@ -244,3 +246,35 @@ class TorchKnobs:
         """Training ends: a capture still running is cut short and published."""
         if self.capture is not None:
             self.capture.close(timeout_s=30.0)
+
+
+def start_agent(
+    settings: Any,
+    knobs: TorchKnobs,
+    *,
+    job_id: str,
+    node: str,
+    rank: int,
+    on_result: Callable[[Any], None] | None = None,
+) -> Any:
+    """Start the job agent of a training process over ``knobs``, with the job's config patch
+    for slow-loop commands and the key in ``settings.signing_key``; returns the
+    `perfloop.actuators.JobAgent` (listening within a second, never blocking here)."""
+    from perfloop.actuators.agent import JobAgent
+    from perfloop.actuators.patch import ConfigPatch, patch_path
+
+    path = settings.config_patch or patch_path(settings.home_dir, job_id)
+    agent = JobAgent(
+        settings,
+        job_id=job_id,
+        node=node,
+        rank=rank,
+        signing_key=settings.signing_key.get_secret_value().encode(),
+        handlers=knobs.handlers,
+        bounds=knobs.bounds,
+        read=knobs.value,
+        patch=ConfigPatch(path, job_id=job_id),
+        on_result=on_result,
+    )
+    agent.start(wait_assigned_s=0)
+    return agent

@@ -1057,9 +1057,13 @@ class Monitor:
     """Explicit instrumentation of a training loop: steps, phases and per-step figures.
 
     Give ``settings`` (a `ProducerSettings`) or a ``publisher``; with neither, settings are
-    read from the environment (the script is the entry point). ``job_id`` and ``node``
-    default to those settings (or to those of `perfloop run` when the script runs under it),
-    then to a generated id and the host name; ``rank`` defaults to the launcher's.
+    read from the environment (the script is the entry point). With settings whose ``agent``
+    is on (the default), a job agent applies the actuator's signed commands between steps:
+    ``torch.num_threads`` when torch is imported, the script's `perfloop.producers.tunable`
+    values and slow-loop changes (its config patch); loader knobs need `perfloop run`'s hooks.
+    ``job_id`` and ``node`` default to those settings (or to those of `perfloop run` when the
+    script runs under it), then to a generated id and the host name; ``rank`` defaults to the
+    launcher's.
 
     >>> class Collect:
     ...     def __init__(self): self.sent = []
@@ -1126,7 +1130,21 @@ class Monitor:
             self._pipe.callbacks.on_train_begin(
                 {"job_id": job_id, "node": node, "rank": self._rec.rank}
             )
+        self.agent: Any = None
+        if settings is not None and getattr(settings, "agent", False):
+            self._start_agent(settings)
         atexit.register(self._at_exit)  # a script that never calls close() still publishes
+
+    def _start_agent(self, settings: Any) -> None:
+        try:
+            from perfloop.producers.knobs import TorchKnobs, start_agent
+
+            knobs = TorchKnobs(sys.modules.get("torch"), None)
+            self.agent = start_agent(
+                settings, knobs, job_id=self.job_id, node=self.node, rank=self._rec.rank
+            )
+        except Exception as e:  # the job runs on, unchanged
+            self._pipe.errors("starting the job agent (no changes will be applied)", e)
 
     @property
     def steps(self) -> int:
@@ -1189,7 +1207,12 @@ class Monitor:
             fields = {k: v for k, v in self._step_fields.items() if v}
             fields.update(self._report)
             self._report = {}
-            self._rec.end_step(t, **fields)
+            rec = self._rec.end_step(t, **fields)
+            if rec is not None and self.agent is not None:
+                loss = fields.get("loss")
+                loss = float(loss) if isinstance(loss, int | float) else None
+                self.agent.observe_step(rec.step, rec.step_time_ms, loss)
+                self.agent.step_boundary(rec.step + 1)
         except Exception as e:
             self._pipe.errors("recording a step", e)
         self._pipe.overhead_ns += time.perf_counter_ns() - t
@@ -1218,6 +1241,10 @@ class Monitor:
         """Publish what is pending and the lifecycle end: ``finished`` for exit code 0."""
         with contextlib.suppress(Exception):
             atexit.unregister(self._at_exit)
+        if self.agent is not None:
+            with contextlib.suppress(Exception):
+                self.agent.stop()
+            self.agent = None
         state = "finished" if not exit_code else "failed"
         self._pipe.close(state, exit_code, message)
 

@@ -153,3 +153,29 @@ def test_a_scripts_tunable_becomes_a_knob() -> None:
             Tunable("x", 0, lo=1, hi=2)
     finally:
         module._TUNABLES.pop("train.grad_accum_steps", None)
+
+
+def test_the_explicit_monitor_runs_a_job_agent_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A script instrumented with `Monitor` gets commands for its threads and its tunables."""
+    from perfloop.producers import knobs as module
+    from perfloop.producers.training import Monitor
+
+    monkeypatch.setenv("PERFLOOP_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    settings = ProducerSettings(job_id="knobs-test", node="n0", agent=True, signing_key=KEY)
+    before = torch.get_num_threads()
+    mon = Monitor(settings=settings, publisher=FakePublisher())
+    agent = mon.agent
+    try:
+        accum = tunable("train.grad_accum_steps", 4, lo=1, hi=64)
+        assert agent is not None
+        assert agent.receive(_command(1, "train.grad_accum_steps", 8, from_value=4)) is None
+        with mon.step(batch_size=4):
+            assert accum.value == 4, "nothing changes inside a step"
+        assert accum.value == 8, "applied at the step boundary"
+        assert "dataloader.num_workers" not in agent._handlers, "needs perfloop run's hooks"
+    finally:
+        mon.close()
+        module._TUNABLES.pop("train.grad_accum_steps", None)
+        torch.set_num_threads(before)
+    assert [r.status for r in agent.results] == ["applied"]
+    assert mon.agent is None, "closing the monitor stops its agent"
