@@ -20,6 +20,7 @@ from perfloop.producers.gpu import (
     GPU_SIGNALS,
     GpuBackend,
     GpuCapability,
+    check_watts,
     power_limit_permission_text,
 )
 from perfloop.schemas.telemetry import GpuSample
@@ -214,12 +215,7 @@ class FakeGpuBackend(GpuBackend):
         return r
 
     def set_power_limit_w(self, device: int, watts: float) -> float:
-        if (
-            isinstance(watts, bool)
-            or not isinstance(watts, int | float)
-            or not math.isfinite(watts)
-        ):
-            raise ConfigError(f"power limit {watts!r} for GPU {device} is not a number of watts")
+        check_watts(device, watts)
         lo, hi = self.power_limit_range_w(device)
         if not lo <= watts <= hi:
             raise ConfigError(

@@ -64,6 +64,7 @@ __all__ = [
     "GpuCapability",
     "GpuUnavailableError",
     "NvmlBackend",
+    "check_watts",
     "power_limit_permission_text",
 ]
 
@@ -195,6 +196,12 @@ class GpuBackend(abc.ABC):
         device without power management, or a process without the permission (by default).
         """
         raise ConfigError(f"GPU power limits are not supported by this backend ({self.name})")
+
+
+def check_watts(device: int, watts: object) -> None:
+    """Raise `ConfigError` unless ``watts`` is a finite number (a power limit for ``device``)."""
+    if isinstance(watts, bool) or not isinstance(watts, int | float) or not math.isfinite(watts):
+        raise ConfigError(f"power limit {watts!r} for GPU {device} is not a number of watts")
 
 
 def power_limit_permission_text(device: int) -> str:
@@ -478,12 +485,7 @@ class NvmlBackend(GpuBackend):
         return lo / 1000.0, hi / 1000.0
 
     def set_power_limit_w(self, device: int, watts: float) -> float:
-        if (
-            isinstance(watts, bool)
-            or not isinstance(watts, int | float)
-            or not math.isfinite(watts)
-        ):
-            raise ConfigError(f"power limit {watts!r} for GPU {device} is not a number of watts")
+        check_watts(device, watts)
         d = self._opened(device)
         lo, hi = self._limits_mw(d)
         mw = round(watts * 1000)

@@ -64,6 +64,17 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def query(settings: StackSettings, sql: str, **params: Any) -> list[tuple[Any, ...]]:
+    """The rows of one warehouse query, as tuples."""
+    from perfloop.warehouse import client
+
+    ch = client(settings)
+    try:
+        return [tuple(r) for r in ch.query(sql, parameters=params).result_rows]
+    finally:
+        ch.close()
+
+
 def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -34,9 +34,9 @@ from perfloop.kafka import consumer, producer
 from perfloop.producers import SimConfig, SimulatedJob
 from perfloop.schemas import ActuationResult, Recommendation, encode_event
 from perfloop.settings import StackSettings
-from perfloop.warehouse import client
 from tests.helpers import Collect, recommendation
 
+from .conftest import query as _query
 from .conftest import wait_for
 
 pytestmark = pytest.mark.integration
@@ -45,14 +45,6 @@ KNOB = "gpu.power_limit_w"
 GOOD_W, CAPPED_W = 700.0, 150.0  # 150 W clocks the simulated GPU down: steps ~1.5x slower
 WARMUP_STEPS = 30  # more than the agent's baseline (10 steps) before the change is asked for
 SETTLE, VERIFY = 2, 20
-
-
-def _query(settings: StackSettings, sql: str, **params: Any) -> list[tuple[Any, ...]]:
-    ch = client(settings)
-    try:
-        return [tuple(r) for r in ch.query(sql, parameters=params).result_rows]
-    finally:
-        ch.close()
 
 
 def _publish(settings: StackSettings, rec: Recommendation) -> None:

@@ -19,21 +19,13 @@ from perfloop.catalog import Topics
 from perfloop.kafka import producer
 from perfloop.schemas import Approval, Recommendation, encode_event
 from perfloop.settings import StackSettings
-from perfloop.warehouse import client
 
 from .conftest import perfloop_cli, wait_for
+from .conftest import query as _query
 
 pytestmark = pytest.mark.integration
 
 KNOB = "dataloader.num_workers"
-
-
-def _query(settings: StackSettings, sql: str, **params: Any) -> list[tuple[Any, ...]]:
-    ch = client(settings)
-    try:
-        return [tuple(r) for r in ch.query(sql, parameters=params).result_rows]
-    finally:
-        ch.close()
 
 
 def _publish(settings: StackSettings, topic: str, event: Any) -> None:

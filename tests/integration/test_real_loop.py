@@ -13,25 +13,17 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any
 
 import pytest
 
 from perfloop.demo_real import run_real_job
 from perfloop.settings import StackSettings
-from perfloop.warehouse import client
+
+from .conftest import query as _query
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 torch = pytest.importorskip("torch")
-
-
-def _query(settings: StackSettings, sql: str, **params: Any) -> list[tuple[Any, ...]]:
-    ch = client(settings)
-    try:
-        return [tuple(r) for r in ch.query(sql, parameters=params).result_rows]
-    finally:
-        ch.close()
 
 
 def test_a_real_job_is_diagnosed_changed_between_steps_and_verified(

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from perfloop.settings import StackSettings
-from perfloop.warehouse import client
 
 from .conftest import perfloop_cli, wait_for
+from .conftest import query as _query
 
 pytestmark = pytest.mark.integration
 
@@ -33,14 +33,6 @@ TOLERANCE = 0.05
 
 def _job() -> str:
     return f"run-it-{uuid.uuid4().hex[:8]}"
-
-
-def _query(settings: StackSettings, sql: str, **params: Any) -> list[tuple[Any, ...]]:
-    ch = client(settings)
-    try:
-        return [tuple(r) for r in ch.query(sql, parameters=params).result_rows]
-    finally:
-        ch.close()
 
 
 def _eventually(
