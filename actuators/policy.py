@@ -7,7 +7,8 @@ Per job (`JobRules`, changed live by ``ConfigChange`` events with target ``actua
   recommendation, ``recommend`` shows it, ``approve`` keeps it pending until a person approves
   it (`Policy.approve`), ``auto`` issues the command itself;
 - ``dry_run``: decide everything as in the tier, publish no command (outcome ``dry_run``);
-- the knob allow-list and its bounds (`KNOB_BOUNDS`);
+- the knob allow-list and its bounds (`KNOB_BOUNDS`), narrowed per job by the ranges its job
+  agent reports in its job info (the CPUs it has, its GPU's power-limit range);
 - hysteresis: a recommendation expecting less than ``min_gain_pct`` is refused (an approval is a
   person's call and skips it);
 - a cooldown per knob (``cooldown_s`` since the knob last changed) and a rate limit
@@ -34,6 +35,7 @@ from perfloop.schemas import (
     Command,
     ConfigChange,
     Decision,
+    JobInfo,
     Recommendation,
 )
 
@@ -178,6 +180,24 @@ class Policy:
         self._last_change: dict[tuple[str, str], int] = {}
         self._recent: dict[str, collections.deque[int]] = {}
         self._acted: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.job_bounds: dict[str, dict[str, tuple[float, float]]] = {}
+        """Per job: the knobs' ranges its own hardware allows (from its job info)."""
+
+    def observe_info(self, info: JobInfo) -> None:
+        """Take a job's own knob ranges from its job info (``extra["bounds.<knob>"]`` =
+        ``"lo,hi"``, as its job agent publishes them); unreadable ones are ignored."""
+        bounds = {}
+        for key, text in info.extra.items():
+            if not key.startswith("bounds."):
+                continue
+            try:
+                lo, hi = (float(x) for x in text.split(","))
+            except ValueError:
+                continue
+            if lo <= hi:
+                bounds[key.removeprefix("bounds.")] = (lo, hi)
+        if bounds:
+            self.job_bounds[info.job_id] = bounds
 
     # -- rules -------------------------------------------------------------------------------
     def rules(self, job_id: str) -> JobRules:
@@ -287,7 +307,10 @@ class Policy:
     ) -> tuple[Command | None, Decision]:
         rec_id = src.event_id if isinstance(src, Recommendation) else src.rec_id
         value = src.to_value
-        why = knob_problem(src.knob, value)
+        own = self.job_bounds.get(src.job_id, {}).get(src.knob)
+        why = knob_problem(src.knob, value, own)
+        if why and own is not None:
+            why += " (the job's own range, from its job info)"
         if why:
             return None, self._decision(src, rules, now_ns, "refused", why, actor=actor)
         key = (src.job_id, src.knob)

@@ -3,13 +3,14 @@
 It reads ``perfloop.recommendations`` (the stream tier's `Recommendation` events and people's
 `Approval` events, keyed by job so a job's approval follows its recommendation) and, from
 ``perfloop.control``, the ``ConfigChange`` events addressed to it (target ``actuator``: a
-job's tier, dry run and limits; `perfloop.actuators.policy`). For each recommendation and
-approval, `Policy` decides; the service signs the command it issues (HMAC-SHA256 with the
-job's own key when ``job_signing_keys`` has one, key id ``job:<id>``, else key ``default``)
-and publishes it on ``perfloop.control``, and publishes the `Decision` (issued, pending,
-refused with the reason, …) on ``perfloop.actuations``, from where the sink lands it in the
-``audit`` table. Offsets are committed after both are delivered (at least once; the job agent
-drops a replayed command by its sequence number).
+job's tier, dry run and limits; `perfloop.actuators.policy`), and from
+``perfloop.telemetry.job`` each job's `JobInfo` (the knob ranges its hardware allows). For
+each recommendation and approval, `Policy` decides; the service signs the command it issues
+(HMAC-SHA256 with the job's own key when ``job_signing_keys`` has one, key id ``job:<id>``,
+else key ``default``) and publishes it on ``perfloop.control``, and publishes the `Decision`
+(issued, pending, refused with the reason, …) on ``perfloop.actuations``, from where the sink
+lands it in the ``audit`` table. Offsets are committed after both are delivered (at least
+once; the job agent drops a replayed command by its sequence number).
 
 The settings it was given live are read back from the warehouse (``config_changes``) when it
 starts, so a restarted service keeps each job's tier; a change published in the second before
@@ -35,6 +36,7 @@ from perfloop.schemas import (
     Command,
     ConfigChange,
     Decision,
+    JobInfo,
     Recommendation,
     SchemaError,
     decode_event,
@@ -82,7 +84,7 @@ class ActuatorService:
 
     def start(self) -> None:
         self.load_settings()
-        self._consumer.subscribe([Topics.RECOMMENDATIONS, Topics.CONTROL])
+        self._consumer.subscribe([Topics.RECOMMENDATIONS, Topics.CONTROL, Topics.JOB])
 
     def stop(self) -> None:
         self._stop.set()
@@ -99,6 +101,9 @@ class ActuatorService:
                         log.warning("consumer error: %s", msg.error())
                     continue
                 self.handle(msg.value() or b"", msg.topic())
+                if msg.topic() == Topics.JOB:  # nothing published for it: no need to wait
+                    self._consumer.commit(message=msg, asynchronous=True)
+                    continue
                 self._producer.flush(10)
                 self._consumer.commit(message=msg, asynchronous=False)
         finally:
@@ -155,6 +160,9 @@ class ActuatorService:
         now = time.time_ns()
         if isinstance(ev, ConfigChange):
             self._configure(ev)
+            return None
+        if isinstance(ev, JobInfo):
+            self.policy.observe_info(ev)
             return None
         if isinstance(ev, Recommendation):
             cmd, decision = self.policy.decide(ev, now_ns=now)

@@ -413,7 +413,10 @@ class Session:
         if self.knobs is not None:
             with contextlib.suppress(Exception):
                 knobs = {k: str(v) for k, v in self.knobs.current().items()}
-                extra["extra"] = {**knobs, "cpu_affinity": str(self.knobs.cpus)}
+                ranges = {
+                    f"bounds.{k}": f"{lo:g},{hi:g}" for k, (lo, hi) in self.knobs.bounds.items()
+                }
+                extra["extra"] = {**knobs, **ranges, "cpu_affinity": str(self.knobs.cpus)}
         return describe_job(
             model=model,
             optimizer=opt,

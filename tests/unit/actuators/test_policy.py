@@ -299,3 +299,26 @@ def test_sequence_survives_a_restart() -> None:
     later, _ = _policy().decide(_rec(), now_ns=T0 + 1_000_000)  # a new process, 1 ms later
     assert first is not None and later is not None
     assert later.seq > first.seq
+
+
+def test_a_jobs_own_range_from_its_job_info_narrows_the_allow_list() -> None:
+    """A 2-CPU job's agent reports threads in [1, 2]: 8 threads is refused before any command
+    is issued, and the reason says whose range it is."""
+    from perfloop.schemas import JobInfo
+
+    p = Policy(JobRules(tier="auto", min_gain_pct=0), ttl_s=60)
+    info = JobInfo(ts_ns=1, job_id="j", node="n", rank=0,
+                   extra={"bounds.torch.num_threads": "1,2", "bounds.bad": "x"})  # fmt: skip
+    p.observe_info(info)
+    rec = Recommendation(ts_ns=0, job_id="j", node="n", rank=-1, knob="torch.num_threads",
+                         from_value=1, to_value=8, loop="fast", expected_gain_pct=10,
+                         confidence=0.5, rationale="r")  # fmt: skip
+    cmd, d = p.decide(rec, now_ns=10**18)
+    assert cmd is None and d.outcome == "refused"
+    assert (
+        d.reason == "torch.num_threads=8 is outside [1, 2] (the job's own range, from its job info)"
+    )
+    cmd, d = p.decide(rec.model_copy(update={"to_value": 2, "event_id": "r2"}), now_ns=10**18)
+    assert cmd is not None and cmd.value == 2
+    other, _ = p.decide(rec.model_copy(update={"job_id": "k", "event_id": "r3"}), now_ns=10**18)
+    assert other is not None, "another job keeps the allow-list's range"

@@ -106,7 +106,11 @@ def test_commands_change_threads_and_workers_mid_epoch_without_changing_the_data
     assert rows["num_workers"][:3] == [0, 0, 0] and set(rows["num_workers"][3:]) == {1}
     infos = traced.events("job_info")
     assert infos[-1].extra["dataloader.num_workers"] == "1", "the job info follows the change"
-    assert int(infos[-1].extra["cpu_affinity"]) >= 1
+    cpus = int(infos[-1].extra["cpu_affinity"])
+    assert cpus >= 1
+    # the job's own ranges, for the actuator to refuse what its hardware cannot take
+    assert infos[-1].extra["bounds.torch.num_threads"] == f"1,{cpus}"
+    assert infos[-1].extra["bounds.dataloader.num_workers"] == f"0,{cpus}"
 
 
 def test_a_command_for_a_knob_out_of_the_jobs_hardware_is_rejected(
