@@ -164,7 +164,8 @@ def summarize_trace(
     """The ``top`` CPU operators by self time, and the ``top`` GPU kernels by total time.
 
     An operator's self time is its duration less that of the operators nested in it on the
-    same thread. ``prefix`` is the ijson prefix of the events (a first pass finds it:
+    same thread; one nested directly in an operator of its own name is not another call.
+    ``prefix`` is the ijson prefix of the events (a first pass finds it:
     ``TraceIndex.meta[EVENTS_PREFIX]``).
     """
     ops: dict[tuple[Any, Any], list[tuple[float, float, str]]] = defaultdict(list)
@@ -195,8 +196,11 @@ def summarize_trace(
                 _close(stack.pop(), self_us)
             if stack:
                 stack[-1][3] += dur
+            # an operator re-entering itself (a redispatch, e.g. aten::div_ in aten::div_) is
+            # one call, as the profiler's own key averages count it
+            if not stack or stack[-1][1] != name:
+                calls[name] += 1
             stack.append([ts + dur, name, dur, 0.0])
-            calls[name] += 1
         while stack:
             _close(stack.pop(), self_us)
     top_ops = sorted(self_us.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
