@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import queue
 import threading
 import time
@@ -346,12 +345,12 @@ class JobAgent:
         if cmd.knob in KNOB_BOUNDS or cmd.knob in BOOL_KNOBS:
             return knob_problem(cmd.knob, cmd.value, self.bounds.get(cmd.knob))
         # a knob of the job's own (not the actuator's allow-list): only its own bounds
-        lo, hi = self.bounds.get(cmd.knob, (-math.inf, math.inf))
-        if math.isinf(lo) and math.isinf(hi):
+        own = self.bounds.get(cmd.knob)
+        if own is None:
             return ""
+        lo, hi = own
         if isinstance(cmd.value, bool | str) or not lo <= cmd.value <= hi:
             return f"{cmd.knob}={cmd.value!r} is outside [{lo:g}, {hi:g}]"
-        return ""
         return ""
 
     def step_boundary(self, step: int) -> list[ActuationResult]:

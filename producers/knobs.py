@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from perfloop.exceptions import ConfigError
 
@@ -36,6 +36,7 @@ __all__ = ["TorchKnobs", "Tunable", "start_agent", "tunable", "tunables", "use_p
 log = logging.getLogger("perfloop.producers")
 
 KnobValue = int | float | bool | str
+V = TypeVar("V")
 LiveLoader = Callable[[], "tuple[Any, Any] | None"]
 """Returns ``(iterator, loader)`` of the training data's current pass, or None."""
 
@@ -111,6 +112,14 @@ def tunables() -> dict[str, Tunable]:
         return dict(_TUNABLES)
 
 
+def _setter(t: Tunable) -> Callable[[KnobValue], None]:
+    return t.set
+
+
+def _range(t: Tunable) -> tuple[float, float]:
+    return (t.lo, t.hi)
+
+
 def _cpus() -> int:
     try:
         return len(os.sched_getaffinity(0)) or 1
@@ -118,33 +127,17 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-class _Handlers(Mapping[str, Callable[[KnobValue], None]]):
-    """The built-in handlers plus the tunables declared so far (live)."""
+class _Live(Mapping[str, V]):
+    """A mapping rebuilt on each read: the built-in entries over the tunables declared so far
+    (a tunable declared after the agent started is a knob at once)."""
 
-    def __init__(self, builtin: dict[str, Callable[[KnobValue], None]]) -> None:
-        self._builtin = builtin
+    def __init__(self, builtin: dict[str, V], of_tunable: Callable[[Tunable], V]) -> None:
+        self._builtin, self._of = builtin, of_tunable
 
-    def _all(self) -> dict[str, Callable[[KnobValue], None]]:
-        return {**{n: t.set for n, t in tunables().items()}, **self._builtin}
+    def _all(self) -> dict[str, V]:
+        return {**{n: self._of(t) for n, t in tunables().items()}, **self._builtin}
 
-    def __getitem__(self, knob: str) -> Callable[[KnobValue], None]:
-        return self._all()[knob]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._all())
-
-    def __len__(self) -> int:
-        return len(self._all())
-
-
-class _Bounds(Mapping[str, tuple[float, float]]):
-    def __init__(self, builtin: dict[str, tuple[float, float]]) -> None:
-        self._builtin = builtin
-
-    def _all(self) -> dict[str, tuple[float, float]]:
-        return {**{n: (t.lo, t.hi) for n, t in tunables().items()}, **self._builtin}
-
-    def __getitem__(self, knob: str) -> tuple[float, float]:
+    def __getitem__(self, knob: str) -> V:
         return self._all()[knob]
 
     def __iter__(self) -> Iterator[str]:
@@ -192,8 +185,8 @@ class TorchKnobs:
             builtin["gpu.power_limit_w"] = power
             if power_range is not None:
                 bounds["gpu.power_limit_w"] = power_range
-        self.handlers: Mapping[str, Callable[[KnobValue], None]] = _Handlers(builtin)
-        self.bounds: Mapping[str, tuple[float, float]] = _Bounds(bounds)
+        self.handlers: Mapping[str, Callable[[KnobValue], None]] = _Live(builtin, _setter)
+        self.bounds: Mapping[str, tuple[float, float]] = _Live(bounds, _range)
 
     def _set_threads(self, value: KnobValue) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
