@@ -372,8 +372,9 @@ class StreamEngine:
                 self.rule.observe_workers(item.job_id, workers)
                 self.threads.observe_steps(
                     item.job_id,
-                    step_ms=cols["step_time_ms"].tolist(),
-                    wait_ms=cols["data_wait_ms"].tolist(),
+                    steps=len(cols["step_time_ms"]),
+                    step_ms=float(cols["step_time_ms"].sum()),
+                    wait_ms=float(cols["data_wait_ms"].sum()),
                     workers=workers,
                 )
         else:

@@ -228,7 +228,7 @@ class ThreadRule:
     >>> rule = ThreadRule(cooldown_s=30, settle_steps=2)
     >>> rule.observe_info(JobInfo(ts_ns=NS, job_id="j", node="n0", rank=0, cpu_count=2,
     ...                           extra={"torch.num_threads": "8"}))
-    >>> rule.observe_steps("j", step_ms=[100.0, 100.0], wait_ms=[40.0, 40.0], workers=0)
+    >>> rule.observe_steps("j", steps=2, step_ms=200.0, wait_ms=80.0, workers=0)
     >>> [(r.knob, r.from_value, r.to_value) for r in rule.evaluate("j", 2 * NS, workers=1)]
     [('torch.num_threads', 8, 1)]
     """
@@ -258,15 +258,16 @@ class ThreadRule:
         j.node, j.cpus, j.gpu = info.node, cpus_per_rank(info), info.gpu_count > 0
 
     def observe_steps(
-        self, job: str, *, step_ms: Iterable[float], wait_ms: Iterable[float], workers: int
+        self, job: str, *, steps: int, step_ms: float, wait_ms: float, workers: int
     ) -> None:
+        """``steps`` more steps of the job, their summed step time and data wait, and the loader
+        workers they ran with (a change of workers starts a new configuration)."""
         j = self._jobs.setdefault(job, _Threads())
         if workers != j.workers:
             j.workers, j.steps, j.step_ms, j.wait_ms = workers, 0, 0.0, 0.0
-        steps, waits = list(step_ms), list(wait_ms)
-        j.steps += len(steps)
-        j.step_ms += float(sum(steps))
-        j.wait_ms += float(sum(waits))
+        j.steps += steps
+        j.step_ms += step_ms
+        j.wait_ms += wait_ms
 
     def evaluate(
         self, job: str, now_ns: int, *, workers: int | None = None

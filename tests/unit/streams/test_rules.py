@@ -212,7 +212,7 @@ def _threads(
 
     rule = ThreadRule(cooldown_s=30, settle_steps=30)
     rule.observe_info(_info(cpus=cpus, threads=threads))
-    rule.observe_steps("j", step_ms=[100.0] * steps, wait_ms=[100.0 * wait] * steps,
+    rule.observe_steps("j", steps=steps, step_ms=100.0 * steps, wait_ms=100.0 * wait * steps,
                        workers=workers)  # fmt: skip
     return rule
 
@@ -252,7 +252,7 @@ def test_the_thread_rule_waits_its_cooldown_and_a_new_config_settles_again() -> 
     assert len(rule.evaluate("j", 10 * NS)) == 1
     assert rule.evaluate("j", 20 * NS) == []
     rule.observe_info(_info(threads=2))  # applied: a new configuration, judged afresh
-    rule.observe_steps("j", step_ms=[100.0] * 40, wait_ms=[0.0] * 40, workers=1)
+    rule.observe_steps("j", steps=40, step_ms=4000.0, wait_ms=0.0, workers=1)
     (rec,) = rule.evaluate("j", 41 * NS)
     assert (rec.from_value, rec.to_value) == (2, 1)
 
