@@ -189,29 +189,44 @@ def config_command(args: argparse.Namespace, *, out: TextIO | None = None) -> in
     return _history(args, settings, out or sys.stdout)
 
 
-def _set(args: argparse.Namespace, settings: Any, out: TextIO) -> int:
+def publish_change(settings: Any, change: Any, timeout_s: float = 10.0) -> str:
+    """Publish a `ConfigChange` on ``perfloop.control`` (keyed by whom it applies to) and wait
+    for the broker to take it; return why it was not delivered ("" when it was)."""
     from perfloop.catalog import Topics
-    from perfloop.exceptions import BrokerError
-    from perfloop.kafka import ping, producer
+    from perfloop.kafka import producer
     from perfloop.schemas import encode_event
 
-    change = build_change(
-        args.key, parse_value(args.value), target=args.target, job=args.job, reason=args.reason
-    )
-    ping(settings)  # a broker that is not there is one line now
     errors: list[str] = []
 
     def delivered(err: Any, _msg: Any) -> None:
         if err is not None:
             errors.append(err.str())
 
-    p = producer(settings, **{"linger.ms": 0, "message.timeout.ms": 10_000})
-    p.produce(
-        Topics.CONTROL, key=args.job.encode(), value=encode_event(change), on_delivery=delivered
+    try:
+        p = producer(settings, **{"linger.ms": 0, "message.timeout.ms": int(timeout_s * 1000)})
+        p.produce(
+            Topics.CONTROL,
+            key=change.applies_to.encode(),
+            value=encode_event(change),
+            on_delivery=delivered,
+        )
+        left = p.flush(timeout_s + 5)
+    except Exception as e:  # the caller says what it means to them
+        return " ".join(str(e).split())[:300]
+    return errors[0] if errors else "no answer" if left else ""
+
+
+def _set(args: argparse.Namespace, settings: Any, out: TextIO) -> int:
+    from perfloop.catalog import Topics
+    from perfloop.exceptions import BrokerError
+    from perfloop.kafka import ping
+
+    change = build_change(
+        args.key, parse_value(args.value), target=args.target, job=args.job, reason=args.reason
     )
-    left = p.flush(15.0)
-    if left or errors:
-        why = errors[0] if errors else "no answer"
+    ping(settings)  # a broker that is not there is one line now
+    why = publish_change(settings, change)
+    if why:
         raise BrokerError(
             f"config change not delivered to {settings.kafka_bootstrap}: {why} "
             "(is the broker up? see `perfloop status`)"

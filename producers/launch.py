@@ -239,31 +239,13 @@ def _show_patch(settings: Any, job_id: str) -> Path:
 def _publish_tier(settings: Any, job_id: str, tier: str, timeout_s: float = 10.0) -> None:
     """Set the job's automation tier (``actuator.tier``, for this job only); a broker that does
     not take it is one line on stderr, and the command runs regardless."""
-    from perfloop._config_cli import build_change
-    from perfloop.catalog import Topics
-    from perfloop.kafka import producer
-    from perfloop.schemas import encode_event
+    from perfloop._config_cli import build_change, publish_change
 
     change = build_change(
         "actuator.tier", tier, job=job_id, reason="perfloop run --tier", author="perfloop run"
     )
-    errors: list[str] = []
-
-    def delivered(err: Any, _msg: Any) -> None:
-        if err is not None:
-            errors.append(err.str())
-
-    try:
-        p = producer(settings, **{"linger.ms": 0, "message.timeout.ms": int(timeout_s * 1000)})
-        p.produce(
-            Topics.CONTROL, key=job_id.encode(), value=encode_event(change), on_delivery=delivered
-        )
-        left = p.flush(timeout_s + 1)
-    except Exception as e:  # never stops the job
-        errors.append(str(e))
-        left = 0
-    if left or errors:
-        why = errors[0] if errors else "no answer"
+    why = publish_change(settings, change, timeout_s)
+    if why:
         print(f"perfloop: tier {tier} not set for job {job_id}: {why}", file=sys.stderr)
     else:
         print(f"perfloop: job {job_id}: automation tier {tier}", file=sys.stderr, flush=True)
