@@ -74,6 +74,7 @@ KIND_TOPICS: dict[str, str] = {
     "capability": Topics.JOB,
     "producer": Topics.JOB,
     "ground_truth": Topics.JOB,
+    "progress": Topics.JOB,
     "recommendation": Topics.RECOMMENDATIONS,
     "command": Topics.CONTROL,
     "actuation": Topics.ACTUATIONS,
@@ -98,6 +99,7 @@ KIND_TABLES: dict[str, str] = {
     "capability": "capabilities",
     "producer": "producer_stats",
     "ground_truth": "ground_truth",
+    "progress": "progress",
     "recommendation": "recommendations",
     "command": "commands",
     "actuation": "actuations",
@@ -692,5 +694,33 @@ MIGRATIONS = (
         11,
         "actuations: the evidence a change was kept or rolled back on",
         (_add_columns("actuations", "evidence Map(String, Float64)"),),
+    ),
+)
+
+
+# -- migration 12: where each rank is inside an unusually long step ------------------------------
+# `RankProgress`: published by the training hooks while a step lasts much longer than the rank's
+# recent ones (a hang, a long checkpoint save or evaluation, a rank waiting in a collective).
+MIGRATIONS = (
+    *MIGRATIONS,
+    Migration(
+        12,
+        "progress: where each rank is inside an unusually long step",
+        (
+            _table(
+                "progress",
+                """    step UInt64,
+    phase LowCardinality(String),
+    op LowCardinality(String),
+    since DateTime64(9, 'UTC'),
+    step_start DateTime64(9, 'UTC')""",
+            ),
+        ),
+    ),
+    Migration(
+        13,
+        f"merge less often on progress: merge_selector_base = {MERGE_SELECTOR_BASE}",
+        (f"ALTER TABLE progress MODIFY SETTING merge_selector_base = {MERGE_SELECTOR_BASE}",),
+        tuning=True,
     ),
 )

@@ -7,7 +7,8 @@ names. The catalog:
 - telemetry, batched per node in columnar messages (`BatchBuilder`, `decode_batch`):
   `GpuSample`, `HostSample`, `StepEvent`, `PhaseSpan`, `CollectiveOp`, `KernelSummary`;
 - job-level events, one per message (`encode_event`, `decode_event`): `JobInfo`,
-  `JobLifecycle`, `CapabilityReport`, `ProducerStats`, `GroundTruth`;
+  `JobLifecycle`, `CapabilityReport`, `ProducerStats`, `GroundTruth`, and `RankProgress`
+  (where a rank is inside an unusually long step);
 - control events: `Recommendation`, `Approval`, `Command`, `ActuationResult`, and the
   actuator's `Decision` about each;
 - stream-tier conclusions and live changes: `PhaseChange`, `Diagnosis`, `Prediction`,
@@ -59,6 +60,7 @@ from perfloop.schemas.job import (
     JobInfo,
     JobLifecycle,
     ProducerStats,
+    RankProgress,
 )
 from perfloop.schemas.telemetry import (
     COLLECTIVE_OPS,
@@ -108,6 +110,7 @@ __all__ = [
     "PhaseSpan",
     "Prediction",
     "ProducerStats",
+    "RankProgress",
     "Recommendation",
     "SchemaError",
     "StepEvent",

@@ -49,6 +49,7 @@ from perfloop.schemas.job import (
     JobInfo,
     JobLifecycle,
     ProducerStats,
+    RankProgress,
 )
 from perfloop.schemas.telemetry import (
     CollectiveOp,
@@ -87,6 +88,7 @@ EVENT_KINDS: dict[str, type[Event]] = {
         CapabilityReport,
         ProducerStats,
         GroundTruth,
+        RankProgress,
         Recommendation,
         Command,
         ActuationResult,

@@ -20,6 +20,7 @@ __all__ = [
     "JobInfo",
     "JobLifecycle",
     "ProducerStats",
+    "RankProgress",
 ]
 
 Short = Annotated[str, Field(max_length=256)]
@@ -104,6 +105,46 @@ class CapabilityReport(Event):
     missing: list[Short] = Field(default_factory=list)
     reason: str = Field("", max_length=2000)
     details: dict[str, str] = Field(default_factory=dict)
+
+
+PROGRESS_PHASES = (
+    "data_wait",
+    "forward",
+    "backward",
+    "comm",
+    "optimizer",
+    "checkpoint",
+    "eval",
+    "other",
+)
+"""Where a rank can be inside a step (`RankProgress.phase`)."""
+
+
+class RankProgress(Event):
+    """Where one rank is inside a step that has gone on longer than its recent steps.
+
+    The training hooks publish it while such a step lasts (every few seconds), so the stream
+    tier can tell the rank blocked in a collective (``phase`` ``comm``: waiting for the others)
+    from the rank that stopped before it, and a long checkpoint save or evaluation from a hang.
+    ``since_ns`` is when the rank entered ``phase``; ``step_start_ns`` when the step began;
+    ``op`` names the collective (``phase`` ``comm``) or the checkpoint call.
+
+    >>> p = RankProgress(ts_ns=9, job_id="j", node="n", rank=1, step=40, phase="comm",
+    ...                  op="all_reduce", since_ns=5, step_start_ns=4)
+    >>> p.phase, p.ts_ns - p.since_ns
+    ('comm', 4)
+    """
+
+    KIND: ClassVar[str] = "progress"
+
+    rank: int = Field(ge=0, le=1 << 20)
+    step: int = Field(ge=0)
+    phase: Literal[
+        "data_wait", "forward", "backward", "comm", "optimizer", "checkpoint", "eval", "other"
+    ]
+    op: str = Field("", max_length=64)
+    since_ns: int = Field(ge=0)
+    step_start_ns: int = Field(ge=0)
 
 
 class ProducerStats(Event):

@@ -260,6 +260,11 @@ def _ground_truth(row: dict[str, Any]) -> None:
     row["end"] = end or None
 
 
+def _progress(row: dict[str, Any]) -> None:
+    row["since"] = row.pop("since_ns")
+    row["step_start"] = row.pop("step_start_ns")
+
+
 def _phase(row: dict[str, Any]) -> None:
     row["since"] = row.pop("since_ns")
     row["next_ts"] = row.pop("next_ts_ns") or None
@@ -286,6 +291,7 @@ _EVENT_SHAPES: dict[str, Callable[[dict[str, Any]], None]] = {
     "approval": _approval,
     "decision": _decision,
     "ground_truth": _ground_truth,
+    "progress": _progress,
     "phase": _phase,
     "diagnosis": _diagnosis,
     "prediction": _prediction,
