@@ -65,6 +65,7 @@ class Emitter:
         self._builders: dict[str, BatchBuilder] = {}
         self._seq: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()  # one flush at a time: batches leave in order
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if flush_interval_s is not None:
@@ -102,7 +103,14 @@ class Emitter:
         return ok
 
     def flush(self) -> int:
-        """Publish every pending batch; return the number of messages handed over."""
+        """Publish every pending batch; return the number of messages handed over.
+
+        Flushes run one at a time (the flusher thread's and an explicit one), so batches of
+        one kind leave in the order their rows came and their sequence numbers increase."""
+        with self._flushing:
+            return self._flush()
+
+    def _flush(self) -> int:
         with self._lock:  # take the rows under the lock; encode outside it
             taken = {k: (b.take(), len(b)) for k, b in self._builders.items() if len(b)}
         sent = 0

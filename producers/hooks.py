@@ -38,6 +38,9 @@ import time
 import weakref
 from typing import Any
 
+from perfloop.producers._comm import DdpWatch, InFlight, union
+from perfloop.producers._cpu import cpu_budget
+from perfloop.producers._progress import ProgressWatch, Where
 from perfloop.producers.training import (
     Callback,
     CallbackSet,
@@ -126,6 +129,7 @@ class Tracer:
         self.primary: int | None = None
         self._other: int | None = None
         self._other_run = 0
+        self.comm_covered = 0  # where the last nested comm span of async collectives ended
         self._reset()
 
     @property
@@ -296,6 +300,26 @@ class Tracer:
             self._train()
             rec.span("comm", "comm", t0, t1)
 
+    def async_done(self, done: list[Any]) -> None:
+        """Asynchronous collectives that completed (DDP's bucket all-reduces among them): a
+        `CollectiveOp` row each, timed from the call to completion, and ``comm`` spans nested
+        in the phase they overlapped, over the union of their intervals (buckets overlap the
+        backward pass and each other)."""
+        rec = self.rec
+        for op, t0, t1, size, group, gsize, dtype in done:
+            rec.collective(op, t0, t1, size_bytes=size, group=group, group_size=gsize, dtype=dtype)
+        if not rec.started:
+            return
+        for t0, t1 in union(((d[1], d[2]) for d in done), after=self.comm_covered):
+            rec.span("comm", "comm", t0, t1, depth=1)
+            self.comm_covered = t1
+
+    def checkpoint(self, t0: int, t1: int, name: str) -> None:
+        """A checkpoint save (``torch.save``): a ``checkpoint`` span of its own between
+        activities, nested in the one it happened in otherwise."""
+        depth = 0 if self.open is None and not self.pending and self.eval_t0 is None else 1
+        self.rec.span("checkpoint", name, t0, t1, depth=depth)
+
     def close(self) -> None:
         """The process ends: record the eval region and fetches of the unfinished step."""
         if self.eval_t0 is not None:
@@ -368,6 +392,44 @@ class Session:
         self.agent: Any = None
         if getattr(settings, "agent", False):
             self._start_agent(job_id, node, world["rank"])
+        self.progress = ProgressWatch(
+            self._publish_progress, wall_offset_ns=self.pipeline.recorder.offset
+        )
+        self._next_check = 0
+        self.pipeline.tick = self._tick
+
+    def _publish_progress(self, **fields: Any) -> bool:
+        from perfloop.schemas import RankProgress
+
+        return self.pipeline.event(RankProgress, **fields)
+
+    def _tick(self) -> None:
+        """On the pipeline's worker thread: report a step that goes on too long."""
+        now = _now()
+        if now >= self._next_check:
+            self._next_check = now + 500_000_000
+            self.progress.check(now, self._where)
+
+    def _where(self) -> Where | None:
+        """Where this rank is in its open step (read from another thread: a snapshot)."""
+        rec = self.pipeline.recorder
+        start = rec._start
+        if start is None:
+            return None
+        tr = self.tracer
+        waiting = _S.waiting
+        flying = _S.inflight.oldest()
+        if waiting is not None:
+            phase, op, since = waiting
+        elif flying is not None and _now() - flying[1] > 1_000_000_000:
+            phase, op, since = "comm", flying[0], flying[1]
+        elif tr.open is not None:
+            phase, op, since = tr.open, "", tr.open_t0
+        elif tr.eval_t0 is not None:
+            phase, op, since = "eval", "", tr.eval_t0
+        else:
+            phase, op, since = "other", "", rec._cursor
+        return rec.step, start, phase, op, since
 
     def _start_agent(self, job_id: str, node: str, rank: int) -> None:
         """The job agent: this process's knobs, changed by signed commands between steps."""
@@ -410,13 +472,22 @@ class Session:
         if first is not None:
             extra["batch_size"] = first.fields.get("batch_size") or None
             extra["grad_accum_steps"] = first.fields.get("grad_accum_steps") or None
+        facts: dict[str, str] = {}
+        with contextlib.suppress(Exception):
+            budget = cpu_budget(launcher_world()["local_world_size"])
+            facts = {"cpu_budget": str(budget.cpus), "cpu_budget_why": budget.why}
+            if _S.threads_by_script is not None:
+                facts["torch.num_threads.by_script"] = str(_S.threads_by_script)
+            if _S.torch is not None:
+                facts["torch.num_threads"] = str(_S.torch.get_num_threads())
         if self.knobs is not None:
             with contextlib.suppress(Exception):
                 knobs = {k: str(v) for k, v in self.knobs.current().items()}
                 ranges = {
                     f"bounds.{k}": f"{lo:g},{hi:g}" for k, (lo, hi) in self.knobs.bounds.items()
                 }
-                extra["extra"] = {**knobs, **ranges, "cpu_affinity": str(self.knobs.cpus)}
+                facts = {**knobs, **ranges, "cpu_affinity": str(self.knobs.cpus), **facts}
+        extra["extra"] = facts
         return describe_job(
             model=model,
             optimizer=opt,
@@ -426,6 +497,7 @@ class Session:
         )
 
     def after_step(self, rec: StepRecord) -> None:
+        self.progress.step_done(rec.step_time_ms)
         if not self.info_published or self.info_dirty:
             self.info_published, self.info_dirty = True, False
             self.pipeline.job_info(self.describe(rec))
@@ -537,6 +609,12 @@ class _State:
         self.warned: set[str] = set()
         self.errors = 0
         self.torch: Any = None
+        self.inflight = InFlight()  # async collectives, timed to their completion
+        self.ddp = DdpWatch()
+        # what the training thread is blocked in: (phase, op, since) for a fetch, a
+        # synchronous collective or a checkpoint save (read by the progress reports)
+        self.waiting: tuple[str, str, int] | None = None
+        self.threads_by_script: int | None = None
 
 
 _S = _State()
@@ -609,6 +687,8 @@ def _after_step(rec: StepRecord) -> None:
     if s.session is not None:
         s.session.boundary(rec)
         s.session.after_step(rec)
+    if s.ddp.pending:  # after the first step: no hook of the script's can come after ours
+        s.ddp.hook_pending(_oops)
     n = rec.step + 1
     want = n < s.discovery_steps or n % s.rediscover_every == 0
     if want != s.discovering and s.fdepth == 0:
@@ -740,6 +820,7 @@ def _make_backward(orig: Any) -> Any:
             if opened:
                 t1 = _now()
                 try:
+                    _drain(tr)  # DDP's bucket all-reduces: nested in this backward
                     tr.backward_end(t1, tensors)
                 except Exception as e:
                     _oops("the backward hook", e)
@@ -756,6 +837,7 @@ def _opt_pre(opt: Any, args: Any, kwargs: Any) -> None:
     t = _now()
     s = _S
     try:
+        _drain(tr)
         s.opt_stack.append(tr.optimizer_begin(t, id(opt)))
     except Exception as e:
         s.opt_stack.append(False)
@@ -826,16 +908,22 @@ def _make_next(orig: Any) -> Any:
         if tr is None:
             return orig(self)
         t0 = _now()
+        _S.waiting = ("data_wait", "", t0)
         try:
             batch = orig(self)
         except StopIteration:
+            _S.waiting = None
             t1 = _now()
             try:
                 tr.fetch(t0, t1, stop=True)
             except Exception as e:
                 _oops("the data-loader hook", e)
             raise
+        except BaseException:
+            _S.waiting = None
+            raise
         t1 = _now()
+        _S.waiting = None
         try:
             bs, tok = _inspect_batch(batch, _S.torch.Tensor)
             iters = _S.iters
@@ -919,29 +1007,131 @@ def _make_collective(orig: Any, op: str) -> Any:
     p_name = next((n for n in _PAYLOAD_NAMES if n in params), None)
     p_idx = params.index(p_name) if p_name is not None else -1
 
+    a_idx = params.index("async_op") if "async_op" in params else -1
+
+    def describe(args: Any, kwargs: Any) -> tuple[int, str, str, int]:
+        x = args[p_idx] if 0 <= p_idx < len(args) else kwargs.get(p_name or "")
+        size, dtype = _payload(x, _S.torch.Tensor)
+        g = args[g_idx] if 0 <= g_idx < len(args) else kwargs.get("group")
+        gname, gsize = _group_of(g)
+        return size, dtype, gname, gsize
+
     @functools.wraps(orig)
     def collective(*args: Any, **kwargs: Any) -> Any:
+        s = _S
         tr = _traced()
+        is_async = bool(args[a_idx] if 0 <= a_idx < len(args) else kwargs.get("async_op"))
         if tr is None:
+            if is_async and s.session is not None and s.enabled and s.pid == os.getpid():
+                # another thread of the traced process (CUDA's autograd threads run DDP's
+                # hooks): timed to completion, taken by the training thread later
+                t0 = _now()
+                work = orig(*args, **kwargs)
+                with contextlib.suppress(Exception):
+                    size, dtype, gname, gsize = describe(args, kwargs)
+                    s.inflight.watch(work, (op, t0, 0, size, gname, gsize, dtype))
+                return work
             return orig(*args, **kwargs)
         t0 = _now()
+        if not is_async:
+            s.waiting = ("comm", op, t0)
+        work = None
         try:
-            return orig(*args, **kwargs)
+            work = orig(*args, **kwargs)
+            return work
         finally:
             t1 = _now()
+            s.waiting = None
             try:
-                tt = _S.torch.Tensor
-                x = args[p_idx] if 0 <= p_idx < len(args) else kwargs.get(p_name or "")
-                size, dtype = _payload(x, tt)
-                g = args[g_idx] if 0 <= g_idx < len(args) else kwargs.get("group")
-                gname, gsize = _group_of(g)
-                tr.collective(op, t0, t1, size, gname, gsize, dtype)
+                size, dtype, gname, gsize = describe(args, kwargs)
+                row = (op, t0, 0, size, gname, gsize, dtype)
+                if not (is_async and work is not None and s.inflight.watch(work, row)):
+                    tr.collective(op, t0, t1, size, gname, gsize, dtype)
+                _drain(tr)
             except Exception as e:
                 _oops(f"the {op} hook", e)
-            _S.pipe.overhead_ns += _now() - t1  # type: ignore[union-attr]
+            s.pipe.overhead_ns += _now() - t1  # type: ignore[union-attr]
 
     collective.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
     return collective
+
+
+def _drain(tr: Tracer) -> None:
+    """Record the asynchronous collectives that completed since the last call."""
+    done = _S.inflight.take()
+    if done:
+        tr.async_done(done)
+
+
+def _make_ddp_init(orig: Any) -> Any:
+    @functools.wraps(orig)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig(self, *args, **kwargs)
+        try:
+            if _S.enabled and _S.pid == os.getpid():
+                _S.ddp.created(self)
+        except Exception as e:
+            _oops("the DistributedDataParallel hook", e)
+
+    __init__.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
+    return __init__
+
+
+def _make_own_comm_hook(orig: Any) -> Any:
+    """The script registers its own DDP comm hook: ours is never added to that module."""
+
+    @functools.wraps(orig)
+    def register(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with contextlib.suppress(Exception):
+            _S.ddp.own_hook(self)
+        return orig(self, *args, **kwargs)
+
+    register.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
+    return register
+
+
+def _make_set_threads(orig: Any) -> Any:
+    """The script sets its own thread count: never raised past it (the stream tier reads it
+    in the job info); the job agent's changes call the original."""
+
+    @functools.wraps(orig)
+    def set_num_threads(n: Any) -> Any:
+        out = orig(n)
+        with contextlib.suppress(Exception):
+            s = _S
+            if s.pid == os.getpid() and not isinstance(n, bool):
+                s.threads_by_script = int(n)
+                if s.session is not None:
+                    s.session.info_dirty = True
+        return out
+
+    set_num_threads.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
+    return set_num_threads
+
+
+def _make_save(orig: Any) -> Any:
+    """``torch.save`` on the training thread: a ``checkpoint`` span."""
+
+    @functools.wraps(orig)
+    def save(*args: Any, **kwargs: Any) -> Any:
+        s = _S
+        if s.tid != _get_ident() or s.tracer is None or s.waiting is not None:
+            return orig(*args, **kwargs)
+        t0 = _now()
+        s.waiting = ("checkpoint", "torch.save", t0)
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            s.waiting = None
+            t1 = _now()
+            try:
+                s.tracer.checkpoint(t0, t1, "torch.save")
+            except Exception as e:
+                _oops("the torch.save hook", e)
+            s.pipe.overhead_ns += _now() - t1  # type: ignore[union-attr]
+
+    save.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
+    return save
 
 
 def _make_init_pg(orig: Any) -> Any:
@@ -1019,6 +1209,8 @@ def install(
             optim.register_optimizer_step_post_hook(_opt_post),
         ]
         _patch(torch.autograd, "backward", _make_backward)
+        _patch(torch, "save", _make_save)
+        _patch(torch, "set_num_threads", _make_set_threads)
         _patch(dl._BaseDataLoaderIter, "__next__", _make_next)
         _patch(dl.DataLoader, "__iter__", _make_iter)
         for mod in (torch.nn.utils, sys.modules.get("torch.nn.utils.clip_grad")):
@@ -1037,6 +1229,11 @@ def install(
                         s.patches.append((mod, fname, fn))
             for mod in (c10d, dist):
                 _patch(mod, "init_process_group", _make_init_pg)
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            _patch(DDP, "__init__", _make_ddp_init)
+            for name in ("register_comm_hook", "_register_builtin_comm_hook"):
+                _patch(DDP, name, _make_own_comm_hook)
     except Exception as e:
         _oops("installing the torch hooks", e)
         uninstall()

@@ -3,11 +3,13 @@
 `TorchKnobs` gives the job agent (`perfloop.actuators.JobAgent`) a handler per knob, the job's
 own bounds (what its hardware allows) and the current values (published in its job info):
 
-- ``torch.num_threads``: ``torch.set_num_threads``, 1 … the CPUs this process may run on;
+- ``torch.num_threads``: ``torch.set_num_threads``, 1 … the rank's CPU budget (its affinity and
+  its container's quota, shared with the launcher's other ranks on the node:
+  `perfloop.producers._cpu`);
 - ``dataloader.num_workers`` / ``dataloader.prefetch_factor`` / ``dataloader.pin_memory``: the
   DataLoader the training data comes from, changed mid-epoch: the iterator the script holds
   keeps giving the same batches in the same order (`perfloop.producers._loader_swap`); workers
-  up to the process's CPUs;
+  up to four times the rank's CPUs (loader workers that wait on storage can outnumber them);
 - ``profiler.capture_steps``: a PyTorch-profiler capture of the next N steps, published
   (`perfloop.producers._capture`);
 - ``gpu.power_limit_w``: the NVML power limit of the GPUs this process uses, within each one's
@@ -30,6 +32,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from perfloop.exceptions import ConfigError
+from perfloop.producers._cpu import cpu_budget
+from perfloop.producers.training import launcher_world
 
 __all__ = ["TorchKnobs", "Tunable", "start_agent", "tunable", "tunables", "use_patch"]
 
@@ -170,15 +174,19 @@ class TorchKnobs:
         self._live: LiveLoader = live_loader if live_loader is not None else (lambda: None)
         self.capture = capture
         self.cpus = _cpus()
+        self.budget = cpu_budget(launcher_world()["local_world_size"])
         builtin: dict[str, Callable[[KnobValue], None]] = {}
         bounds: dict[str, tuple[float, float]] = {}
         if torch is not None:
             builtin["torch.num_threads"] = self._set_threads
-            bounds["torch.num_threads"] = (1.0, float(self.cpus))
+            # never more threads than the rank's CPUs (its share when ranks share them)
+            bounds["torch.num_threads"] = (1.0, float(self.budget.cpus))
         if live_loader is not None:
             for name in ("num_workers", "prefetch_factor", "pin_memory"):
                 builtin[f"dataloader.{name}"] = self._loader_setter(name)
-            bounds["dataloader.num_workers"] = (0.0, float(self.cpus))
+            # workers that wait on storage can outnumber the CPUs (the stream tier grows them
+            # one verified step at a time, within the host's memory)
+            bounds["dataloader.num_workers"] = (0.0, float(max(8, 4 * self.budget.cpus)))
         if capture is not None:
             builtin["profiler.capture_steps"] = capture.request
         if power is not None:
@@ -191,7 +199,8 @@ class TorchKnobs:
     def _set_threads(self, value: KnobValue) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"torch.num_threads={value!r}: use a whole number ≥ 1")
-        self.torch.set_num_threads(int(value))
+        set_threads = self.torch.set_num_threads  # the hooks' wrapper notes the script's calls
+        getattr(set_threads, "__perfloop_wrapped__", set_threads)(int(value))
 
     def _loader_setter(self, name: str) -> Callable[[KnobValue], None]:
         def set_(value: KnobValue) -> None:

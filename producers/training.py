@@ -857,6 +857,8 @@ class Pipeline:
         self._last_stats = (self.t0_ns, 0)
         self._closed = False
         self._stop = threading.Event()
+        self.tick: Callable[[], None] | None = None
+        """Called on the worker thread every drain interval (the hooks' progress reports)."""
         # one worker: publishes the recorder's rows off the training thread, and stats
         self.recorder.background = True
         self._thread = threading.Thread(
@@ -960,6 +962,12 @@ class Pipeline:
         next_stats = time.monotonic() + stats_interval_s
         while not self._stop.wait(drain_interval_s):
             self.recorder.drain()
+            tick = self.tick
+            if tick is not None:
+                try:
+                    tick()
+                except Exception as e:
+                    self.errors("the pipeline's periodic check", e)
             if stats_interval_s and time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + stats_interval_s
                 self.stats()

@@ -1,0 +1,177 @@
+"""Communication the training hooks cannot time from the calling thread alone.
+
+Two things live here, both used by `perfloop.producers.hooks`:
+
+- `InFlight`: asynchronous collectives (``async_op=True``, and every gradient all-reduce of
+  DDP) are timed from the call — the rank's arrival at the collective — to the completion of
+  their work, reported by a done-callback on the work's future (on the backend's thread).
+  Completed ones wait in a queue until the training thread takes them (`InFlight.take`);
+  those still in flight tell the progress reporter that the rank is blocked in a collective.
+- DDP's gradient all-reduce runs in C++ (the reducer) and never calls ``torch.distributed``
+  from Python, so it is invisible to the collective hooks. After the first optimizer step of
+  a process, every `DistributedDataParallel` without a communication hook of its own gets
+  PyTorch's stock ``allreduce_hook`` (the same averaging all-reduce, issued from Python, so
+  each bucket becomes one timed ``all_reduce``). A hook the script registers is left alone
+  (its own collectives are timed like any other); one registered after ours would fail
+  ("can only be registered once"), which is why ours waits for the first step: PyTorch asks
+  for hooks to be registered before the first backward.
+
+`union` turns overlapping intervals into disjoint ones, for ``comm`` spans nested in the
+phase that waited (a bucket's all-reduce overlaps the next bucket's backward).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+__all__ = ["InFlight", "hook_ddp", "union"]
+
+_now = time.perf_counter_ns
+
+Done = tuple[str, int, int, int, str, int, str]
+"""A completed collective: (op, t0, t1, size_bytes, group, group_size, dtype)."""
+
+
+def union(intervals: Iterable[tuple[int, int]], after: int = 0) -> list[tuple[int, int]]:
+    """The disjoint cover of ``intervals``, each clipped to start at ``after`` or later.
+
+    >>> union([(5, 9), (1, 3), (2, 4), (8, 12)])
+    [(1, 4), (5, 12)]
+    >>> union([(1, 3), (5, 9)], after=6)
+    [(6, 9)]
+    """
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(intervals):
+        a = max(a, after)
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+class InFlight:
+    """Asynchronous collectives of one process: in flight, and completed but not yet taken.
+
+    >>> class Fut:
+    ...     def add_done_callback(self, cb): self.cb = cb
+    >>> class Work:
+    ...     def __init__(self): self.fut = Fut()
+    ...     def get_future(self): return self.fut
+    >>> f = InFlight(); w = Work()
+    >>> f.watch(w, ("all_reduce", 10, 0, 4096, "world", 2, "float32"))
+    True
+    >>> f.oldest()[0], f.take()
+    ('all_reduce', [])
+    >>> w.fut.cb(w.fut)
+    >>> [(op, size) for op, _, _, size, *_ in f.take()], f.oldest()
+    ([('all_reduce', 4096)], None)
+    """
+
+    def __init__(self) -> None:
+        self._flying: dict[int, tuple[str, int]] = {}
+        self._done: collections.deque[Done] = collections.deque()
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def watch(self, work: Any, row: Done) -> bool:
+        """Time ``work`` to its completion; False when its future cannot tell (then the caller
+        times it to the call's return)."""
+        try:
+            fut = work.get_future()
+        except Exception:  # e.g. gloo's send/recv have no future
+            return False
+        with self._lock:
+            self._seq += 1
+            key = self._seq
+            self._flying[key] = (row[0], row[1])
+        done = self._done
+        flying = self._flying
+
+        lock = self._lock
+
+        def completed(_fut: Any) -> None:
+            # on the backend's thread: note and forget, never raise into it
+            t1 = _now()
+            with lock:
+                flying.pop(key, None)
+            done.append((row[0], row[1], t1, *row[3:]))
+
+        try:
+            fut.add_done_callback(completed)
+        except Exception:
+            with lock:
+                flying.pop(key, None)
+            return False
+        return True
+
+    def take(self) -> list[Done]:
+        """The collectives completed since the last call (training thread)."""
+        out = []
+        done = self._done
+        while done:
+            try:
+                out.append(done.popleft())
+            except IndexError:
+                break
+        return out
+
+    def oldest(self) -> tuple[str, int] | None:
+        """(op, start) of the collective in flight the longest, or None."""
+        with self._lock:
+            items = list(self._flying.values())
+        return min(items, key=lambda x: x[1]) if items else None
+
+    def __len__(self) -> int:
+        return len(self._flying)
+
+
+# -- DDP ------------------------------------------------------------------------------------
+class DdpWatch:
+    """The process's `DistributedDataParallel` modules, and which ones have a hook already."""
+
+    def __init__(self) -> None:
+        self.pending: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def created(self, ddp: Any) -> None:
+        self.pending.add(ddp)
+
+    def own_hook(self, ddp: Any) -> None:
+        """The script registered a hook: ours is not added."""
+        self.pending.discard(ddp)
+
+    def hook_pending(self, on_error: Callable[[str, BaseException], None]) -> int:
+        """Give each pending module the stock all-reduce hook; return how many got it."""
+        n = 0
+        for ddp in list(self.pending):
+            self.pending.discard(ddp)
+            try:
+                if hook_ddp(ddp):
+                    n += 1
+            except Exception as e:
+                on_error("adding the timing hook to DistributedDataParallel", e)
+        return n
+
+
+def hook_ddp(ddp: Any) -> bool:
+    """Register PyTorch's ``allreduce_hook`` on ``ddp`` if nothing replaced its reducer's
+    all-reduce yet (no comm hook, no mixed-precision hook, no compiled python reducer)."""
+    if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_use_python_reducer", False):
+        return False
+    if getattr(ddp, "mixed_precision", None) is not None:
+        return False
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    register = type(ddp).register_comm_hook
+    register = getattr(register, "__perfloop_wrapped__", register)
+    register(ddp, ddp.process_group, allreduce_hook)
+    ddp._perfloop_hooked = True
+    return True

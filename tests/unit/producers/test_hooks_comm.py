@@ -1,0 +1,252 @@
+"""What the hooks see of communication, checkpoints, threads and long steps in a real process:
+DDP's gradient all-reduce (a one-rank gloo group in this process), asynchronous collectives
+timed to their completion, a comm hook of the script's own left in place, ``torch.save`` as a
+checkpoint span, the script's own thread count, and progress reports of a step that goes on.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from perfloop.producers import hooks
+from perfloop.producers._comm import union
+from perfloop.settings import ProducerSettings
+from tests.unit.producers.test_hooks import FakePublisher
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def traced() -> Iterator[FakePublisher]:
+    pub = FakePublisher()
+    settings = ProducerSettings(job_id="comm-test", node="n0", stats_interval_s=3600, agent=False)
+    assert hooks.install(settings, publisher=pub, command="pytest")
+    try:
+        yield pub
+    finally:
+        hooks.uninstall()
+
+
+@pytest.fixture
+def group(traced: FakePublisher) -> Iterator[None]:
+    """A one-rank gloo process group, initialised after the hooks (as under `perfloop run`)."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 256),
+        torch.nn.Linear(256, 4),
+    )
+
+
+def _train(model: torch.nn.Module, steps: int, before_step: Any = None) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for i in range(steps):
+        x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
+        if before_step is not None:
+            before_step(i)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _bucket_bytes(ddp: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in ddp.parameters())
+
+
+def test_ddp_gradient_all_reduce_is_recorded_from_the_second_step(
+    traced: FakePublisher, group: None
+) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(_model(), bucket_cap_mb=0.1)
+    plain = DDP(_model(), bucket_cap_mb=0.1)  # the same model: what the stock reducer gives
+    steps = 6
+    torch.manual_seed(1)
+    losses = _train(ddp, steps)
+    assert getattr(ddp, "_perfloop_hooked", False), "the timing hook was added after step 0"
+    hooks.uninstall()
+    torch.manual_seed(1)
+    assert _train(plain, steps) == pytest.approx(losses, rel=1e-6), "same gradients, same loss"
+
+    colls = traced.rows("collective")
+    assert colls["op"] and set(colls["op"]) == {"all_reduce"}
+    assert set(colls["group"]) == {"world"} and set(colls["group_size"]) == {1}
+    assert set(colls["dtype"]) == {"float32"}
+    by_step: dict[int, int] = {}
+    for step, size in zip(colls["step"], colls["size_bytes"], strict=True):
+        by_step[step] = by_step.get(step, 0) + size
+    # step 0 ran on the stock reducer (invisible); every later step reduced every gradient
+    assert sorted(by_step) == list(range(1, steps))
+    assert set(by_step.values()) == {_bucket_bytes(ddp)}
+    assert len(colls["op"]) > steps - 1, "a 0.1 MB bucket cap makes several buckets a step"
+
+    spans = traced.rows("span")
+    comm = [
+        (s, d, ms)
+        for s, p, d, ms in zip(
+            spans["step"], spans["phase"], spans["depth"], spans["duration_ms"], strict=True
+        )
+        if p == "comm"
+    ]
+    assert comm and all(d == 1 for _, d, _ in comm), "nested in the backward that waited"
+    backward = {
+        s: ms
+        for s, p, d, ms in zip(
+            spans["step"], spans["phase"], spans["depth"], spans["duration_ms"], strict=True
+        )
+        if p == "backward" and d == 0
+    }
+    for s in range(1, steps):
+        nested = sum(ms for cs, _, ms in comm if cs == s)
+        assert 0 < nested <= backward[s] * 1.01  # the union of overlapping buckets
+
+
+def test_a_comm_hook_of_the_script_is_left_alone(traced: FakePublisher, group: None) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    calls = []
+
+    def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+        calls.append(bucket.index())
+        fut: Any = torch.futures.Future()
+        fut.set_result(bucket.buffer())  # no communication at all
+        return fut
+
+    ddp = DDP(_model())
+    ddp.register_comm_hook(None, counting_hook)
+    _train(ddp, 4)
+    assert not getattr(ddp, "_perfloop_hooked", False)
+    assert len(calls) >= 4, "the script's hook ran every step"
+    hooks.uninstall()
+    assert not traced.rows("collective"), "the hook communicated nothing"
+
+
+def test_async_collectives_are_timed_to_completion(traced: FakePublisher, group: None) -> None:
+    def every_step(i: int) -> None:
+        work = dist.all_reduce(torch.ones(1000), async_op=True)
+        work.wait()
+        dist.all_reduce(torch.ones(10))  # synchronous
+
+    _train(_model(), 4, every_step)
+    hooks.uninstall()
+    colls = traced.rows("collective")
+    sizes = sorted(set(colls["size_bytes"]))
+    assert sizes == [40, 4000]
+    assert colls["op"].count("all_reduce") == 8
+
+
+def test_torch_save_is_a_checkpoint_span(traced: FakePublisher, tmp_path: Any) -> None:
+    model = _model()
+
+    def save_every_other(i: int) -> None:
+        if i % 2 == 1:
+            torch.save(model.state_dict(), tmp_path / f"ck{i}.pt")
+
+    _train(model, 5, save_every_other)
+    hooks.uninstall()
+    spans = traced.rows("span")
+    ck = [
+        (s, d, name)
+        for s, p, d, name in zip(
+            spans["step"], spans["phase"], spans["depth"], spans["name"], strict=True
+        )
+        if p == "checkpoint"
+    ]
+    assert [s for s, _, _ in ck] == [1, 3] and {(d, n) for _, d, n in ck} == {(0, "torch.save")}
+    assert (tmp_path / "ck3.pt").exists()
+
+
+def test_the_scripts_own_thread_count_is_in_the_job_info(traced: FakePublisher) -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        _train(_model(), 2)
+        hooks.uninstall()
+    finally:
+        torch.set_num_threads(before)
+    info = traced.events("job_info")[-1]
+    assert info.extra["torch.num_threads.by_script"] == "1"
+    assert int(info.extra["cpu_budget"]) >= 1 and info.extra["cpu_budget_why"]
+
+
+def test_a_step_that_goes_on_is_reported_with_where_the_rank_is(
+    traced: FakePublisher, group: None
+) -> None:
+    def stall(i: int) -> None:
+        if i == 5:
+            sess = hooks.session()
+            assert sess is not None
+            sess.progress.min_ns = 200_000_000  # 0.2 s instead of 2 s
+            sess.progress.every_ns = 200_000_000
+            dist.barrier()
+            time.sleep(1.5)  # in the training loop, outside any hooked call
+
+    _train(_model(), 7, stall)
+    hooks.uninstall()
+    reports = traced.events("progress")
+    assert len(reports) >= 2
+    assert {r.step for r in reports} == {5}
+    assert {r.phase for r in reports} == {"other"}
+    r = reports[0]
+    assert r.step_start_ns <= r.since_ns < r.ts_ns
+
+
+def test_a_rank_blocked_in_a_collective_reports_comm(traced: FakePublisher, group: None) -> None:
+    """While the training thread is blocked in a synchronous collective (the state its hook
+    sets around the call, held here for 1.2 s: a one-rank group never blocks), the report
+    names the collective. Real blocked ranks: tests/integration/test_realworld.py."""
+    blocked = {}
+
+    def stuck_in_comm(i: int) -> None:
+        if i == 4:
+            sess = hooks.session()
+            assert sess is not None
+            sess.progress.min_ns = sess.progress.every_ns = 200_000_000
+            t0 = time.perf_counter_ns()
+            hooks._S.waiting = ("comm", "all_reduce", t0)  # what the collective hook sets
+            time.sleep(1.2)
+            hooks._S.waiting = None
+            blocked["t0"] = t0
+
+    _train(_model(), 6, stuck_in_comm)
+    hooks.uninstall()
+    reports = [r for r in traced.events("progress") if r.step == 4]
+    assert reports and {(r.phase, r.op) for r in reports} == {("comm", "all_reduce")}
+
+
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 200)), max_size=30))
+def test_union_covers_exactly_the_intervals(raw: list[tuple[int, int]]) -> None:
+    intervals = [(a, a + d) for a, d in raw]
+    out = union(intervals)
+    covered = {t for a, b in intervals for t in range(a, b)}
+    assert {t for a, b in out for t in range(a, b)} == covered
+    assert all(a < b for a, b in out)
+    assert all(out[i][1] < out[i + 1][0] for i in range(len(out) - 1)), "disjoint, not touching"
