@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from perfloop.streams._detect_arrival import ArrivalRing
+
 __all__ = [
     "STEPS",
     "Finding",
@@ -48,6 +50,8 @@ _RING: dict[str, tuple[Any, Any]] = {  # name: (dtype, fill)
     "n_comm": (np.int8, 0),
     "coll": (np.float64, 0.0),  # collectives, ms
     "n_coll": (np.int8, 0),
+    "aside": (np.float64, 0.0),  # checkpoint and eval spans (depth 0): not compute, ms
+    "incomm": (np.float64, 0.0),  # comm spans inside forward/backward/optimizer (depth 1), ms
     "busy": (np.float64, np.nan),  # GPU busy (kernel summary stream -1), ms
 }
 _RANK: dict[str, tuple[Any, Any]] = {
@@ -158,6 +162,7 @@ class JobState:
         self.gpu_mem_bytes = 0.0
         self.nodes: list[str] = []
         self.ring = _alloc(_RING, (STEPS, 0))
+        self.arrival = ArrivalRing(STEPS)  # waits at each collective of a step, per rank
         self.step_no = np.full(STEPS, -1, dtype=np.int64)
         self.done = np.zeros(STEPS, dtype=bool)  # evaluated, or dropped as incomplete
         self.usable = np.zeros(STEPS, dtype=bool)  # complete and evaluated
@@ -169,6 +174,7 @@ class JobState:
             "spans": False,
             "comm_spans": False,
             "coll": False,
+            "arrivals": False,  # collectives of the job's whole group: lateness per rank
             "kernels": False,
             "throttled": False,  # a GPU reported a slowdown reason once: track episodes
         }
@@ -208,6 +214,7 @@ class JobState:
         if n > self.world:
             _grow(self.ring, _RING, n, 1)
             _grow(self.rank, _RANK, n, 0)
+            self.arrival.grow(n)
 
     def node_index(self, node: str) -> int:
         try:
@@ -252,6 +259,7 @@ class JobState:
             rows = slot[stale]
             for k, (_, fill) in _RING.items():
                 self.ring[k][rows] = fill
+            self.arrival.reset(rows)
             self.step_no[rows] = step[stale]
             self.done[rows] = False
             self.usable[rows] = False
@@ -314,18 +322,21 @@ class JobState:
         self.last_step_ns = max(self.last_step_ns, self._newest)
 
     def _span(self, node: int, cols: dict[str, np.ndarray]) -> None:
-        depth0 = cols["depth"] == 0
-        phase = cols["phase"]
+        depth, phase = cols["depth"], cols["phase"]
+        depth0 = depth == 0
         comp = depth0 & ((phase == "forward") | (phase == "backward") | (phase == "optimizer"))
-        comm = depth0 & (phase == "comm")
-        if not (comp.any() or comm.any()):
+        is_comm = phase == "comm"
+        comm = depth0 & is_comm
+        inner = (depth == 1) & is_comm  # DDP's all-reduce in flight inside backward
+        aside = depth0 & ((phase == "checkpoint") | (phase == "eval"))
+        use = comp | comm | inner | aside
+        if not use.any():
             return
-        use = comp | comm
         sub = {k: cols[k][use] for k in ("rank", "step", "duration_ms")}
         slot, rank, ok = self._per_step(sub)
-        dur, c, m = sub["duration_ms"], comp[use], comm[use]
+        dur, c, m, i, a = sub["duration_ms"], comp[use], comm[use], inner[use], aside[use]
         if ok is not None:
-            dur, c, m = dur[ok], c[ok], m[ok]
+            dur, c, m, i, a = dur[ok], c[ok], m[ok], i[ok], a[ok]
         r = self.ring
         if c.any():
             self.flags["spans"] = True
@@ -335,13 +346,26 @@ class JobState:
             self.flags["comm_spans"] = True
             np.add.at(r["comm"], (slot[m], rank[m]), dur[m])
             r["n_comm"][slot[m], rank[m]] = 1
+        if i.any():
+            self.flags["comm_spans"] = True
+            np.add.at(r["incomm"], (slot[i], rank[i]), dur[i])
+            r["n_comm"][slot[i], rank[i]] = 1
+        if a.any():
+            np.add.at(r["aside"], (slot[a], rank[a]), dur[a])
 
     def _collective(self, node: int, cols: dict[str, np.ndarray]) -> None:
         slot, rank, ok = self._per_step(cols)
         self.flags["coll"] = True
-        dur = cols["duration_ms"] if ok is None else cols["duration_ms"][ok]
+        pick = (lambda a: a) if ok is None else (lambda a: a[ok])
+        dur = pick(cols["duration_ms"])
         np.add.at(self.ring["coll"], (slot, rank), dur)
         self.ring["n_coll"][slot, rank] = 1
+        # lateness only from collectives of the whole job (a subgroup's ranks meet apart)
+        size = pick(cols["group_size"])
+        whole = (size == 0) | (size >= max(2, self.declared_world, self.world))
+        if whole.any():
+            self.flags["arrivals"] = True
+            self.arrival.add(slot[whole], rank[whole], pick(cols["ts_ns"])[whole], dur[whole])
 
     def _kernel(self, node: int, cols: dict[str, np.ndarray]) -> None:
         slot, rank, ok = self._per_step(cols)
@@ -443,6 +467,7 @@ class JobState:
         need = self.rank["last_step"] > self.newest_step - STEPS // 2
         out = {k: v[rows] for k, v in self.ring.items()}
         out["step"] = self.step_no[rows]
+        out["slot"] = rows
         out["need"] = need
         return out
 
@@ -477,6 +502,7 @@ class JobState:
             kernel_busy=dict(self.kernel_busy),
             gpu_stats=self.gpu_stats.copy(),
             findings={k: f.to_dict() for k, f in self.findings.items()},
+            arrival=self.arrival.to_state(),
             det=_copy(self.det),
         )
         return doc
@@ -489,12 +515,20 @@ class JobState:
         for k in cls._ARRAYS:
             setattr(job, k, {n: a.copy() for n, a in doc[k].items()})
         job.nodes = list(doc["nodes"])
+        for arrs, spec, shape in (  # arrays newer than the snapshot start empty
+            (job.ring, _RING, (STEPS, len(job.ring["st"][0]))),
+            (job.rank, _RANK, (len(job.rank["node"]),)),
+            (job.node, _NODE, (len(job.nodes),)),
+        ):
+            for k, (dt, fill) in spec.items():
+                arrs.setdefault(k, np.full(shape, fill, dtype=dt))
         job.step_no, job.done, job.usable = (doc[k].copy() for k in ("step_no", "done", "usable"))
         job.dev_lookup = {int(n): a.copy() for n, a in doc["dev_lookup"].items()}
         job.flags = dict(doc["flags"])
         job.kernel_busy = dict(doc["kernel_busy"])
         job.gpu_stats = doc["gpu_stats"].copy()
         job.findings = {k: Finding(**f) for k, f in doc["findings"].items()}
+        job.arrival = ArrivalRing.from_state(doc.get("arrival"), STEPS, job.world)
         job.det = _copy(doc["det"])
         return job
 

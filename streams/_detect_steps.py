@@ -9,9 +9,14 @@ steps of the onset without flapping. Each detector writes its active conditions 
 
 What each one reads (data-parallel semantics: every rank shares the step time):
 
-* straggler — compute per rank (forward + backward + optimizer spans; without spans, step time
-  − data wait − collective time) against the job median of the same step; score
-  ``1 − median / compute`` (0–1).
+* straggler — compute per rank against the job median of the same step; score
+  ``1 − median / compute`` (0–1). Compute is forward + backward + optimizer spans less the
+  comm in flight inside them (DDP's all-reduce nests in backward); without spans, step time −
+  data wait − checkpoint/eval − collective time. When the job reports collectives (or comm
+  spans), the ranks that arrive on time set the compute and a rank's own lateness at the
+  collectives (`perfloop.streams._detect_arrival`) less its data wait and checkpoint/eval
+  time is added to it: the rank the others wait for is slow, the ranks that wait are not, and
+  a checkpoint saved by one rank is no straggler.
 * load_imbalance — ``1 − median / max`` compute per step stays high while the slowest rank
   rotates (no rank is persistently slow: that is a straggler).
 * dataloader_starvation — data wait / step time per rank, grouped by node.
@@ -118,12 +123,15 @@ def _derive(job: JobState, win: dict[str, np.ndarray]) -> dict[str, Any]:
     st, wait = masked(r["st"]), masked(r["wait"])
     comm = masked(r["comm"], r["n_comm"] > 0) if job.flags["comm_spans"] else None
     coll = masked(r["coll"], r["n_coll"] > 0) if job.flags["coll"] else None
-    if job.flags["spans"]:
-        comp = masked(r["compute"], r["n_compute"] > 0)
+    if job.flags["spans"]:  # less the all-reduce in flight inside backward (DDP)
+        comp = masked(r["compute"] - np.minimum(r["incomm"], r["compute"]), r["n_compute"] > 0)
     elif coll is not None:
-        comp = st - wait - coll
+        comp = st - wait - r["aside"] - coll
     else:
         comp = np.full(shape, np.nan)
+    late = _lateness(job, r, masked, comm)
+    if late is not None:
+        comp = _effective(comp, late - nz(wait) - r["aside"])
     med = nanmedian(comp, 1)
     step_ms = nanmedian(st, 1)
     nan_steps = np.full(shape[0], np.nan)
@@ -151,6 +159,38 @@ def _derive(job: JobState, win: dict[str, np.ndarray]) -> dict[str, Any]:
             ratio = (masked(r["busy"]) / comp).ravel()
             job.det["busy_ratio"] = float(np.nan_to_num(nanmedian(ratio[None, :], 1)[0], nan=-1.0))
     return d
+
+
+def _lateness(job: JobState, r: dict[str, np.ndarray], masked: Any, comm: Any) -> Any:
+    """(steps, ranks): how long after the first rank each rank arrived at the step's
+    collectives (`perfloop.streams._detect_arrival`), else at its comm spans (the rank that
+    spent the least time in them came last); None without either."""
+    if job.flags["arrivals"]:
+        return masked(job.arrival.lateness(r["slot"]))
+    if comm is None:
+        return None
+    blocked = comm + masked(r["incomm"])
+    return np.fmax.reduce(blocked, axis=1)[:, None] - blocked
+
+
+def _effective(comp: np.ndarray, own: np.ndarray) -> np.ndarray:
+    """Each rank's compute per step as the on-time ranks' compute plus its own lateness.
+
+    ``own``: lateness less the rank's own data wait and checkpoint/eval time (known causes
+    that are not compute). The ranks arriving by the lower median are on time; their compute
+    less their lateness is the reference, read off the rank with the most of it (the one that
+    waited least, whose time in collectives hides the least of its own work).
+    """
+    own = np.where(np.isnan(comp), np.nan, own)
+    ok = ~np.isnan(own).all(axis=1)
+    if not ok.any():
+        return comp
+    s = np.sort(own, axis=1)
+    n = (~np.isnan(own)).sum(axis=1)
+    lower = s[np.arange(len(s)), np.maximum(n - 1, 0) // 2]
+    extra = np.maximum(own - lower[:, None], 0.0)
+    ref = np.fmax.reduce(comp - extra, axis=1)
+    return np.where(ok[:, None], ref[:, None] + extra, comp)
 
 
 def _start(win: dict[str, np.ndarray], i: int, r: Any) -> Any:
@@ -218,8 +258,7 @@ def _straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> No
     for r in np.flatnonzero(act):
         k = int(min(max(run_on[r], 1), n, 4))
         sc = float(score[-k:, r].mean())
-        others = np.delete(d["comm"][-k:], r, axis=1).ravel()
-        wait_others = nanmedian(others[None, :], 1)[0] - nanmean(d["comm"][-k:, r])
+        late = float(nanmean(comp[-k:, r] - np.fmin.reduce(comp[-k:], axis=1)))
         found[f"straggler:r{r}"] = Finding(
             key=f"straggler:r{r}",
             bottleneck="straggler",
@@ -237,13 +276,10 @@ def _straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> No
                 "median_compute_ms": round(float(med[-k:].mean()), 3),
                 "step_time_ms": round(float(d["step_ms"][-k:].mean()), 3),
                 "slow_steps": float(run_on[r]),
-                **(
-                    {"others_comm_wait_ms": round(wait_others, 3)}
-                    if wait_others == wait_others
-                    else {}
-                ),
+                **({"lateness_ms": round(late, 3)} if late == late else {}),
             },
-            summary=f"rank {r} computes {1 / max(1e-9, 1 - sc):.2f}x the job median per step",
+            summary=f"rank {r} computes {1 / max(1e-9, 1 - sc):.2f}x the job median per step"
+            + (f"; the others wait {late:.0f} ms a step for it" if late == late else ""),
         )
     _replace(job, "straggler:", found)
 

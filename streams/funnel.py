@@ -89,12 +89,15 @@ EXPLAINS: dict[str, dict[str, str]] = {
     "thermal_throttle": {"straggler": "ranks", "load_imbalance": "ranks"},
     "power_throttle": {"straggler": "ranks", "load_imbalance": "ranks"},
     "comm_degradation": {"exposed_comm": "job"},
-    "cpu_saturation": {"dataloader_starvation": "nodes", "straggler": "nodes"},
+    "cpu_saturation": {"dataloader_starvation": "nodes", "straggler": "whole_nodes"},
     "memory_leak": {"low_memory_headroom": "ranks"},
 }
 """cause → {symptom: scope}: the cause explains the symptom when both are active in the same
 job and their ranks ("ranks") or nodes ("nodes") overlap, or anywhere in the job ("job").
-A side that names no ranks is compared by nodes; one that names neither spans the job."""
+A side that names no ranks is compared by nodes; one that names neither spans the job.
+"whole_nodes": the nodes overlap and every rank the cause names has the symptom (a saturated
+node slows all its ranks alike; one rank straggling behind the others of its node is slowed
+by something of its own, such as another process on its CPUs)."""
 
 _OOM = re.compile(r"out of memory|outofmemory|\boom\b", re.IGNORECASE)
 _BATCH_KINDS = frozenset({"step", "span", "collective", "kernel", "gpu", "host"})
@@ -257,6 +260,10 @@ class Funnel:
             scope = EXPLAINS.get(c.bottleneck, {}).get(f.bottleneck)
             if scope is None or c is f or not _overlap(scope, c, f):
                 continue
+            if scope == "whole_nodes":
+                alike = {r for x in active if x.bottleneck == f.bottleneck for r in x.ranks}
+                if not set(c.ranks) <= alike:
+                    continue
             level = FUNNEL_LEVELS.index(BOTTLENECKS[c.bottleneck])
             if level < best_level:
                 best, best_level = c.bottleneck, level

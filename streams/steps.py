@@ -15,8 +15,9 @@ span, kernel and collective batches and, once a step of a job is complete, compu
   of `PHASE_NAMES` (any phase not standard counts as ``user``), NaN without spans;
 - ``collective_ms``: the sum of the step's `CollectiveOp` durations (a sum, not a union);
 - straggler analysis across the ranks of the step: a rank's *arrival* is its step end minus the
-  time it spent blocked in collectives (its depth-0 ``comm`` span time; 0 without spans), so in a
-  synchronous job, where every rank ends together, the rank the others waited for arrives last.
+  time it spent blocked in collectives (its ``comm`` span time: depth 0, and depth 1 nested in
+  another phase, as DDP's all-reduce in backward; 0 without spans), so in a synchronous job,
+  where every rank ends together, the rank the others waited for arrives last.
   ``lateness_ms`` = arrival − the median arrival of the step's ranks; the step's straggler score
   of a rank is ``clip(lateness / (straggler_full_share × median step time), 0, 1)`` and
   ``straggler_score`` is its mean over the rank's last ``straggler_window`` steps.
@@ -84,7 +85,17 @@ _PH = {p: i for i, p in enumerate(PHASE_NAMES)}
 _USER = _PH["user"]
 _COMM = _PH["comm"]
 _STEP, _SPAN, _UNION, _STREAMS, _COLL = 1, 2, 4, 8, 16
-_RING = ("slot_step", "slot_done", "slot_first", "slot_last", "flags", "end_ns", "f", "phase")
+_RING = (
+    "slot_step",
+    "slot_done",
+    "slot_first",
+    "slot_last",
+    "flags",
+    "end_ns",
+    "f",
+    "phase",
+    "incomm",
+)
 _OPTIONAL = np.array([[_UNION], [_STREAMS], [_COLL]], np.uint8)  # rows 2-4 of _Job.f
 _KIND_FLAG = {"step": _STEP, "span": _SPAN, "kernel": _UNION, "collective": 0}
 _COLUMNS = {
@@ -145,6 +156,7 @@ class _Job:
         self.end_ns = np.zeros((cap, r), np.int64)
         self.f = np.zeros((5, cap, r))  # step_ms, data_wait_ms, busy, streams sum, collective
         self.phase = np.zeros((cap, r, len(PHASE_NAMES)))
+        self.incomm = np.zeros((cap, r))  # comm spans nested in a phase (DDP's all-reduce)
         for to, frm in (keep or {}).items():
             for n in _RING:
                 if n == "f":
@@ -184,6 +196,7 @@ class _Job:
         self.end_ns = pad(self.end_ns, 1, 0)
         self.f = pad(self.f, 2, np.nan)
         self.phase = pad(self.phase, 1, 0.0)
+        self.incomm = pad(self.incomm, 1, 0.0)
         self.hist = pad(self.hist, 1, np.nan)
 
 
@@ -320,6 +333,8 @@ class StepAnalysis:
                     job.recent.extend(StepRecord(**r) for r in v)
                 else:
                     setattr(job, k, v)
+            if "incomm" not in d:  # a snapshot from before nested comm spans counted
+                job.incomm = np.zeros((job.cap, len(job.ranks)))
             self._jobs[job_id] = job
         self._done = [StepRecord(**r) for r in state["done"]]
         self._pending = []
@@ -381,7 +396,7 @@ class StepAnalysis:
             job = self._job(job_id)
             job.last_wall = wall_ns
             if kind == "span":
-                keep = c["depth"] == 0
+                keep = (c["depth"] == 0) | ((c["depth"] == 1) & (c["phase"] == "comm"))
                 if not keep.all():
                     if not keep.any():
                         continue
@@ -420,11 +435,17 @@ class StepAnalysis:
             job.seen_wall[cols] = wall_ns
             np.add.at(job.nsteps, cols[new], 1)
         elif kind == "span":
-            codes = np.fromiter(map(_PH.get, c["phase"], repeat(_USER)), np.int64, len(cols))
             first = (job.flags[slots, cols] & _SPAN) == 0
             job.phase[slots[first], cols[first]] = 0.0
-            np.add.at(job.phase, (slots, cols, codes), c["duration_ms"])
+            job.incomm[slots[first], cols[first]] = 0.0
             job.flags[slots, cols] |= _SPAN
+            inner = c["depth"] > 0
+            if inner.any():
+                np.add.at(job.incomm, (slots[inner], cols[inner]), c["duration_ms"][inner])
+                slots, cols = slots[~inner], cols[~inner]
+                c = {k: v[~inner] for k, v in c.items()}
+            codes = np.fromiter(map(_PH.get, c["phase"], repeat(_USER)), np.int64, len(cols))
+            np.add.at(job.phase, (slots, cols, codes), c["duration_ms"])
         elif kind == "kernel":
             every = c["kernel_class"] == "all"
             union = every & (c["stream"] == -1)
@@ -465,6 +486,7 @@ class StepAnalysis:
                 job.end_ns[slot] = 0
                 job.f[:, slot] = np.nan
                 job.phase[slot] = np.nan
+                job.incomm[slot] = 0.0
                 out[i] = slot
         return out[inv]
 
@@ -518,7 +540,9 @@ class StepAnalysis:
         phase = np.where(spans[:, None], job.phase[slot, cols], np.nan)
         idle = np.maximum(step_ms - busy, 0.0)  # NaN where busy is unknown
         end = job.end_ns[slot, cols]
-        comm = np.where(spans, job.phase[slot, cols, _COMM], 0.0)
+        # time blocked in collectives: comm spans, and those nested in a phase (DDP's
+        # all-reduce inside backward), so the rank that waits is not the one that came last
+        comm = np.where(spans, job.phase[slot, cols, _COMM] + job.incomm[slot, cols], 0.0)
         arrival = end - np.rint(comm * 1e6).astype(np.int64)
         row = job.hist_i % len(job.hist)
         job.hist[row] = np.nan

@@ -240,7 +240,7 @@ def test_explanations_form_a_hierarchy() -> None:
     for cause, symptoms in EXPLAINS.items():
         assert cause in BOTTLENECKS
         for symptom, scope in symptoms.items():
-            assert symptom in BOTTLENECKS and scope in ("job", "ranks", "nodes")
+            assert symptom in BOTTLENECKS and scope in ("job", "ranks", "nodes", "whole_nodes")
 
     # no cycles: a symptom never explains its cause, directly or not
     def reach(a: str, seen: set[str]) -> set[str]:
