@@ -7,8 +7,8 @@ Private helpers of `perfloop.producers.replay`:
   (``distributedInfo``, ``deviceProperties``, ``baseTimeNanoseconds``, ``host_name`` …), found
   before or after the event list, is collected into a dict as the stream passes it.
 - classification: `kernel_class` (GPU activity → one of `KERNEL_CLASSES`), `phase_of` (CPU op or
-  user annotation → a standard phase), `collective_op` (NCCL/Gloo/c10d names → one of
-  `COLLECTIVE_OPS`), `dtype_bytes`.
+  user annotation → a standard phase); `collective_op` and `dtype_bytes` are re-exported from
+  `perfloop.producers._collectives`, which names and sizes collectives.
 - one step's figures: `union_us` (the length of a union of intervals, overlaps once),
   `kernel_rows` (busy time and counts per stream and class) and `tile_step` (the depth-0
   phase tiling of a step from the host spans that mark phases).
@@ -35,6 +35,7 @@ import ijson
 import numpy as np
 
 from perfloop.exceptions import PerfloopError
+from perfloop.producers._collectives import collective_op, dtype_bytes
 from perfloop.schemas.telemetry import KERNEL_CLASSES
 
 __all__ = [
@@ -434,97 +435,6 @@ def phase_of(name: str) -> str | None:
         key = key[2:-2]
     key = key.strip().lower().replace(" ", "_").replace("-", "_")
     return _PHASE_ALIASES.get(key)
-
-
-# --- collectives --------------------------------------------------------------------------------
-
-_OP_RULES: tuple[tuple[str, str], ...] = (
-    ("allreduce", "all_reduce"),
-    ("reducescatter", "reduce_scatter"),
-    ("allgather", "all_gather"),
-    ("alltoall", "all_to_all"),
-    ("sendrecv", "other"),
-    ("broadcast", "broadcast"),
-    ("barrier", "barrier"),
-    ("gather", "gather"),
-    ("scatter", "scatter"),
-    ("reduce", "reduce"),
-    ("send", "send"),
-    ("recv", "recv"),
-)
-
-
-def collective_op(name: str) -> str:
-    """Normalise a collective's name (``Collective name`` arg, ``nccl:…``, kernel name).
-
-    >>> collective_op("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*)")
-    'all_reduce'
-    >>> collective_op("nccl:_all_gather_base"), collective_op("alltoall_base")
-    ('all_gather', 'all_to_all')
-    >>> collective_op("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL")
-    'reduce_scatter'
-    >>> collective_op("ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t")
-    'other'
-    """
-    low = name.lower()
-    for prefix in ("nccldevkernel_", "ncclkernel_", "nccl:", "gloo:", "mpi:", "ucc:", "c10d::"):
-        if low.startswith(prefix):
-            low = low[len(prefix) :]
-            break
-    low = low.split("(")[0].replace("_", "")
-    for needle, op in _OP_RULES:
-        if low.startswith(needle):
-            return op
-    for needle, op in _OP_RULES:
-        if needle in low:
-            return op
-    return "other"
-
-
-_DTYPE_BYTES = {
-    "float": 4,
-    "float32": 4,
-    "double": 8,
-    "float64": 8,
-    "half": 2,
-    "float16": 2,
-    "bfloat16": 2,
-    "int": 4,
-    "int32": 4,
-    "unsignedint": 4,
-    "uint32": 4,
-    "long": 8,
-    "longint": 8,
-    "int64": 8,
-    "uint64": 8,
-    "short": 2,
-    "int16": 2,
-    "uint16": 2,
-    "char": 1,
-    "signedchar": 1,
-    "int8": 1,
-    "byte": 1,
-    "unsignedchar": 1,
-    "uint8": 1,
-    "bool": 1,
-    "float8e4m3fn": 1,
-    "float8e5m2": 1,
-    "float8e4m3fnuz": 1,
-    "float8e5m2fnuz": 1,
-    "complexfloat": 8,
-    "complexhalf": 4,
-    "complexdouble": 16,
-}
-
-
-def dtype_bytes(dtype: str) -> int:
-    """Bytes of one element of a profiler dtype name (``Float``, ``c10::BFloat16``…); 0 if unknown.
-
-    >>> dtype_bytes("Float"), dtype_bytes("c10::BFloat16"), dtype_bytes("signed char")
-    (4, 2, 1)
-    """
-    low = dtype.lower().removeprefix("c10::").removeprefix("torch.")
-    return _DTYPE_BYTES.get(low.replace(" ", "").replace("_", ""), 0)
 
 
 _LAUNCH = re.compile(r"launch|memcpy|memset", re.IGNORECASE)

@@ -11,15 +11,20 @@ or ``.json.gz``, any Kineto schema version, events in any order) and publishes, 
 - `KernelSummary` rows: GPU busy time (union of intervals, overlaps once) and activity counts
   per stream and kernel class, per class over all streams (``stream=-1``), and the step's GPU
   busy time (``stream=-1``, ``kernel_class="all"``);
-- `CollectiveOp` rows, with sizes where the trace records them;
+- `CollectiveOp` rows: one per NCCL/RCCL kernel (or, in a trace without comm kernels, per
+  backend work span, ``record_param_comms`` or ``c10d::`` op), named, sized and grouped from
+  every event of its call: the kernel's own arguments and name, and the host spans of the call
+  that launched it (see `perfloop.producers._collectives`);
 - and once per trace a `JobInfo` (world size, backend, GPU name and count).
 
 Memory stays bounded by the steps, not the file: a first streaming pass keeps only the
-metadata, the ``ProfilerStep`` spans and, per GPU launch, its correlation id and step (12
-bytes); the second pass attributes each event to its step — a GPU activity to the step that
-*launched* it (the GPU may run tens of milliseconds behind the host), a host event to the step
-whose span holds its start — and keeps per step only GPU intervals (25 bytes each) and the
-few host spans that mark a phase. Depth-1 spans and collectives leave as they are read.
+metadata, the ``ProfilerStep`` spans, per GPU launch its correlation id and step (12 bytes),
+and the few host spans of each collective call; the second pass attributes each event to its
+step — a GPU activity to the step that *launched* it (the GPU may run tens of milliseconds
+behind the host), a host event to the step whose span holds its start — and keeps per step
+only GPU intervals (25 bytes each) and the few host spans that mark a phase, and the comm
+kernels until the end (each is joined to the call whose thread launched it). Depth-1 spans
+leave as they are read.
 
 >>> from perfloop.producers.replay import default_job_id
 >>> default_job_id("traces/sampled_rank-1.json.gz")
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
 import re
 import sys
 import time
@@ -43,6 +49,20 @@ from typing import Any
 import numpy as np
 
 from perfloop.exceptions import ConfigError
+from perfloop.producers._collectives import (
+    API,
+    BACKEND,
+    PARAMS,
+    Collective,
+    HostComms,
+    ProcessGroups,
+    Said,
+    combine,
+    describe_span,
+    said_by_args,
+    said_by_kernel_name,
+    span_kind,
+)
 from perfloop.producers._kineto import (
     EVENTS_PREFIX,
     GPU_CATS,
@@ -50,8 +70,6 @@ from perfloop.producers._kineto import (
     LAUNCH_CATS,
     PHASES,
     TraceError,
-    collective_op,
-    dtype_bytes,
     is_launch,
     iter_events,
     iter_trace,
@@ -77,7 +95,6 @@ __all__ = [
 ]
 
 _STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
-_BACKEND_PREFIXES = ("nccl:", "gloo:", "mpi:", "ucc:", "xccl:")
 _CONTROL = re.compile(r"[\x00-\x1f]+")
 _CLASS_CODE = {c: i for i, c in enumerate(KERNEL_CLASSES)}
 _PHASE_CODE = {p: i for i, p in enumerate(PHASES)}
@@ -100,9 +117,13 @@ class TraceIndex:
 
     ``whole_trace`` is set when the trace has no ``ProfilerStep`` span and was indexed with
     ``whole_trace=True``: one step 0 then spans the whole capture and no `StepEvent` is
-    published for it. ``comm_source`` says which events become `CollectiveOp` rows: NCCL
-    kernels (``kernel``), ``record_param_comms`` ops that carry a ``Collective name``,
-    ``nccl:…``/``gloo:…`` host spans (``annotation``) or ``c10d::`` ops (``c10d``).
+    published for it. ``comm_source`` says which events become `CollectiveOp` rows, one kind
+    per trace so that no collective counts twice: NCCL/RCCL kernels (``kernel``); else the
+    backend's work spans, ``nccl:…``/``gloo:…`` (``annotation``: gloo runs its work on its own
+    threads, so those spans hold the real time, the API calls only the enqueueing); else
+    ``record_param_comms`` ops that name their collective; else ``c10d::`` ops (``c10d``).
+    ``comms`` holds the host-side collective calls (what names and sizes every row) and
+    ``comm_corr`` the correlation ids of the comm kernels (to find the call that launched one).
     """
 
     path: Path
@@ -116,6 +137,13 @@ class TraceIndex:
     events: int
     gpu_events: int
     shift_ns: int = 0  # added to every published time (the CLI moves old traces to now)
+    comms: HostComms = field(default_factory=HostComms)
+    comm_corr: frozenset[int] = frozenset()
+
+    @functools.cached_property
+    def groups(self) -> ProcessGroups:
+        """Process-group sizes from ``distributedInfo.pg_config``."""
+        return ProcessGroups.of(self.meta.get("distributedInfo"))
 
     @property
     def rank(self) -> int:
@@ -184,6 +212,15 @@ def _num(v: Any) -> float | None:
     return None
 
 
+def _thread(ev: dict[str, Any]) -> tuple[Any, Any]:
+    """The (pid, tid) of an event, as a key (a value of another type is no thread)."""
+    pid, tid = ev.get("pid"), ev.get("tid")
+    return (
+        pid if type(pid) in (int, str) else None,
+        tid if type(tid) in (int, str) else None,
+    )
+
+
 def index_trace(path: str | Path, *, whole_trace: bool = False) -> TraceIndex:
     """First pass over a trace: metadata, ``ProfilerStep`` spans, GPU launches by step.
 
@@ -196,8 +233,9 @@ def index_trace(path: str | Path, *, whole_trace: bool = False) -> TraceIndex:
     corr = array("q")
     launch_ts = array("d")
     lo, hi = float("inf"), float("-inf")
-    events = gpu_events = 0
-    nccl_kernels = rpc_collectives = backend_spans = c10d_ops = False
+    events = gpu_events = comm_kernels = 0
+    comms = HostComms()
+    comm_corr: set[int] = set()
     device: int | None = None
     for ev in iter_trace(p, meta):
         events += 1
@@ -219,8 +257,11 @@ def index_trace(path: str | Path, *, whole_trace: bool = False) -> TraceIndex:
             gpu_events += 1
             if device is None and type(args.get("device")) is int:
                 device = args["device"]
-            if not nccl_kernels and cat == "kernel" and kernel_class(name, cat) == "comm":
-                nccl_kernels = True
+            if cat == "kernel" and kernel_class(name, cat) == "comm":
+                comm_kernels += 1
+                c = args.get("correlation")
+                if type(c) is int:
+                    comm_corr.add(c)
         elif cat in LAUNCH_CATS:
             c = args.get("correlation")
             if type(c) is int and is_launch(name):
@@ -232,12 +273,8 @@ def index_trace(path: str | Path, *, whole_trace: bool = False) -> TraceIndex:
                 n = int(m.group(1))
                 s0, e0 = steps.get(n, (ts, ts + dur))
                 steps[n] = (min(s0, ts), max(e0, ts + dur))  # one step seen on two threads
-            elif name == "record_param_comms" and "Collective name" in args:
-                rpc_collectives = True
-            elif name.startswith(_BACKEND_PREFIXES):
-                backend_spans = True
-            elif name.startswith("c10d::"):
-                c10d_ops = True
+            elif (kind := span_kind(name, args)) is not None:
+                comms.add(_thread(ev), ts, ts + dur, kind, describe_span(kind, name, args))
     ordered = [Step(n, s, e) for n, (s, e) in sorted(steps.items(), key=lambda kv: kv[1])]
     if not ordered:
         if not whole_trace:
@@ -248,14 +285,15 @@ def index_trace(path: str | Path, *, whole_trace: bool = False) -> TraceIndex:
         if hi < lo:
             raise TraceError(f"{p}: no timed ('X') event in {events} events")
         ordered = [Step(0, lo, hi)]
-    if nccl_kernels:
+    comms.close()
+    if comm_kernels:
         source = "kernel"
-    elif rpc_collectives:
-        source = "record_param_comms"
-    elif backend_spans:
+    elif comms.has(BACKEND):
         source = "annotation"
+    elif comms.has(PARAMS, named=True):
+        source = "record_param_comms"
     else:
-        source = "c10d" if c10d_ops else "none"
+        source = "c10d" if comms.has(API) else "none"
     launch_corr, launch_step = _launch_table(ordered, corr, launch_ts)
     return TraceIndex(
         p,
@@ -268,6 +306,8 @@ def index_trace(path: str | Path, *, whole_trace: bool = False) -> TraceIndex:
         device=device,
         events=events,
         gpu_events=gpu_events,
+        comms=comms,
+        comm_corr=frozenset(comm_corr),
     )
 
 
@@ -360,6 +400,9 @@ def replay_trace(
 
     steps = idx.steps
     source = idx.comm_source
+    comm_corr = idx.comm_corr
+    launched: dict[int, int] = {}  # a comm kernel's correlation id -> the call that launched it
+    kernels: list[_Kernel] = []
     for ev in iter_events(idx.path, idx.meta[EVENTS_PREFIX]):
         if ev.get("ph") != "X":
             continue
@@ -388,8 +431,7 @@ def replay_trace(
             st.g_stream.append(stream if type(stream) is int and stream >= 0 else 0)
             st.g_cls.append(_CLASS_CODE[cls])
             if cls == "comm" and source == "kernel" and cat == "kernel":
-                pending += _collective(em, idx, steps[i], rank, ts, dur, name, args, sizes=True)
-                res.collectives += 1
+                kernels.append(_Kernel(i, ts, ts + dur, name, args))
         elif cat in HOST_CATS:
             if _STEP_NAME.match(name):
                 continue
@@ -415,19 +457,16 @@ def replay_trace(
                 )
                 res.spans += 1
                 pending += 1
-            if (
-                (source == "record_param_comms" and name == "record_param_comms")
-                and "Collective name" in args
-            ) or (
-                (source == "annotation" and name.startswith(_BACKEND_PREFIXES))
-                or (source == "c10d" and name.startswith("c10d::"))
-            ):
-                rpc = source == "record_param_comms"
-                pending += _collective(em, idx, steps[i], rank, ts, dur, name, args, sizes=rpc)
-                res.collectives += 1
+        elif comm_corr and cat in LAUNCH_CATS:
+            c = args.get("correlation")
+            if type(c) is int and c in comm_corr:
+                call = idx.comms.at(_thread(ev), ts)
+                if call is not None:
+                    launched[c] = call
         if pending >= _FLUSH_EVERY:
             em.flush()
             pending = 0
+    pending += _emit_collectives(em, idx, kernels, launched, res)
     for i, step in enumerate(steps):
         pending += _emit_step(em, idx, step, states[i], rank, res)
         states[i] = None
@@ -470,67 +509,78 @@ def _job_info(idx: TraceIndex, job_id: str, node: str) -> JobInfo:
     )
 
 
-def _collective(
+@dataclass(frozen=True, slots=True)
+class _Kernel:
+    """A comm kernel of the second pass: its step's index, times, name and arguments."""
+
+    step: int
+    start: float
+    end: float
+    name: str
+    args: dict[str, Any]
+
+
+_HOST_SOURCES = {"annotation": BACKEND, "record_param_comms": PARAMS, "c10d": API}
+
+
+def _emit_collectives(
     em: Emitter,
     idx: TraceIndex,
-    step: Step,
-    rank: int,
-    ts: float,
-    dur: float,
-    name: str,
-    args: dict[str, Any],
-    *,
-    sizes: bool,
+    kernels: list[_Kernel],
+    launched: dict[int, int],
+    res: ReplayResult,
 ) -> int:
-    """Publish one collective; sizes from NCCL/record_param_comms args or the input dims."""
-    coll = args.get("Collective name")
-    op = collective_op(coll if isinstance(coll, str) and coll else name)
-    dtype, size = "", 0
-    if sizes:
-        d = args.get("dtype")
-        dtype = d if isinstance(d, str) else ""
-        nelems = [args.get(k) for k in ("In msg nelems", "Out msg nelems")]
-        n = max((v for v in nelems if type(v) is int and v >= 0), default=0)
-        size = n * dtype_bytes(dtype)
-    else:  # the host span's first input: its shape and element type
-        dims, types = args.get("Input Dims"), args.get("Input type")
-        shape = dims[0] if isinstance(dims, list) and dims else None
-        if isinstance(shape, list) and shape and all(type(x) is int and x >= 0 for x in shape):
-            n = int(np.prod(shape, dtype=np.int64))
-            t = types[0] if isinstance(types, list) and types else ""
-            dtype = t if isinstance(t, str) else ""
-            size = n * dtype_bytes(dtype)
-    group = args.get("Process Group Name")
-    if not isinstance(group, str | int) or isinstance(group, bool):
-        ranks = args.get("Process Group Ranks")
-        group = ranks if isinstance(ranks, str) and len(ranks) <= 128 else ""
-    group = str(group)[:128]
-    gsize = args.get("Group size")
-    if type(gsize) is not int or gsize < 0:
-        gsize = _pg_size(idx, group)
-    em.add(
+    """Publish the trace's collectives, in time order; return how many.
+
+    From comm kernels: the kernels one call launched make one collective, from the first's
+    start to the last's end, described by the call's host spans (API op and
+    ``record_param_comms`` first), the kernel's own arguments, the call's backend span and last
+    the kernel's name; a kernel no call launched by its own arguments and name. From host
+    spans: one collective per call with a span of the trace's source kind, timed by those spans.
+    """
+    rows: list[tuple[int, float, float, Collective]] = []
+    calls = idx.comms.calls
+    if idx.comm_source == "kernel":
+        by_call: dict[int, list[_Kernel]] = {}
+        for k in kernels:
+            c = k.args.get("correlation")
+            call = launched.get(c) if type(c) is int else None
+            if call is None:
+                parts = [said_by_args(k.args), said_by_kernel_name(k.name)]
+                rows.append((k.step, k.start, k.end, combine(parts, idx.groups)))
+            else:
+                by_call.setdefault(call, []).append(k)
+        for call, ks in by_call.items():
+            first = min(ks, key=lambda k: k.start)
+            own: list[Said] = [said_by_args(first.args)]
+            parts = [*calls[call].parts(after_params=own), said_by_kernel_name(first.name)]
+            end = max(k.end for k in ks)
+            rows.append((first.step, first.start, end, combine(parts, idx.groups)))
+    elif (kind := _HOST_SOURCES.get(idx.comm_source)) is not None:
+        for call in calls:
+            if not call.has(kind, named=kind == PARAMS):
+                continue
+            start, end = call.extent(kind)
+            i = idx.step_at(start)
+            if i is not None:
+                rows.append((i, start, end, combine(call.parts(), idx.groups)))
+    if not rows:
+        return 0
+    rows.sort(key=lambda r: r[1])
+    em.extend(
         "collective",
-        ts_ns=idx.ns(ts),
-        rank=rank,
-        step=step.number,
-        op=op,
-        size_bytes=size,
-        group=group,
-        group_size=gsize,
-        duration_ms=dur / 1000.0,
-        dtype=_clean(dtype)[:32],
+        ts_ns=[idx.ns(start) for _, start, _, _ in rows],
+        rank=[idx.rank] * len(rows),
+        step=[idx.steps[i].number for i, _, _, _ in rows],
+        op=[c.op for _, _, _, c in rows],
+        size_bytes=[c.size_bytes for _, _, _, c in rows],
+        group=[c.group for _, _, _, c in rows],
+        group_size=[c.group_size for _, _, _, c in rows],
+        duration_ms=[(end - start) / 1000.0 for _, start, end, _ in rows],
+        dtype=[c.dtype for _, _, _, c in rows],
     )
-    return 1
-
-
-def _pg_size(idx: TraceIndex, group: str) -> int:
-    info = idx.meta.get("distributedInfo")
-    pgs = info.get("pg_config") if isinstance(info, dict) else None
-    for pg in pgs if isinstance(pgs, list) else ():
-        if isinstance(pg, dict) and str(pg.get("pg_name")) == group:
-            size = pg.get("pg_size")
-            return size if type(size) is int and size >= 0 else 0
-    return 0
+    res.collectives += len(rows)
+    return len(rows)
 
 
 def _emit_step(
