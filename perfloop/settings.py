@@ -105,6 +105,12 @@ class ProducerSettings(BaseServiceSettings):
     host_interval_ms: float = Field(1000.0, ge=10, le=600_000)
     overhead_budget_pct: float = Field(0.5, gt=0, le=100)
     adaptive_sampling: bool = True
+    background_nice: int = Field(
+        19,
+        ge=0,
+        le=19,
+        description="Nice value added to perfloop's threads in a training process (0: none).",
+    )
     # the job agent in traced training processes
     agent: bool = Field(True, description="Apply signed commands (`perfloop run`'s job agent).")
     signing_key: SecretStr = Field(

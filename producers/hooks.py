@@ -40,6 +40,7 @@ from typing import Any
 
 from perfloop.producers._comm import DdpWatch, InFlight, union
 from perfloop.producers._cpu import cpu_budget
+from perfloop.producers._priority import in_background
 from perfloop.producers._progress import ProgressWatch, Where
 from perfloop.producers.training import (
     Callback,
@@ -347,7 +348,11 @@ class Session:
         job_id = settings.job_id or f"job-{node}-{os.getpid()}"
         self.settings = settings
         self.command = command
-        self.pipeline = Pipeline(
+        # built on a niced thread: its threads (publisher, Kafka client, worker) inherit it
+        self.nice = int(getattr(settings, "background_nice", 0) or 0)
+        self.pipeline = in_background(
+            Pipeline,
+            nice=self.nice,
             job_id=job_id,
             node=node,
             rank=world["rank"],
@@ -437,9 +442,9 @@ class Session:
             from perfloop.producers.knobs import TorchKnobs, start_agent
 
             self.knobs = TorchKnobs(_S.torch, _live_loader, **_optional_knobs(self, rank))
-            self.agent = start_agent(
-                self.settings, self.knobs, job_id=job_id, node=node, rank=rank,
-                on_result=self._changed,
+            self.agent = in_background(
+                start_agent, self.settings, self.knobs, job_id=job_id, node=node, rank=rank,
+                on_result=self._changed, nice=self.nice,
             )  # fmt: skip
         except Exception as e:  # the job runs on, unchanged
             self.agent = None

@@ -61,6 +61,7 @@ from typing import Any
 import annotated_types
 
 from perfloop.exceptions import BrokerError, ConfigError
+from perfloop.producers._priority import lower_this_thread
 from perfloop.producers.adaptive import (
     SAMPLING_KEYS,
     AdaptiveController,
@@ -382,7 +383,10 @@ class NodeSampler:
         return self._stop.is_set()
 
     def _guard(self, name: str, target: Callable[[], None]) -> Callable[[], None]:
+        nice = int(getattr(self.settings, "background_nice", 0) or 0)
+
         def run() -> None:
+            lower_this_thread(nice)  # the training job's threads come first
             try:
                 target()
             except Exception as e:  # a sampler bug must not reach the training job
