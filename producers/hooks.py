@@ -131,6 +131,7 @@ class Tracer:
         self._other: int | None = None
         self._other_run = 0
         self.comm_covered = 0  # where the last nested comm span of async collectives ended
+        self.opt_suspended = False  # optimizer.step(closure): the closure is running
         self._reset()
 
     @property
@@ -203,7 +204,17 @@ class Tracer:
             return
         self.pending.append((t0, t1, batch_size, tokens, source, workers))
 
+    def _closure(self, t: int) -> None:
+        """A forward or backward inside ``optimizer.step(closure)`` (PyTorch Lightning, LBFGS):
+        the optimizer span so far is recorded and the step's own work is timed as usual; the
+        optimizer span resumes where the closure's last activity ended."""
+        self.rec.span("optimizer", "optimizer", self.open_t0, t)
+        self.open = None
+        self.opt_suspended = True
+
     def forward_begin(self, t: int, training: bool) -> bool:
+        if self.open == "optimizer" and training:
+            self._closure(t)
         if self.open is not None:
             return False
         if training:
@@ -223,6 +234,8 @@ class Tracer:
         self.open = None
 
     def backward_begin(self, t: int) -> bool:
+        if self.open == "optimizer":
+            self._closure(t)
         if self.open is not None:
             return False
         self._train()
@@ -250,7 +263,11 @@ class Tracer:
         The first optimizer that steps ends steps; another one takes over once it steps
         twice with no step of the first in between (the script switched optimizers).
         """
-        self.rec.span("optimizer", "optimizer", self.open_t0, t)
+        if self.opt_suspended:  # a closure ran: the optimizer's own work came after it
+            self.opt_suspended = False
+            self.rec.span("optimizer", "optimizer", self.rec.cursor, t)
+        else:
+            self.rec.span("optimizer", "optimizer", self.open_t0, t)
         self.open = None
         if self.primary is None:
             self.primary = key

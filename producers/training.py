@@ -363,6 +363,11 @@ class Recorder:
         """Whether a step is open."""
         return self._start is not None
 
+    @property
+    def cursor(self) -> int:
+        """Where the depth-0 spans recorded so far end."""
+        return self._cursor
+
     # -- spans -------------------------------------------------------------------------
     def _emit(
         self, phase: str, name: str, t0: int, t1: int, depth: int, tiles: bool = True

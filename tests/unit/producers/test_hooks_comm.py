@@ -163,6 +163,43 @@ def test_async_collectives_are_timed_to_completion(traced: FakePublisher, group:
     assert colls["op"].count("all_reduce") == 8
 
 
+def test_a_step_whose_work_runs_in_an_optimizer_closure_has_its_phases(
+    traced: FakePublisher,
+) -> None:
+    """``optimizer.step(closure)`` (PyTorch Lightning's automatic optimization, LBFGS): the
+    forward and backward inside the closure are the step's, not the optimizer's."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = 5
+    for _ in range(steps):
+        x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    hooks.uninstall()
+    rows = traced.rows("step")
+    assert rows["step"] == list(range(steps))
+    spans = traced.rows("span")
+    for i in range(1, steps):
+        phases = {
+            p
+            for s_, p, d in zip(spans["step"], spans["phase"], spans["depth"], strict=True)
+            if s_ == i and d == 0
+        }
+        assert {"forward", "backward", "optimizer"} <= phases, phases
+        top = sum(
+            ms
+            for s_, d, ms in zip(spans["step"], spans["depth"], spans["duration_ms"], strict=True)
+            if s_ == i and d == 0
+        )
+        assert top == pytest.approx(rows["step_time_ms"][i], rel=1e-6), "spans tile the step"
+
+
 def test_torch_save_is_a_checkpoint_span(traced: FakePublisher, tmp_path: Any) -> None:
     model = _model()
 
