@@ -8,14 +8,16 @@ rejected with its reason. Commands that pass wait in a queue until the training 
 each on ``perfloop.actuations``. Nothing here ever raises into the training loop.
 
 Verification: the training loop reports each step (`JobAgent.observe_step`: its time, and its
-loss when known). A change is applied alone, and the steps after it are compared with the steps
-before it (the last ``baseline_steps``; `perfloop.actuators.verify.ChangeVerifier`); the next
-command waits until the verdict.
+loss when known). A change is applied alone, and the steps after it are compared with as many
+steps just before it (`perfloop.actuators.verify.ChangeVerifier`); the next command waits until
+the verdict.
 A change that hurt (significantly slower steps) or broke training (a NaN loss) is rolled back
 to the last value known good at the next step boundary, within ``settle_steps + verify_steps``
-steps of being applied; the verdict is acked too (``kept`` or ``rolled_back``, with the
-evidence). The verdict is the agent's own, in the training process: a job whose actuator is
-gone keeps verifying, and keeps its last-known-good values.
+steps of being applied; one slower by the median but not yet significantly is judged on more
+steps (up to ``max_verify_steps``) and rolled back if it stays slower than 3 %. The verdict is
+acked too (``kept`` or ``rolled_back``, with the evidence). The verdict is the agent's own, in
+the training process: a job whose actuator is gone keeps verifying, and keeps its
+last-known-good values.
 
 Live configuration: a `ConfigChange` with target "producers" whose ``applies_to`` is the
 agent's job or "*" goes to the registered `ConfigHandler` (``on_config``, e.g.
@@ -212,9 +214,9 @@ class JobAgent:
         patch: ConfigPatch | None = None,
         rank: int = -1,
         verify_changes: bool = True,
-        baseline_steps: int = 10,
         settle_steps: int = 2,
         verify_steps: int = 20,
+        max_verify_steps: int | None = None,
     ) -> None:
         self.job_id, self.node, self.rank = job_id, node, rank
         self.bounds: Mapping[str, tuple[float, float]] = bounds if bounds is not None else {}
@@ -223,9 +225,12 @@ class JobAgent:
         """Where slow-loop commands go (`perfloop.actuators.patch`); None: they are refused."""
         self.verify_changes = verify_changes
         self.settle_steps, self.verify_steps = settle_steps, verify_steps
-        # The baseline is short: a change usually answers a recent slowdown, and the steps
-        # from before that slowdown are not what the change is judged against.
-        self._recent: collections.deque[float] = collections.deque(maxlen=baseline_steps)
+        self.max_verify_steps = 3 * verify_steps if max_verify_steps is None else max_verify_steps
+        # The steps before a change, newest last: it is judged against as many of them as steps
+        # after it, so the newest ``verify_steps`` first (a change usually answers a recent
+        # slowdown, and the steps from before that slowdown are not what it is judged against),
+        # more when its judgement is extended.
+        self._recent: collections.deque[float] = collections.deque(maxlen=self.max_verify_steps)
         self._good: dict[str, KnobValue] = {}  # per knob: the value last known good
         # the change being verified: (command, value before it, verifier)
         self._trial: tuple[Command, KnobValue | None, ChangeVerifier] | None = None
@@ -383,7 +388,10 @@ class JobAgent:
                 self._good[cmd.knob] = cmd.value
                 continue
             verifier = ChangeVerifier(
-                list(self._recent), settle_steps=self.settle_steps, verify_steps=self.verify_steps
+                list(self._recent),
+                settle_steps=self.settle_steps,
+                verify_steps=self.verify_steps,
+                max_verify_steps=self.max_verify_steps,
             )
             self._trial = (cmd, before, verifier)
         return done

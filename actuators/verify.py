@@ -3,20 +3,29 @@ it, pure (no I/O): the job agent feeds it the steps after the change and rolls t
 when the verdict says so.
 
 The steps before the change are the baseline. After it, the first ``settle_steps`` are skipped
-(a rebuilt data-loader iterator or a new thread pool warms up), then ``verify_steps`` are
-compared with the baseline by a two-sided Mann–Whitney U test (normal approximation, ties
-corrected): robust to the heavy tails step times have, and free of any assumption on their
-distribution. The verdict:
+(a rebuilt data-loader iterator or a new thread pool warms up), then the steps after are
+compared with as many steps just before the change: their medians (robust to the spikes step
+times have: a garbage collection, a neighbour's burst) and a two-sided Mann–Whitney U test
+(normal approximation, ties corrected; free of any assumption on the distribution). The
+verdict, at the first look (``verify_steps`` after):
 
 - ``rolled_back`` at once when a loss after the change is NaN or infinite (it broke training);
 - ``rolled_back`` when the step time got significantly worse: ``p < alpha`` and the median
-  grew by more than ``min_effect``;
-- ``kept`` otherwise: significantly better (it helped), or no significant change (it did not
-  hurt; the evidence says which).
+  grew by more than ``min_effect`` (3 %);
+- ``kept`` when the median did not grow by more than ``min_effect``: it helped (significantly
+  faster) or it did not hurt;
+- otherwise — slower by the median, not yet significantly — the change is judged on more
+  steps: the next look compares ``verify_steps`` more steps after it with as many more before
+  it (the same number on both sides, so neither median is the noisier one), up to
+  ``max_verify_steps`` (3 × ``verify_steps``). It is rolled back as soon as the slowdown is
+  significant, kept as soon as the median is within ``min_effect``, and rolled back at the
+  last look if it stayed slower than that: a change is kept only when the evidence says it
+  did not hurt.
 
-So a harmful change is undone within ``settle_steps + verify_steps`` steps of being applied.
-Every verdict carries its evidence: medians before and after, their ratio, the p-value and
-the sample sizes.
+So a change that clearly hurt is undone within ``settle_steps + verify_steps`` steps of being
+applied, one that may have hurt within ``settle_steps + max_verify_steps``. Every verdict
+carries its evidence: medians before and after, their ratio, the p-value, the steps it was
+judged on before and after, whether the judgement was extended, and the settle steps.
 
 >>> v = ChangeVerifier([100.0] * 20, settle_steps=1, verify_steps=10)
 >>> [v.observe(150.0 + i % 3) for i in range(10)][-1] is None
@@ -86,8 +95,9 @@ def mann_whitney_p(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 class ChangeVerifier:
-    """Judges one change from the step times before it (``before``) and those fed to
-    `observe` after it; `observe` returns the `Verdict` once there is one, else None."""
+    """Judges one change from the step times before it (``before``, oldest first; the last
+    ``max_verify_steps`` are used at most) and those fed to `observe` after it; `observe`
+    returns the `Verdict` once there is one, else None."""
 
     def __init__(
         self,
@@ -95,23 +105,31 @@ class ChangeVerifier:
         *,
         settle_steps: int = 2,
         verify_steps: int = 20,
+        max_verify_steps: int | None = None,
         alpha: float = 0.05,
         min_effect: float = 0.03,
     ) -> None:
-        if settle_steps < 0 or verify_steps < 3:
-            raise ValueError(f"need settle_steps ≥ 0 and verify_steps ≥ 3, got "
-                             f"{settle_steps}, {verify_steps}")  # fmt: skip
+        longest = 3 * verify_steps if max_verify_steps is None else max_verify_steps
+        if settle_steps < 0 or verify_steps < 3 or longest < verify_steps:
+            raise ValueError(
+                "need settle_steps ≥ 0, verify_steps ≥ 3 and max_verify_steps ≥ verify_steps, "
+                f"got {settle_steps}, {verify_steps}, {longest}"
+            )
         self.before = [float(t) for t in before if math.isfinite(t) and t > 0]
         self.settle_steps, self.verify_steps = settle_steps, verify_steps
+        self.max_verify_steps = longest
         self.alpha, self.min_effect = alpha, min_effect
         self.after: list[float] = []
         self.seen = 0
+        self.looks = 0
+        self._next_look = verify_steps
         self.verdict: Verdict | None = None
 
     @property
     def max_steps(self) -> int:
-        """Steps after the change by which the verdict comes at the latest."""
-        return self.settle_steps + self.verify_steps
+        """Steps after the change by which the verdict comes at the latest (with usable step
+        times; a change after which no step time is usable is judged after 4 × this)."""
+        return self.settle_steps + self.max_verify_steps
 
     def observe(self, step_time_ms: float, loss: float | None = None) -> Verdict | None:
         """Take one step after the change; the verdict, once there is one (then always it)."""
@@ -129,32 +147,54 @@ class ChangeVerifier:
             return None
         if math.isfinite(step_time_ms) and step_time_ms > 0:
             self.after.append(float(step_time_ms))
-        if len(self.after) < self.verify_steps and self.seen < 4 * self.max_steps:
+        out_of_steps = self.seen >= 4 * self.max_steps
+        if len(self.after) < self._next_look and not out_of_steps:
             return None
-        self.verdict = self._judge()
+        final = out_of_steps or len(self.after) >= self.max_verify_steps
+        self.verdict = self._judge(final=final)
+        if self.verdict is None:  # slower, not significantly: judge on more steps
+            self._next_look = min(self._next_look + self.verify_steps, self.max_verify_steps)
         return self.verdict
 
-    def _judge(self) -> Verdict:
-        if len(self.before) < MIN_BASELINE or len(self.after) < 3:
+    def _judge(self, *, final: bool) -> Verdict | None:
+        self.looks += 1
+        n = len(self.after)
+        before = self.before[-n:] if n else []
+        if len(before) < MIN_BASELINE or n < 3:
             return Verdict(
                 "kept",
-                f"too few steps to judge ({len(self.before)} before, {len(self.after)} after)",
-                {"n_before": float(len(self.before)), "n_after": float(len(self.after))},
+                f"too few steps to judge ({len(self.before)} before, {n} after)",
+                {"n_before": float(len(self.before)), "n_after": float(n)},
             )
-        b, a = float(np.median(self.before)), float(np.median(self.after))
+        b, a = float(np.median(before)), float(np.median(self.after))
         ratio = a / b
-        p = mann_whitney_p(self.before, self.after)
+        p = mann_whitney_p(before, self.after)
+        extended = self.looks > 1
         ev = {
             "before_ms": b,
             "after_ms": a,
             "ratio": ratio,
             "p_value": p,
-            "n_before": float(len(self.before)),
-            "n_after": float(len(self.after)),
+            "n_before": float(len(before)),
+            "n_after": float(n),
+            "extended": float(extended),
+            "settle_steps": float(self.settle_steps),
         }
-        change = f"step time p50 {b:.1f} → {a:.1f} ms ({100 * (ratio - 1):+.1f} %, p = {p:.3g})"
-        if p < self.alpha and ratio > 1 + self.min_effect:
+        on = f"{len(before)} steps before, {n} after"
+        if extended:
+            on += f", extended from {self.verify_steps}"
+        change = (
+            f"step time p50 {b:.1f} → {a:.1f} ms ({100 * (ratio - 1):+.1f} %, p = {p:.2g}; {on})"
+        )
+        slower = ratio > 1 + self.min_effect
+        if p < self.alpha and slower:
             return Verdict("rolled_back", f"it hurt: {change}", ev)
         if p < self.alpha and ratio < 1 - self.min_effect:
             return Verdict("kept", f"it helped: {change}", ev)
-        return Verdict("kept", f"no significant change: {change}", ev)
+        if not slower:
+            limit = f"{100 * self.min_effect:g} %"
+            return Verdict("kept", f"it did not hurt (not slower than {limit}): {change}", ev)
+        if not final:
+            return None
+        limit = f"{100 * self.min_effect:g} %"
+        return Verdict("rolled_back", f"it stayed slower than {limit}: {change}", ev)

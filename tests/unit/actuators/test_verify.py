@@ -27,11 +27,12 @@ def test_mann_whitney_matches_scipys_asymptotic_test(a: list[float], b: list[flo
 
 
 @pytest.mark.parametrize("settle", [0, 3])
-def test_the_verdict_comes_within_settle_plus_verify_steps(settle: int) -> None:
+def test_a_significant_slowdown_is_rolled_back_within_settle_plus_verify_steps(settle: int) -> None:
     v = ChangeVerifier([100.0] * 10, settle_steps=settle, verify_steps=5)
-    verdicts = [v.observe(200.0) for _ in range(v.max_steps)]
-    assert verdicts[:-1] == [None] * (v.max_steps - 1)
+    verdicts = [v.observe(200.0) for _ in range(settle + 5)]
+    assert verdicts[:-1] == [None] * (settle + 4)
     assert verdicts[-1] is not None and verdicts[-1].rollback
+    assert verdicts[-1].reason.startswith("it hurt")
     assert v.observe(50.0) is verdicts[-1], "decided once"
 
 
@@ -55,3 +56,89 @@ def test_unusable_step_times_are_skipped_and_a_verdict_still_comes() -> None:
     assert len(v.before) == 10
     verdicts = [v.observe(t) for t in [math.nan] * 100]
     assert verdicts[-1] is not None and verdicts[-1].reason.startswith("too few steps")
+
+
+def _shuffled_blocks(base: np.ndarray, factor: float, blocks: int, seed: int) -> list[float]:
+    """``blocks`` shuffled copies of ``base`` times ``factor``: every block has the same median."""
+    rng = np.random.default_rng(seed)
+    return [float(t) for _ in range(blocks) for t in rng.permutation(base) * factor]
+
+
+def test_a_slowdown_not_yet_significant_is_judged_on_more_steps_and_rolled_back() -> None:
+    """Issue 21: "+13.2 %, p = 0.613 → kept". Noisy steps, every one 13.2 % slower after the
+    change: not significant on the first 20 steps, so it is judged on up to 60, and rolled back
+    because it stayed slower than 3 %."""
+    base = np.random.default_rng(21).lognormal(np.log(100), 0.45, 20)
+    v = ChangeVerifier(_shuffled_blocks(base, 1.0, 3, 1), settle_steps=2, verify_steps=20)
+    after = _shuffled_blocks(base, 1.132, 3, 2)
+    verdicts = [v.observe(t) for t in [500.0, 500.0, *after]]  # two slow settling steps
+    assert verdicts[21] is None, "no verdict at the first look: not significant yet"
+    verdict = verdicts[-1]
+    assert verdict is not None and verdict.rollback
+    assert verdict.reason.startswith("it stayed slower than 3 %: step time p50 ")
+    assert "+13.2 %" in verdict.reason and "60 steps before, 60 after, extended from 20" in (
+        verdict.reason
+    )
+    ev = verdict.evidence
+    assert ev["ratio"] == pytest.approx(1.132) and ev["p_value"] >= 0.05
+    assert (ev["n_before"], ev["n_after"], ev["extended"], ev["settle_steps"]) == (60, 60, 1, 2)
+
+
+def test_an_extended_judgement_keeps_a_change_whose_median_comes_back_within_3_pct() -> None:
+    """Slower at the first look (a burst right after the change), as before at the second."""
+    base = np.random.default_rng(5).lognormal(np.log(100), 0.45, 20)
+    v = ChangeVerifier(_shuffled_blocks(base, 1.0, 3, 1), settle_steps=0, verify_steps=20)
+    after = _shuffled_blocks(base, 1.10, 1, 2) + _shuffled_blocks(base, 0.9, 1, 3)
+    verdicts = [v.observe(t) for t in after]
+    assert verdicts[19] is None
+    verdict = verdicts[39]
+    assert verdict is not None and not verdict.rollback
+    assert verdict.reason.startswith("it did not hurt (not slower than 3 %)")
+    assert verdict.evidence["extended"] == 1 and verdict.evidence["n_before"] == 40
+    assert verdict.evidence["ratio"] <= 1.03
+
+
+def test_a_slowdown_that_becomes_significant_on_more_steps_is_rolled_back_as_hurting() -> None:
+    base = np.random.default_rng(8).lognormal(np.log(100), 0.3, 20)
+    v = ChangeVerifier(_shuffled_blocks(base, 1.0, 3, 1), settle_steps=0, verify_steps=20)
+    after = _shuffled_blocks(base, 1.2, 3, 2)
+    verdicts = [v.observe(t) for t in after]
+    verdict = next(x for x in verdicts if x is not None)
+    assert verdict.rollback and verdict.reason.startswith("it hurt")
+    assert verdict.evidence["extended"] == 1 and verdict.evidence["p_value"] < 0.05
+
+
+def test_a_verdict_compares_as_many_steps_before_as_after() -> None:
+    v = ChangeVerifier([100.0] * 50 + [200.0] * 20, settle_steps=0, verify_steps=20)
+    verdict = [v.observe(200.0) for _ in range(20)][-1]
+    # the newest 20 before (200 ms) are the baseline: no change, not the 70-step median
+    assert verdict is not None and verdict.evidence["n_before"] == 20
+    assert verdict.evidence["ratio"] == 1.0 and not verdict.rollback
+
+
+def test_the_latest_verdict_comes_within_settle_plus_max_verify_steps() -> None:
+    v = ChangeVerifier([100.0, 110.0] * 30, settle_steps=2, verify_steps=10, max_verify_steps=25)
+    assert v.max_steps == 27
+    rng = np.random.default_rng(0)
+    verdicts = [v.observe(float(t)) for t in rng.choice([100.0, 121.0], 27)]
+    assert verdicts[-1] is not None and all(x is None for x in verdicts[:11])
+
+
+kept_or_not = st.lists(st.floats(1, 1000, allow_nan=False), min_size=5, max_size=80)
+
+
+@settings(max_examples=150, deadline=None)
+@given(kept_or_not, kept_or_not)
+def test_a_kept_change_is_never_slower_than_3_pct_by_the_median_it_was_judged_on(
+    before: list[float], after: list[float]
+) -> None:
+    v = ChangeVerifier(before, settle_steps=0, verify_steps=5, max_verify_steps=15)
+    verdict = None
+    for t in after + [after[-1]] * 60:  # enough steps for a verdict
+        verdict = v.observe(t)
+        if verdict is not None:
+            break
+    assert verdict is not None
+    if not verdict.rollback:
+        assert verdict.evidence["ratio"] <= 1.03
+    assert verdict.evidence["n_before"] == min(verdict.evidence["n_after"], len(before))
