@@ -14,6 +14,10 @@ Per job (`JobRules`, changed live by ``ConfigChange`` events with target ``actua
 - a cooldown per knob (``cooldown_s`` since the knob last changed) and a rate limit
   (``max_commands_per_min`` commands a job in any 60 s).
 
+A job that has ended (its launcher's lifecycle event, rank -1: finished, failed or killed) gets
+nothing more: its recommendations and approvals are refused ("job ended"), and its state here is
+freed ``ended_retention_s`` later (what it was told to keep, its settings, stays).
+
 Commands carry a per-job monotonic sequence number (microseconds since the epoch, at least one
 more than the last: monotonic across restarts without stored state) and an expiry; the service
 signs them. An approval is acted on only if its signature verifies, the job's tier is
@@ -36,11 +40,22 @@ from perfloop.schemas import (
     ConfigChange,
     Decision,
     JobInfo,
+    JobLifecycle,
     Recommendation,
 )
 
-__all__ = ["ACTION_KNOBS", "BOOL_KNOBS", "KNOB_BOUNDS", "JobRules", "Policy", "knob_problem"]
+__all__ = [
+    "ACTION_KNOBS",
+    "BOOL_KNOBS",
+    "ENDED_STATES",
+    "KNOB_BOUNDS",
+    "JobRules",
+    "Policy",
+    "knob_problem",
+]
 
+ENDED_STATES = frozenset({"finished", "failed", "killed"})
+"""A job's lifecycle states (rank -1) after which it gets nothing more."""
 NS = 1_000_000_000
 RATE_WINDOW_NS = 60 * NS
 ACTED_MEMORY = 10_000
@@ -170,6 +185,7 @@ class Policy:
         ttl_s: float,
         approval_ttl_s: float = 900.0,
         keys: dict[str, bytes] | None = None,
+        ended_retention_s: float = 300.0,
     ) -> None:
         self.defaults = defaults
         self.overrides: dict[str, dict[str, Any]] = {}  # per job: its own settings
@@ -182,6 +198,45 @@ class Policy:
         self._acted: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.job_bounds: dict[str, dict[str, tuple[float, float]]] = {}
         """Per job: the knobs' ranges its own hardware allows (from its job info)."""
+        self.ended_retention_ns = int(ended_retention_s * NS)
+        self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()  # job: why
+        self._free_at: dict[str, int] = {}  # job: when its state is freed
+
+    # -- jobs --------------------------------------------------------------------------------
+    def observe_lifecycle(self, event: JobLifecycle, *, now_ns: int) -> None:
+        """Take a job's end (or a new start under the same id) from its launcher's lifecycle
+        event (rank -1); a rank's own events are left alone."""
+        if event.rank != -1:
+            return
+        job = event.job_id
+        if event.state in ENDED_STATES:
+            code = "" if event.exit_code is None else f", exit code {event.exit_code}"
+            self._ended[job] = f"job ended ({event.state}{code})"
+            self._ended.move_to_end(job)
+            while len(self._ended) > ACTED_MEMORY:
+                self._ended.popitem(last=False)
+            self._free_at[job] = now_ns + self.ended_retention_ns
+        else:  # started again (the same job id): it takes recommendations again
+            self._ended.pop(job, None)
+            self._free_at.pop(job, None)
+
+    def ended(self, job_id: str) -> str:
+        """Why the job gets nothing more ("job ended (…)"), or "" while it runs."""
+        return self._ended.get(job_id, "")
+
+    def sweep(self, now_ns: int) -> list[str]:
+        """Free the state of the jobs that ended more than ``ended_retention_s`` ago (their
+        sequence numbers, cooldowns, rates and ranges; their settings stay, and they stay
+        ended); return their ids."""
+        due = [job for job, at in self._free_at.items() if at <= now_ns]
+        for job in due:
+            del self._free_at[job]
+            self._seq.pop(job, None)
+            self._recent.pop(job, None)
+            self.job_bounds.pop(job, None)
+            for key in [k for k in self._last_change if k[0] == job]:
+                del self._last_change[key]
+        return due
 
     def observe_info(self, info: JobInfo) -> None:
         """Take a job's own knob ranges from its job info (``extra["bounds.<knob>"]`` =
@@ -228,6 +283,9 @@ class Policy:
     def decide(self, rec: Recommendation, *, now_ns: int) -> tuple[Command | None, Decision]:
         """What becomes of a recommendation, by the job's tier."""
         rules = self.rules(rec.job_id)
+        why = self.ended(rec.job_id)
+        if why:
+            return None, self._decision(rec, rules, now_ns, "refused", why)
         if rules.tier == "observe":
             return None, self._decision(rec, rules, now_ns, "observed", "tier observe: recorded")
         if rules.tier == "recommend":
@@ -278,6 +336,9 @@ class Policy:
             return None, self._decision(
                 appr, rules, now_ns, "rejected", appr.reason or f"rejected by {who}", actor=who
             )
+        why = self.ended(appr.job_id)
+        if why:
+            return None, self._decision(appr, rules, now_ns, "refused", why, actor=who)
         if rules.tier != "approve":
             return None, self._decision(
                 appr,

@@ -12,9 +12,14 @@ else key ``default``) and publishes it on ``perfloop.control``, and publishes th
 lands it in the ``audit`` table. Offsets are committed after both are delivered (at least
 once; the job agent drops a replayed command by its sequence number).
 
+From ``perfloop.telemetry.job`` it also takes each job's end (its launcher's lifecycle event,
+rank -1): the recommendations and approvals of a job that ended are refused ("job ended") and
+its state is freed ``ended_job_retention_s`` later (`Policy.sweep`).
+
 The settings it was given live are read back from the warehouse (``config_changes``) when it
 starts, so a restarted service keeps each job's tier; a change published in the second before
-a restart, not yet in the warehouse, is lost (it can be set again).
+a restart, not yet in the warehouse, is lost (it can be set again). So are the jobs that ended
+in the last day (``job_lifecycle``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from perfloop.schemas import (
     ConfigChange,
     Decision,
     JobInfo,
+    JobLifecycle,
     Recommendation,
     SchemaError,
     decode_event,
@@ -73,6 +79,7 @@ class ActuatorService:
             ttl_s=settings.command_ttl_s,
             approval_ttl_s=settings.approval_ttl_s,
             keys={SIGNING_KEY_ID: self._key},
+            ended_retention_s=settings.ended_job_retention_s,
         )
         self._stop = threading.Event()
         self._consumer = consumer(
@@ -84,6 +91,7 @@ class ActuatorService:
 
     def start(self) -> None:
         self.load_settings()
+        self.load_ended_jobs()
         self._consumer.subscribe([Topics.RECOMMENDATIONS, Topics.CONTROL, Topics.JOB])
 
     def stop(self) -> None:
@@ -150,6 +158,34 @@ class ActuatorService:
             log.info("applied %d actuator settings changed before this start", applied)
         return applied
 
+    def load_ended_jobs(self) -> int:
+        """Take the jobs that ended in the last day from the warehouse (``job_lifecycle``, rank
+        -1), so a restarted service refuses them too; return how many ended."""
+        from perfloop.warehouse import client
+
+        try:
+            ch = client(self.settings)
+            try:
+                rows = ch.query(
+                    "SELECT job_id, argMax(state, ts), argMax(exit_code, ts) FROM job_lifecycle "
+                    "WHERE rank = -1 AND ts >= now() - INTERVAL 1 DAY GROUP BY job_id"
+                ).result_rows
+            finally:
+                ch.close()
+        except Exception as e:  # no warehouse (yet): the ends come from the topic
+            log.warning("actuator starts without the jobs that ended before it: %s", e)
+            return 0
+        now = time.time_ns()
+        for job_id, state, code in rows:
+            try:
+                event = JobLifecycle(ts_ns=now, job_id=job_id, node="warehouse", rank=-1,
+                                     state=state, exit_code=code)  # fmt: skip
+            except ValueError as e:  # a row this version cannot read: skip it
+                log.warning("skipping the stored lifecycle of job %r: %s", job_id, e)
+                continue
+            self.policy.observe_lifecycle(event, now_ns=now)
+        return sum(bool(self.policy.ended(job_id)) for job_id, _, _ in rows)
+
     def handle(self, data: bytes, topic: str = Topics.RECOMMENDATIONS) -> Command | None:
         """Decide on one message; publish the command if one is issued, and the decision."""
         try:
@@ -158,11 +194,15 @@ class ActuatorService:
             log.warning("ignoring a bad message on %s: %s", topic, e)
             return None
         now = time.time_ns()
+        self.policy.sweep(now)  # jobs that ended a while ago: forget what they left here
         if isinstance(ev, ConfigChange):
             self._configure(ev)
             return None
         if isinstance(ev, JobInfo):
             self.policy.observe_info(ev)
+            return None
+        if isinstance(ev, JobLifecycle):
+            self.policy.observe_lifecycle(ev, now_ns=now)
             return None
         if isinstance(ev, Recommendation):
             cmd, decision = self.policy.decide(ev, now_ns=now)

@@ -237,3 +237,6 @@ class ActuatorSettings(BaseServiceSettings):
     approval_ttl_s: float = Field(900.0, gt=0)
     """An approval acts only on a recommendation younger than this."""
     session_timeout_ms: int = Field(6000, ge=1000)
+    ended_job_retention_s: float = Field(300.0, ge=0)
+    """A job that ended has its state in the actuator freed this long after (it stays ended:
+    its recommendations are refused)."""

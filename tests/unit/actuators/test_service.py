@@ -3,6 +3,7 @@ its live settings, and survives what it cannot read (the decisions themselves: t
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
@@ -10,7 +11,7 @@ import pytest
 
 from perfloop.actuators import ActuatorService, verify
 from perfloop.catalog import Topics
-from perfloop.schemas import Command, ConfigChange, encode_event
+from perfloop.schemas import Command, ConfigChange, JobLifecycle, encode_event
 from perfloop.settings import ActuatorSettings
 from tests.helpers import recommendation
 
@@ -102,3 +103,23 @@ def test_job_keys_come_from_the_environment_as_json(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("PERFLOOP_JOB_SIGNING_KEYS", '{"llm-7": "s3cret"}')
     keys = ActuatorSettings().job_signing_keys
     assert {j: k.get_secret_value() for j, k in keys.items()} == {"llm-7": "s3cret"}
+
+
+def test_a_job_that_ended_is_refused_and_its_state_freed_later(
+    unreachable_settings: ActuatorSettings,
+) -> None:
+    settings = unreachable_settings.model_copy(update={"ended_job_retention_s": 0.2})
+    service = ActuatorService(settings)
+    published: list[Any] = []
+    service._publish = lambda topic, event: published.append((topic, event)) or True  # type: ignore[method-assign]
+    end = JobLifecycle(ts_ns=time.time_ns(), job_id="job-1", node="n0", rank=-1,
+                       state="failed", exit_code=1)  # fmt: skip
+    assert service.handle(encode_event(end), Topics.JOB) is None
+    assert service.handle(encode_event(_rec())) is None, "no command for a job that ended"
+    assert [(t, e.outcome, e.reason) for t, e in published] == [
+        (Topics.ACTUATIONS, "refused", "job ended (failed, exit code 1)")
+    ]
+    assert service.handle(encode_event(_rec(job_id="job-2"))) is not None, "others go on"
+    time.sleep(0.3)
+    service.handle(encode_event(_rec(job_id="job-3")))  # any message frees what is due
+    assert "job-1" not in service.policy._free_at and service.policy.ended("job-1")
