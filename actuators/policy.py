@@ -7,8 +7,9 @@ Per job (`JobRules`, changed live by ``ConfigChange`` events with target ``actua
   recommendation, ``recommend`` shows it, ``approve`` keeps it pending until a person approves
   it (`Policy.approve`), ``auto`` issues the command itself;
 - ``dry_run``: decide everything as in the tier, publish no command (outcome ``dry_run``);
-- the knob allow-list and its bounds (`KNOB_BOUNDS`), narrowed per job by the ranges its job
-  agent reports in its job info (the CPUs it has, its GPU's power-limit range);
+- the knob allow-list and its bounds (`KNOB_BOUNDS`, `perfloop.actuators.allowlist`), narrowed
+  per job by the ranges its job agent reports in its job info (the CPUs it has, its GPU's
+  power-limit range);
 - hysteresis: a recommendation expecting less than ``min_gain_pct`` is refused (an approval is a
   person's call and skips it);
 - a cooldown per knob (``cooldown_s`` since the knob last changed) and a rate limit
@@ -17,6 +18,12 @@ Per job (`JobRules`, changed live by ``ConfigChange`` events with target ``actua
 A job that has ended (its launcher's lifecycle event, rank -1: finished, failed or killed) gets
 nothing more: its recommendations and approvals are refused ("job ended"), and its state here is
 freed ``ended_retention_s`` later (what it was told to keep, its settings, stays).
+
+Knobs in `HOOK_KNOBS` are actions the actuator takes itself, through the operator's action
+hook (`perfloop.actuators.hook`), and never send to the job: ``cluster.drain_node`` (the value is
+the straggler's node). The tier governs them as any knob; "issued" means the hook is to run,
+at most once per job and node and ``hook_max_per_hour`` times an hour over every job; with no
+hook configured they are only recorded.
 
 Commands carry a per-job monotonic sequence number (microseconds since the epoch, at least one
 more than the last: monotonic across restarts without stored state) and an expiry; the service
@@ -31,6 +38,15 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from perfloop.actuators.allowlist import (
+    ACTION_KNOBS,
+    BOOL_KNOBS,
+    HOOK_KNOBS,
+    HOST_NAME,
+    INT_KNOBS,
+    KNOB_BOUNDS,
+    knob_problem,
+)
 from perfloop.actuators.signing import verify
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import (
@@ -48,6 +64,8 @@ __all__ = [
     "ACTION_KNOBS",
     "BOOL_KNOBS",
     "ENDED_STATES",
+    "HOOK_KNOBS",
+    "INT_KNOBS",
     "KNOB_BOUNDS",
     "JobRules",
     "Policy",
@@ -60,52 +78,6 @@ NS = 1_000_000_000
 RATE_WINDOW_NS = 60 * NS
 ACTED_MEMORY = 10_000
 """Recommendations remembered as acted on (an approval of one of them is refused as a repeat)."""
-
-# Knobs the actuator may command, with their inclusive bounds (the allow-list). The job agent
-# narrows them by what the job's hardware allows (threads and workers by its CPUs, the power
-# limit by the GPU's range) and refuses knobs its process does not handle.
-KNOB_BOUNDS: dict[str, tuple[float, float]] = {
-    "torch.num_threads": (1, 1024),
-    "dataloader.num_workers": (0, 64),
-    "dataloader.prefetch_factor": (1, 64),
-    "train.grad_accum_steps": (1, 1024),
-    "train.checkpoint_every_steps": (1, 10_000_000),
-    "profiler.capture_steps": (1, 50),
-    "gpu.power_limit_w": (100, 700),
-    "train.batch_size": (1, 1 << 20),  # slow loop: a config patch read at the next start
-}
-BOOL_KNOBS: frozenset[str] = frozenset({"dataloader.pin_memory"})
-"""Knobs that are switched on or off."""
-ACTION_KNOBS: frozenset[str] = frozenset({"profiler.capture_steps"})
-"""Knobs that do something once rather than hold a value: applied, never judged or undone."""
-INT_KNOBS: frozenset[str] = frozenset(KNOB_BOUNDS) - {"gpu.power_limit_w"}
-"""Knobs that take whole numbers."""
-
-
-def knob_problem(knob: str, value: Any, bounds: tuple[float, float] | None = None) -> str:
-    """Why ``value`` is not a valid setting of ``knob`` ("" if it is); ``bounds`` narrows the
-    allow-list's range (a job's own limits).
-
-    >>> knob_problem("torch.num_threads", 4), knob_problem("dataloader.pin_memory", True)
-    ('', '')
-    >>> knob_problem("torch.num_threads", 4, bounds=(1, 2))
-    'torch.num_threads=4 is outside [1, 2]'
-    >>> knob_problem("dataloader.pin_memory", 1)
-    'dataloader.pin_memory must be true or false, got 1'
-    """
-    if knob in BOOL_KNOBS:
-        return "" if isinstance(value, bool) else f"{knob} must be true or false, got {value!r}"
-    allowed = KNOB_BOUNDS.get(knob)
-    if allowed is None:
-        return f"knob {knob!r} is not allowed; allowed: {sorted([*KNOB_BOUNDS, *BOOL_KNOBS])}"
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return f"{knob}={value!r} is not a number"
-    if knob in INT_KNOBS and not float(value).is_integer():
-        return f"{knob}={value!r} is not a whole number"
-    lo, hi = allowed if bounds is None else (max(allowed[0], bounds[0]), min(allowed[1], bounds[1]))
-    if not lo <= value <= hi:
-        return f"{knob}={value!r} is outside [{lo:g}, {hi:g}]"
-    return ""
 
 
 @dataclass(frozen=True)
@@ -164,6 +136,10 @@ _SETTINGS = {
 }
 
 
+NO_HOOK = "no action hook configured (PERFLOOP_STRAGGLER_HOOK)"
+"""Why a hook knob's recommendation is only recorded."""
+
+
 class Policy:
     """Decides, per job, what becomes of each recommendation and approval.
 
@@ -185,6 +161,8 @@ class Policy:
         ttl_s: float,
         approval_ttl_s: float = 900.0,
         keys: dict[str, bytes] | None = None,
+        action_hook: bool = False,
+        hook_max_per_hour: int = 6,
         ended_retention_s: float = 300.0,
     ) -> None:
         self.defaults = defaults
@@ -198,6 +176,11 @@ class Policy:
         self._acted: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.job_bounds: dict[str, dict[str, tuple[float, float]]] = {}
         """Per job: the knobs' ranges its own hardware allows (from its job info)."""
+        self.action_hook = action_hook
+        """Whether an action hook is configured (`HOOK_KNOBS`; without one: only recorded)."""
+        self.hook_max_per_hour = hook_max_per_hour
+        self._hook_done: dict[tuple[str, str], int] = {}  # (job, node): when its hook ran
+        self._hook_runs: collections.deque[int] = collections.deque()  # every job's, last hour
         self.ended_retention_ns = int(ended_retention_s * NS)
         self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()  # job: why
         self._free_at: dict[str, int] = {}  # job: when its state is freed
@@ -226,8 +209,8 @@ class Policy:
 
     def sweep(self, now_ns: int) -> list[str]:
         """Free the state of the jobs that ended more than ``ended_retention_s`` ago (their
-        sequence numbers, cooldowns, rates and ranges; their settings stay, and they stay
-        ended); return their ids."""
+        sequence numbers, cooldowns, rates, ranges and hook runs; their settings stay, and
+        they stay ended); return their ids."""
         due = [job for job, at in self._free_at.items() if at <= now_ns]
         for job in due:
             del self._free_at[job]
@@ -236,6 +219,8 @@ class Policy:
             self.job_bounds.pop(job, None)
             for key in [k for k in self._last_change if k[0] == job]:
                 del self._last_change[key]
+            for key in [k for k in self._hook_done if k[0] == job]:
+                del self._hook_done[key]
         return due
 
     def observe_info(self, info: JobInfo) -> None:
@@ -288,17 +273,21 @@ class Policy:
             return None, self._decision(rec, rules, now_ns, "refused", why)
         if rules.tier == "observe":
             return None, self._decision(rec, rules, now_ns, "observed", "tier observe: recorded")
+        hook = rec.knob in HOOK_KNOBS
+        if hook and not self.action_hook:
+            return None, self._decision(rec, rules, now_ns, "recommended", NO_HOOK)
         if rules.tier == "recommend":
             return None, self._decision(
                 rec, rules, now_ns, "recommended", "tier recommend: shown, not applied"
             )
         if rules.tier == "approve":
+            then = "; then the action hook runs" if hook else ""
             return None, self._decision(
                 rec,
                 rules,
                 now_ns,
                 "pending",
-                f"tier approve: waiting for `perfloop approve {rec.event_id}`",
+                f"tier approve: waiting for `perfloop approve {rec.event_id}`{then}",
             )
         if rec.expected_gain_pct < rules.min_gain_pct:
             return None, self._decision(
@@ -337,6 +326,8 @@ class Policy:
                 appr, rules, now_ns, "rejected", appr.reason or f"rejected by {who}", actor=who
             )
         why = self.ended(appr.job_id)
+        if not why and appr.knob in HOOK_KNOBS and not self.action_hook:
+            why = NO_HOOK
         if why:
             return None, self._decision(appr, rules, now_ns, "refused", why, actor=who)
         if rules.tier != "approve":
@@ -368,6 +359,8 @@ class Policy:
     ) -> tuple[Command | None, Decision]:
         rec_id = src.event_id if isinstance(src, Recommendation) else src.rec_id
         value = src.to_value
+        if src.knob in HOOK_KNOBS:
+            return self._act(src, rules, now_ns=now_ns, actor=actor)
         own = self.job_bounds.get(src.job_id, {}).get(src.knob)
         why = knob_problem(src.knob, value, own)
         if why and own is not None:
@@ -416,6 +409,43 @@ class Policy:
             src, rules, now_ns, "issued", f"{src.knob} = {value} (seq {cmd.seq})", actor=actor,
             command_id=cmd.event_id,
         )  # fmt: skip
+
+    def _act(
+        self, src: Recommendation | Approval, rules: JobRules, *, now_ns: int, actor: str
+    ) -> tuple[Command | None, Decision]:
+        """A hook knob: the command the service runs its action hook for (never sent)."""
+        rec_id = src.event_id if isinstance(src, Recommendation) else src.rec_id
+        node = src.to_value
+        why = ""
+        if not isinstance(node, str) or not HOST_NAME.fullmatch(node):
+            why = f"{src.knob}: {node!r} is not a node name (letters, digits, '.', '_', '-')"
+        elif (src.job_id, node) in self._hook_done:
+            why = f"the action hook already ran for node {node} of this job"
+        else:
+            while self._hook_runs and now_ns - self._hook_runs[0] >= 3600 * NS:
+                self._hook_runs.popleft()
+            if len(self._hook_runs) >= self.hook_max_per_hour:
+                why = (
+                    f"rate limit: the action hook ran {len(self._hook_runs)} times in the last "
+                    f"hour (PERFLOOP_STRAGGLER_HOOK_MAX_PER_HOUR {self.hook_max_per_hour})"
+                )
+        if why:
+            return None, self._decision(src, rules, now_ns, "refused", why, actor=actor)
+        cmd = Command(
+            ts_ns=now_ns, job_id=src.job_id, node=src.node, rank=-1, rec_id=rec_id,
+            seq=self.next_seq(src.job_id, now_ns), knob=src.knob, from_value=src.from_value,
+            value=node, loop=src.loop, expires_ts_ns=now_ns + self.ttl_ns,
+        )  # fmt: skip
+        if rules.dry_run:
+            self._remember(rec_id, "decided in dry run (the action hook did not run)")
+            why = f"dry run: would run the action hook for {src.knob} = {node}"
+            return None, self._decision(src, rules, now_ns, "dry_run", why, actor=actor)
+        self._hook_done[(src.job_id, node)] = now_ns
+        self._hook_runs.append(now_ns)
+        self._remember(rec_id, f"acted on: the action hook ran for node {node}")
+        return cmd, self._decision(
+            src, rules, now_ns, "issued", f"action hook for {src.knob} = {node}", actor=actor
+        )
 
     def _remember(self, rec_id: str, what: str) -> None:
         self._acted[rec_id] = what

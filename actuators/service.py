@@ -16,6 +16,15 @@ From ``perfloop.telemetry.job`` it also takes each job's end (its launcher's lif
 rank -1): the recommendations and approvals of a job that ended are refused ("job ended") and
 its state is freed ``ended_job_retention_s`` later (`Policy.sweep`).
 
+A recommendation for a hook knob (``cluster.drain_node``: a straggler's node) is never sent to
+the job: when the job's tier lets it through (``auto``, or ``approve`` once a person approved
+it), the service runs the operator's action hook (``straggler_hook``,
+`perfloop.actuators.hook`) on a thread of its own, so a slow hook holds up no other job, and
+publishes the decision once the hook is done: ``issued`` with its exit code and the first line
+of its output, or ``refused`` with why it failed ("action hook failed: exit 3: …", timed
+out, cannot run). With no hook configured such recommendations are recorded with the reason.
+A hook runs at most once per job and node, ``straggler_hook_max_per_hour`` times an hour.
+
 The settings it was given live are read back from the warehouse (``config_changes``) when it
 starts, so a restarted service keeps each job's tier; a change published in the second before
 a restart, not yet in the warehouse, is lost (it can be set again). So are the jobs that ended
@@ -24,14 +33,17 @@ in the last day (``job_lifecycle``).
 
 from __future__ import annotations
 
+import collections
 import logging
+import queue
 import threading
 import time
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
-from perfloop.actuators.policy import KNOB_BOUNDS, JobRules, Policy
+from perfloop.actuators.hook import render, run_hook
+from perfloop.actuators.policy import HOOK_KNOBS, KNOB_BOUNDS, JobRules, Policy
 from perfloop.actuators.signing import sign
 from perfloop.catalog import Topics
 from perfloop.exceptions import ConfigError
@@ -55,6 +67,8 @@ __all__ = ["KNOB_BOUNDS", "ActuatorService", "JobRules", "Policy"]
 log = logging.getLogger("perfloop.actuator")
 
 SIGNING_KEY_ID = "default"
+PENDING_HOOKS = 1000
+"""Hook recommendations waiting for approval remembered (their ranks and reason)."""
 
 
 def _rules(settings: ActuatorSettings) -> JobRules:
@@ -79,6 +93,8 @@ class ActuatorService:
             ttl_s=settings.command_ttl_s,
             approval_ttl_s=settings.approval_ttl_s,
             keys={SIGNING_KEY_ID: self._key},
+            action_hook=bool(settings.straggler_hook.strip()),
+            hook_max_per_hour=settings.straggler_hook_max_per_hour,
             ended_retention_s=settings.ended_job_retention_s,
         )
         self._stop = threading.Event()
@@ -88,6 +104,12 @@ class ActuatorService:
         self._producer = producer(settings)
         self.issued = 0
         self.decisions = 0
+        # hook recommendations pending approval, by id: what the hook is told when approved
+        self._pending_hooks: collections.OrderedDict[str, Recommendation] = (
+            collections.OrderedDict()
+        )
+        self._actions: queue.Queue[tuple[list[str], Decision] | None] = queue.Queue()
+        self._hook_thread: threading.Thread | None = None
 
     def start(self) -> None:
         self.load_settings()
@@ -96,6 +118,13 @@ class ActuatorService:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def wait_actions(self, timeout_s: float) -> bool:
+        """Wait until every hook run asked for is done and its decision published."""
+        deadline = time.monotonic() + timeout_s
+        while self._actions.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return not self._actions.unfinished_tasks
 
     def run(self) -> None:
         self.start()
@@ -116,6 +145,9 @@ class ActuatorService:
                 self._consumer.commit(message=msg, asynchronous=False)
         finally:
             self._consumer.close()
+            if self._hook_thread is not None:  # a hook running now ends (or is killed) first
+                self._actions.put(None)
+                self._hook_thread.join(self.settings.straggler_hook_timeout_s + 10)
             self._producer.flush(5)
 
     def load_settings(self) -> int:
@@ -194,7 +226,9 @@ class ActuatorService:
             log.warning("ignoring a bad message on %s: %s", topic, e)
             return None
         now = time.time_ns()
-        self.policy.sweep(now)  # jobs that ended a while ago: forget what they left here
+        for job_id in self.policy.sweep(now):  # ended a while ago: forget what it left here
+            for rec_id in [r for r, rec in self._pending_hooks.items() if rec.job_id == job_id]:
+                del self._pending_hooks[rec_id]
         if isinstance(ev, ConfigChange):
             self._configure(ev)
             return None
@@ -204,10 +238,18 @@ class ActuatorService:
         if isinstance(ev, JobLifecycle):
             self.policy.observe_lifecycle(ev, now_ns=now)
             return None
+        rec: Recommendation | None = None
         if isinstance(ev, Recommendation):
             cmd, decision = self.policy.decide(ev, now_ns=now)
+            rec = ev
+            if ev.knob in HOOK_KNOBS and decision.outcome == "pending":
+                self._pending_hooks[ev.event_id] = ev
+                while len(self._pending_hooks) > PENDING_HOOKS:
+                    self._pending_hooks.popitem(last=False)
         elif isinstance(ev, Approval):
             cmd, decision = self.policy.approve(ev, now_ns=now)
+            if decision.outcome != "refused":  # acted on (or rejected): no longer pending
+                rec = self._pending_hooks.pop(ev.rec_id, None)
         else:  # commands (its own, on the control topic) and anything else
             return None
         log.info(
@@ -222,6 +264,9 @@ class ActuatorService:
             decision.outcome,
             decision.reason,
         )
+        if cmd is not None and cmd.knob in HOOK_KNOBS:  # not for the job: the hook, apart
+            self._act(cmd, decision, rec)
+            return None
         if cmd is not None:
             key_id, key = self.signing_key_for(cmd.job_id)
             cmd = sign(cmd.model_copy(update={"key_id": key_id}), key)
@@ -235,6 +280,48 @@ class ActuatorService:
         if self._publish(Topics.ACTUATIONS, decision):
             self.decisions += 1
         return cmd
+
+    # -- the action hook ---------------------------------------------------------------------
+    def _act(self, cmd: Command, decision: Decision, rec: Recommendation | None) -> None:
+        """Have the hook run for ``cmd`` on the hook thread; its decision is published there."""
+        try:
+            argv = render(self.settings.straggler_hook, hook_values(cmd, rec))
+        except ConfigError as e:
+            refused = decision.model_copy(update={"outcome": "refused", "reason": str(e)[:1000]})
+            if self._publish(Topics.ACTUATIONS, refused):
+                self.decisions += 1
+            return
+        if self._hook_thread is None:
+            self._hook_thread = threading.Thread(
+                target=self._run_actions, name="perfloop-action-hook", daemon=True
+            )
+            self._hook_thread.start()
+        self._actions.put((argv, decision))
+
+    def _run_actions(self) -> None:
+        while True:
+            item = self._actions.get()
+            try:
+                if item is None:
+                    return
+                argv, decision = item
+                result = run_hook(argv, self.settings.straggler_hook_timeout_s)
+                what = f"{decision.knob} = {decision.to_value}"
+                if result.ok:
+                    update = {"reason": f"action hook ran for {what}: {result.describe()}"}
+                else:
+                    why = f"action hook failed for {what}: {result.describe()}"
+                    update = {"outcome": "refused", "reason": why}
+                decision = decision.model_copy(update={**update, "ts_ns": time.time_ns()})
+                log.info("action hook for %s of job %s: %s", what, decision.job_id,
+                         decision.reason)  # fmt: skip
+                if self._publish(Topics.ACTUATIONS, decision):
+                    self.decisions += 1
+                    self._producer.flush(10)
+            except Exception as e:  # the next hook run, and the service, go on
+                log.error("action hook run failed: %r", e)
+            finally:
+                self._actions.task_done()
 
     def signing_key_for(self, job_id: str) -> tuple[str, bytes]:
         """``(key id, key)`` a job's commands are signed with: its own when it has one."""
@@ -261,6 +348,28 @@ class ActuatorService:
             log.error("cannot publish %s %s: %s", event.KIND, event.event_id, e)
             return False
         return True
+
+
+def hook_values(cmd: Command, rec: Recommendation | None) -> dict[str, str]:
+    """What the action hook's placeholders stand for: the node, the job, the ranks named in the
+    recommendation's evidence (``rank``), its id and its rationale (one line, at most 200
+    characters); without the recommendation (approved after a restart), what the command
+    says."""
+    node = str(cmd.value)
+    ranks: set[int] = set()
+    reason = f"straggler on {node}"
+    if rec is not None:
+        ranks = {int(v) for k, v in rec.evidence.items() if k == "rank" and 0 <= v < 1 << 20}
+        if rec.rank >= 0:
+            ranks.add(rec.rank)
+        reason = " ".join(rec.rationale.split())[:200].lstrip("- ") or reason
+    return {
+        "node": node,
+        "job": cmd.job_id,
+        "ranks": ",".join(str(r) for r in sorted(ranks)),
+        "rec_id": cmd.rec_id,
+        "reason": reason,
+    }
 
 
 def _stored(value: str) -> Any:

@@ -132,11 +132,15 @@ def recs_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     return 0
 
 
-def _stored_value(text: str) -> Any:
-    """A knob value as the tables keep it (text) back as the value it was (None for '')."""
+def _stored_value(text: str, knob: str = "") -> Any:
+    """A knob value as the tables keep it (text) back as the value it was (None for ''); the
+    value of a hook knob (a node's name, e.g. "1e5" or "007") stays the text it is."""
     from perfloop._config_cli import parse_value
+    from perfloop.actuators.allowlist import HOOK_KNOBS
 
-    return None if text == "" else parse_value(text)
+    if text == "":
+        return None
+    return text if knob in HOOK_KNOBS else parse_value(text)
 
 
 def approve_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
@@ -199,8 +203,8 @@ def approve_command(args: argparse.Namespace, *, out: TextIO | None = None) -> i
         author=author,
         reason=args.reason,
         knob=knob,
-        from_value=_stored_value(from_text),
-        to_value=_stored_value(to_text),
+        from_value=_stored_value(from_text, knob),
+        to_value=_stored_value(to_text, knob),
         loop=loop,
         rec_ts_ns=unix_ns(ts),
         key_id=SIGNING_KEY_ID,

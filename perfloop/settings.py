@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = [
@@ -237,6 +237,30 @@ class ActuatorSettings(BaseServiceSettings):
     approval_ttl_s: float = Field(900.0, gt=0)
     """An approval acts only on a recommendation younger than this."""
     session_timeout_ms: int = Field(6000, ge=1000)
+    straggler_hook: str = ""
+    """The action hook run for a straggler's node (``cluster.drain_node``, as the job's tier
+    allows): a command template, e.g. ``scontrol update nodename={node} state=drain
+    reason="perfloop: {reason}"`` (`perfloop.actuators.hook`: ``{node} {job} {ranks} {rec_id}
+    {reason}``, run without a shell). Empty: such recommendations are only recorded. Only
+    here, never a live setting: it runs commands."""
+    straggler_hook_timeout_s: float = Field(30.0, gt=0, le=600)
+    """A hook still running after this is killed (and audited as failed)."""
+    straggler_hook_max_per_hour: int = Field(4, ge=1, le=1000)
+    """The hook runs at most this often in any hour, over every job (at most once per job and
+    node in any case)."""
     ended_job_retention_s: float = Field(300.0, ge=0)
     """A job that ended has its state in the actuator freed this long after (it stays ended:
     its recommendations are refused)."""
+
+    @field_validator("straggler_hook")
+    @classmethod
+    def _valid_template(cls, value: str) -> str:
+        from perfloop.actuators.hook import check_template
+        from perfloop.exceptions import ConfigError
+
+        if value.strip():
+            try:
+                check_template(value)
+            except ConfigError as e:  # one line naming what is wrong
+                raise ValueError(str(e)) from None
+        return value

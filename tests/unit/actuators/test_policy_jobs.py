@@ -1,5 +1,6 @@
-"""The actuator's decisions about jobs that ended: refused with the reason, their state freed a
-while later, a new start under the same id taken again."""
+"""The actuator's decisions about jobs that ended, and about the straggler's node (a hook knob
+the actuator acts on itself): refused with the reason, governed by the tier, at most once per
+job and node, and rate-limited over every job."""
 
 from __future__ import annotations
 
@@ -8,17 +9,29 @@ from typing import Any
 import pytest
 
 from perfloop.actuators import JobRules, Policy, sign
+from perfloop.actuators.policy import NO_HOOK
+from perfloop.exceptions import ConfigError
 from perfloop.schemas import Approval, ConfigChange, JobInfo, JobLifecycle, Recommendation
 from tests.helpers import recommendation
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
 KEY = b"k"
+DRAIN = "cluster.drain_node"
 
 
-def _policy(**rules: Any) -> Policy:
+def _policy(hook: bool = True, **rules: Any) -> Policy:
     return Policy(JobRules(**rules), ttl_s=60, approval_ttl_s=900, keys={"default": KEY},
-                  ended_retention_s=300)  # fmt: skip
+                  action_hook=hook, hook_max_per_hour=3, ended_retention_s=300)  # fmt: skip
+
+
+def _straggler(job: str = "job-1", node: str = "n3", **kw: Any) -> Recommendation:
+    fields: dict[str, Any] = dict(
+        job_id=job, knob=DRAIN, from_value="", to_value=node, loop="slow",
+        rationale=f"rank 1 on host {node} is 40 ms late to every all-reduce",
+        evidence={"rank": 1.0, "lateness_ms": 40.0, "score": 6.2, "steps": 120.0},
+    )  # fmt: skip
+    return recommendation(**(fields | kw))
 
 
 def _approve(rec: Recommendation, verdict: str = "approve") -> Approval:
@@ -79,11 +92,86 @@ def test_an_ended_jobs_state_is_freed_after_the_retention_and_it_stays_ended() -
     p.observe_info(JobInfo(ts_ns=T0, job_id="job-1", node="n0", rank=0,
                            extra={"bounds.dataloader.num_workers": "0,8"}))  # fmt: skip
     assert p.decide(recommendation(), now_ns=T0)[1].outcome == "issued"
+    assert p.decide(_straggler(), now_ns=T0)[1].outcome == "issued"
     p.observe_lifecycle(_end(), now_ns=T0 + S)
     assert p.sweep(T0 + 100 * S) == [], "not yet"
     assert p.sweep(T0 + 302 * S) == ["job-1"]
     assert "job-1" not in p.job_bounds and "job-1" not in p._seq
-    assert not any(k[0] == "job-1" for k in p._last_change)
+    assert not any(k[0] == "job-1" for k in [*p._last_change, *p._hook_done])
     assert p.sweep(T0 + 400 * S) == []
     assert p.decide(recommendation(), now_ns=T0 + 400 * S)[1].reason.startswith("job ended")
     assert p.rules("job-1").tier == "auto", "what the user set for the job stays"
+
+
+# -- the straggler's node: the action hook --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tier", "outcome", "said"),
+    [
+        ("observe", "observed", "tier observe: recorded"),
+        ("recommend", "recommended", "tier recommend: shown, not applied"),
+        ("approve", "pending", "then the action hook runs"),
+        ("auto", "issued", "action hook for cluster.drain_node = n3"),
+    ],
+)
+def test_the_tier_governs_the_hook(tier: str, outcome: str, said: str) -> None:
+    cmd, d = _policy(tier=tier).decide(_straggler(), now_ns=T0)
+    assert (d.outcome, d.knob, d.to_value, d.loop) == (outcome, DRAIN, "n3", "slow")
+    assert said in d.reason
+    assert (cmd is not None) == (tier == "auto")
+    if cmd is not None:
+        assert (cmd.knob, cmd.value, cmd.rec_id) == (DRAIN, "n3", d.rec_id)
+
+
+@pytest.mark.parametrize("tier", ["recommend", "approve", "auto"])
+def test_without_a_hook_the_recommendation_is_recorded_with_the_reason(tier: str) -> None:
+    cmd, d = _policy(hook=False, tier=tier).decide(_straggler(), now_ns=T0)
+    assert cmd is None and (d.outcome, d.reason) == ("recommended", NO_HOOK)
+    assert NO_HOOK == "no action hook configured (PERFLOOP_STRAGGLER_HOOK)"
+
+
+def test_an_approved_straggler_runs_the_hook_once() -> None:
+    p = _policy(tier="approve")
+    rec = _straggler()
+    p.decide(rec, now_ns=T0)
+    cmd, d = p.approve(_approve(rec), now_ns=T0 + S)
+    assert cmd is not None and (d.outcome, d.actor) == ("issued", "ana@host")
+    assert p.approve(_approve(rec), now_ns=T0 + 2 * S)[1].reason.startswith("already")
+
+
+def test_the_hook_runs_at_most_once_per_job_and_node() -> None:
+    p = _policy(tier="auto")
+    assert p.decide(_straggler(), now_ns=T0)[0] is not None
+    cmd, d = p.decide(_straggler(), now_ns=T0 + 3600 * S)
+    assert cmd is None and d.reason == "the action hook already ran for node n3 of this job"
+    assert p.decide(_straggler(node="n4"), now_ns=T0 + S)[0] is not None
+    assert p.decide(_straggler(job="job-2"), now_ns=T0 + S)[0] is not None
+
+
+def test_the_hook_is_rate_limited_over_every_job() -> None:
+    p = _policy(tier="auto")  # 3 an hour
+    for i in range(3):
+        assert p.decide(_straggler(job=f"job-{i}"), now_ns=T0 + i * S)[0] is not None
+    cmd, d = p.decide(_straggler(job="job-9"), now_ns=T0 + 10 * S)
+    assert cmd is None and d.reason.startswith("rate limit: the action hook ran 3 times")
+    assert p.decide(_straggler(job="job-9"), now_ns=T0 + 3601 * S)[0] is not None
+
+
+def test_in_dry_run_the_hook_does_not_run_and_may_run_later() -> None:
+    p = _policy(tier="auto", dry_run=True)
+    cmd, d = p.decide(_straggler(), now_ns=T0)
+    assert cmd is None and d.outcome == "dry_run" and "would run the action hook" in d.reason
+    p.configure(_change("actuator.dry_run", False))
+    assert p.decide(_straggler(), now_ns=T0 + S)[0] is not None
+
+
+@pytest.mark.parametrize("node", ["--all", "n3 n4", "", "a" * 300, 5])
+def test_a_node_that_is_not_a_host_name_is_refused(node: Any) -> None:
+    cmd, d = _policy(tier="auto").decide(_straggler(node=node), now_ns=T0)
+    assert cmd is None and d.outcome == "refused" and "is not a node name" in d.reason
+
+
+def test_the_hook_cannot_be_configured_live() -> None:
+    with pytest.raises(ConfigError, match="unknown actuator setting"):
+        JobRules().with_setting("actuator.straggler_hook", "rm -rf {node}")
