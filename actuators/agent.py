@@ -19,6 +19,11 @@ acked too (``kept`` or ``rolled_back``, with the evidence). The verdict is the a
 the training process: a job whose actuator is gone keeps verifying, and keeps its
 last-known-good values.
 
+With ``announce``, every change applied, kept, rolled back or rejected is also one line on
+the process's stderr (`perfloop.actuators._notice`; ``PERFLOOP_QUIET=1`` turns it off in
+`perfloop run`), e.g. ``perfloop[rank 0]: applied dataloader.num_workers 0 → 1 at step 41
+(command 3f2a9c1d0b7e)``; a closed or broken stderr is ignored.
+
 Live configuration: a `ConfigChange` with target "producers" whose ``applies_to`` is the
 agent's job or "*" goes to the registered `ConfigHandler` (``on_config``, e.g.
 `NodeSampler.configure`) at once, on the agent's thread — sampling changes need no step
@@ -42,8 +47,9 @@ from typing import Any
 
 from confluent_kafka import KafkaError
 
+from perfloop.actuators._notice import notice, say
+from perfloop.actuators.allowlist import ACTION_KNOBS, BOOL_KNOBS, KNOB_BOUNDS, knob_problem
 from perfloop.actuators.patch import ConfigPatch
-from perfloop.actuators.policy import ACTION_KNOBS, BOOL_KNOBS, KNOB_BOUNDS, knob_problem
 from perfloop.actuators.signing import verify
 from perfloop.actuators.verify import ChangeVerifier, Verdict
 from perfloop.catalog import Topics
@@ -196,7 +202,8 @@ class JobAgent:
     value (what a rollback restores; without it, the last value known good or the command's
     ``from_value``); ``patch`` records slow-loop commands for the job's next start (they are
     acked as applied at once, and not judged: the run they change has not started);
-    ``rank`` names the process in its acks.
+    ``rank`` names the process in its acks and lines; ``announce`` prints each change, verdict
+    and rejection as one line on stderr.
     """
 
     def __init__(
@@ -217,8 +224,10 @@ class JobAgent:
         settle_steps: int = 2,
         verify_steps: int = 20,
         max_verify_steps: int | None = None,
+        announce: bool = False,
     ) -> None:
         self.job_id, self.node, self.rank = job_id, node, rank
+        self.announce = announce
         self.bounds: Mapping[str, tuple[float, float]] = bounds if bounds is not None else {}
         self._read = read
         self.patch = patch
@@ -381,7 +390,7 @@ class JobAgent:
             except Exception as e:  # a failing handler must not break training
                 done.append(self._ack(cmd, "rejected", f"handler failed: {e!r}", step=step))
                 continue
-            done.append(self._ack(cmd, "applied", "", step=step))
+            done.append(self._ack(cmd, "applied", "", step=step, was=before))
             if cmd.knob in ACTION_KNOBS:
                 continue  # done once: nothing to judge or undo
             if not self.verify_changes:
@@ -468,6 +477,7 @@ class JobAgent:
         step: int,
         evidence: dict[str, float] | None = None,
         value: KnobValue | None = None,
+        was: KnobValue | None = None,
     ) -> ActuationResult:
         result = ActuationResult(
             ts_ns=time.time_ns(),
@@ -492,6 +502,8 @@ class JobAgent:
             self._producer.poll(0)
         except Exception as e:  # BufferError/KafkaException: report, never raise into training
             log.warning("cannot publish actuation result: %s", e)
+        if self.announce:
+            say(notice(result, cmd, rank=self.rank, was=was))
         if self._on_result is not None:
             self._on_result(result)
         return result

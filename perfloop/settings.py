@@ -121,6 +121,9 @@ class ProducerSettings(BaseServiceSettings):
         description="The job's config patch (slow-loop changes, read at start); default "
         "$PERFLOOP_HOME/patches/<job>.json.",
     )
+    quiet: bool = False
+    """No line on the job's stderr for each change its agent applies, keeps, rolls back or
+    rejects (``PERFLOOP_QUIET=1``)."""
 
 
 class StackSettings(BaseServiceSettings):
