@@ -1,11 +1,12 @@
 """The job agent: runs inside the training process and applies commands at step boundaries.
 
 A background thread consumes ``perfloop.control``, keeps the commands addressed to its job,
-and checks each one — signature, expiry, sequence (no replays), knob known and value within
-bounds — failing closed: a command that does not pass changes nothing and is acked as
-rejected with its reason. Commands that pass wait in a queue until the training loop calls
-`JobAgent.step_boundary`, which applies them through the registered knob handlers and acks
-each on ``perfloop.actuations``. Nothing here ever raises into the training loop.
+and checks each one — signature, expiry, sequence (no replays), knob not pinned by the user
+(``pinned``: ``perfloop run --pin``), knob known and value within bounds — failing closed: a
+command that does not pass changes nothing and is acked as rejected with its reason. Commands
+that pass wait in a queue until the training loop calls `JobAgent.step_boundary`, which
+applies them through the registered knob handlers and acks each on ``perfloop.actuations``.
+Nothing here ever raises into the training loop.
 
 Verification: the training loop reports each step (`JobAgent.observe_step`: its time, and its
 loss when known). A change is applied alone, and the steps after it are compared with as many
@@ -42,7 +43,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from confluent_kafka import KafkaError
@@ -202,8 +203,8 @@ class JobAgent:
     value (what a rollback restores; without it, the last value known good or the command's
     ``from_value``); ``patch`` records slow-loop commands for the job's next start (they are
     acked as applied at once, and not judged: the run they change has not started);
-    ``rank`` names the process in its acks and lines; ``announce`` prints each change, verdict
-    and rejection as one line on stderr.
+    ``rank`` names the process in its acks and lines; ``pinned`` knobs are refused ("pinned by
+    the user"); ``announce`` prints each change, verdict and rejection as one line on stderr.
     """
 
     def __init__(
@@ -224,9 +225,12 @@ class JobAgent:
         settle_steps: int = 2,
         verify_steps: int = 20,
         max_verify_steps: int | None = None,
+        pinned: Collection[str] = (),
         announce: bool = False,
     ) -> None:
         self.job_id, self.node, self.rank = job_id, node, rank
+        self.pinned = frozenset(pinned)
+        """Knobs the user keeps out of reach (``perfloop run --pin``): commands are refused."""
         self.announce = announce
         self.bounds: Mapping[str, tuple[float, float]] = bounds if bounds is not None else {}
         self._read = read
@@ -347,6 +351,8 @@ class JobAgent:
             return f"expired {(now_ns - cmd.expires_ts_ns) / 1e9:.1f} s ago"
         if cmd.seq <= self._last_seq:
             return f"sequence {cmd.seq} already seen (last {self._last_seq})"
+        if cmd.knob in self.pinned:
+            return "pinned by the user (perfloop run --pin, PERFLOOP_PINNED_KNOBS)"
         if cmd.loop == "slow":
             if self.patch is None:
                 return "this job takes no slow-loop changes (it has no config patch)"

@@ -1,13 +1,16 @@
 """The knobs the actuator acts on, and the values each takes: the allow-list and its bounds,
-the switches, the one-off actions and the actions the actuator takes itself (its action hook).
-Pure; the policy and the job agent check values here.
+the switches, the one-off actions, the actions the actuator takes itself (its action hook) and
+what a user may pin. Pure; the policy, the job agent and the CLI check values here.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
+
+from perfloop.exceptions import ConfigError
 
 __all__ = [
     "ACTION_KNOBS",
@@ -16,7 +19,9 @@ __all__ = [
     "HOST_NAME",
     "INT_KNOBS",
     "KNOB_BOUNDS",
+    "PINNABLE_KNOBS",
     "knob_problem",
+    "pinned_knobs",
 ]
 
 # Knobs the actuator may command, with their inclusive bounds (the allow-list). The job agent
@@ -41,8 +46,44 @@ INT_KNOBS: frozenset[str] = frozenset(KNOB_BOUNDS) - {"gpu.power_limit_w"}
 HOOK_KNOBS: frozenset[str] = frozenset({"cluster.drain_node"})
 """Actions the actuator takes itself through its action hook (the value names the node);
 never sent to a job."""
+PINNABLE_KNOBS: tuple[str, ...] = tuple(sorted({*KNOB_BOUNDS, *BOOL_KNOBS, *HOOK_KNOBS}))
+"""What a user may pin (``perfloop run --pin``, ``actuator.pinned``): every knob the actuator
+acts on."""
 HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 """What a node named in a hook recommendation must look like (it becomes an argument)."""
+
+
+def pinned_knobs(value: Any) -> tuple[str, ...]:
+    """Pinned knob names from a list, a JSON list or a comma-separated string, checked and
+    sorted; `ConfigError` naming the valid knobs for an unknown one.
+
+    >>> pinned_knobs('["torch.num_threads"]')
+    ('torch.num_threads',)
+    >>> pinned_knobs("dataloader.num_workers, torch.num_threads"), pinned_knobs("")
+    (('dataloader.num_workers', 'torch.num_threads'), ())
+    >>> pinned_knobs("threads")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    perfloop.exceptions.ConfigError: unknown knob 'threads' to pin; valid: cluster.drain_node, ...
+    """
+    names: Any = value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                names = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"pinned knobs {value!r} are not a JSON list: {e}") from None
+        else:
+            names = [n for n in (part.strip() for part in text.split(",")) if n]
+    if not isinstance(names, list | tuple | set | frozenset) or not all(
+        isinstance(n, str) for n in names
+    ):
+        raise ConfigError(f"pinned knobs must be a list of knob names, got {value!r}")
+    for name in names:
+        if name not in PINNABLE_KNOBS:
+            raise ConfigError(f"unknown knob {name!r} to pin; valid: {', '.join(PINNABLE_KNOBS)}")
+    return tuple(sorted(set(names)))
 
 
 def knob_problem(knob: str, value: Any, bounds: tuple[float, float] | None = None) -> str:

@@ -13,7 +13,8 @@ Per job (`JobRules`, changed live by ``ConfigChange`` events with target ``actua
 - hysteresis: a recommendation expecting less than ``min_gain_pct`` is refused (an approval is a
   person's call and skips it);
 - a cooldown per knob (``cooldown_s`` since the knob last changed) and a rate limit
-  (``max_commands_per_min`` commands a job in any 60 s).
+  (``max_commands_per_min`` commands a job in any 60 s);
+- ``pinned``: knobs the user keeps out of reach (``perfloop run --pin``): refused.
 
 A job that has ended (its launcher's lifecycle event, rank -1: finished, failed or killed) gets
 nothing more: its recommendations and approvals are refused ("job ended"), and its state here is
@@ -45,7 +46,9 @@ from perfloop.actuators.allowlist import (
     HOST_NAME,
     INT_KNOBS,
     KNOB_BOUNDS,
+    PINNABLE_KNOBS,
     knob_problem,
+    pinned_knobs,
 )
 from perfloop.actuators.signing import verify
 from perfloop.exceptions import ConfigError
@@ -67,9 +70,11 @@ __all__ = [
     "HOOK_KNOBS",
     "INT_KNOBS",
     "KNOB_BOUNDS",
+    "PINNABLE_KNOBS",
     "JobRules",
     "Policy",
     "knob_problem",
+    "pinned_knobs",
 ]
 
 ENDED_STATES = frozenset({"finished", "failed", "killed"})
@@ -89,6 +94,7 @@ class JobRules:
     min_gain_pct: float = 5.0
     cooldown_s: float = 30.0
     max_commands_per_min: int = 6
+    pinned: tuple[str, ...] = ()
 
     def with_setting(self, key: str, value: Any) -> JobRules:
         """These rules with ``actuator.<name>`` set to ``value``; `ConfigError` if invalid."""
@@ -127,17 +133,29 @@ def _number(lo: float, hi: float, integer: bool = False) -> Any:
     return check
 
 
+def _pins(key: str, value: Any) -> tuple[str, ...]:
+    try:
+        return pinned_knobs(value)
+    except ConfigError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
 _SETTINGS = {
     "tier": _tier,
     "dry_run": _flag,
     "min_gain_pct": _number(0, 1000),
     "cooldown_s": _number(0, 86400),
     "max_commands_per_min": _number(1, 600, integer=True),
+    "pinned": _pins,
 }
 
 
 NO_HOOK = "no action hook configured (PERFLOOP_STRAGGLER_HOOK)"
 """Why a hook knob's recommendation is only recorded."""
+
+
+def _pinned(knob: str, rules: JobRules) -> str:
+    return f"{knob} is pinned by the user (actuator.pinned)" if knob in rules.pinned else ""
 
 
 class Policy:
@@ -268,7 +286,7 @@ class Policy:
     def decide(self, rec: Recommendation, *, now_ns: int) -> tuple[Command | None, Decision]:
         """What becomes of a recommendation, by the job's tier."""
         rules = self.rules(rec.job_id)
-        why = self.ended(rec.job_id)
+        why = self.ended(rec.job_id) or _pinned(rec.knob, rules)
         if why:
             return None, self._decision(rec, rules, now_ns, "refused", why)
         if rules.tier == "observe":
@@ -325,7 +343,7 @@ class Policy:
             return None, self._decision(
                 appr, rules, now_ns, "rejected", appr.reason or f"rejected by {who}", actor=who
             )
-        why = self.ended(appr.job_id)
+        why = self.ended(appr.job_id) or _pinned(appr.knob, rules)
         if not why and appr.knob in HOOK_KNOBS and not self.action_hook:
             why = NO_HOOK
         if why:

@@ -4,7 +4,8 @@
 [--reason TEXT]`` publishes one `ConfigChange` on ``perfloop.control``, keyed by the job id (or
 "*"), with ``author`` = user@host. VALUE is read by `parse_value`. The target defaults to
 "producers" for ``sampling.*`` keys, "actuator" for ``actuator.*`` keys (a job's automation
-tier, dry run and limits, `perfloop.actuators.policy`) and "streams" otherwise; a producers or
+tier, dry run, limits and pinned knobs, e.g. ``actuator.pinned '["torch.num_threads"]'``,
+`perfloop.actuators.policy`) and "streams" otherwise; a producers or
 actuator change is checked here before it is sent, a streams change by the stream workers
 (which refuse a bad one to ``perfloop.dlq``).
 

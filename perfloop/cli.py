@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="run a training script with perfloop's hooks installed (no code change)",
-        usage="perfloop run [--job-id ID] [--node NAME] [--tier TIER] -- COMMAND [ARGS...]",
+        usage="perfloop run [--job-id ID] [--node NAME] [--tier TIER] [--pin KNOB]... "
+        "-- COMMAND [ARGS...]",
     )
     run.add_argument("--job-id", help="job id (default: generated, printed at start)")
     run.add_argument("--node", help="node name (default: the host name)")
@@ -79,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tier",
         choices=("observe", "recommend", "approve", "auto"),
         help="the job's automation tier (default: the actuator's, auto unless configured)",
+    )
+    run.add_argument(
+        "--pin",
+        action="append",
+        metavar="KNOB",
+        help="keep KNOB as the script set it (repeatable): the job's agents refuse commands "
+        "for it and the actuator does not issue them, e.g. torch.num_threads",
     )
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND")
 
@@ -291,7 +299,15 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.pin:
+        from perfloop.actuators.allowlist import pinned_knobs
 
+        try:
+            pinned_knobs(args.pin)
+        except ConfigError as e:
+            print(f"perfloop: error: argument --pin: {e} (see `perfloop run --help`)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     return run_command(args, _producer_settings())
 
 

@@ -12,9 +12,10 @@ they are unset, the embedded stack's loopback addresses (``PERFLOOP_KAFKA_PORT``
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = [
     "ActuatorSettings",
@@ -124,6 +125,20 @@ class ProducerSettings(BaseServiceSettings):
     quiet: bool = False
     """No line on the job's stderr for each change its agent applies, keeps, rolls back or
     rejects (``PERFLOOP_QUIET=1``)."""
+    pinned_knobs: Annotated[tuple[str, ...], NoDecode] = ()
+    """Knobs the job agent refuses to change (``perfloop run --pin KNOB``;
+    ``PERFLOOP_PINNED_KNOBS``: comma-separated, or a JSON list)."""
+
+    @field_validator("pinned_knobs", mode="before")
+    @classmethod
+    def _known_knobs(cls, value: Any) -> tuple[str, ...]:
+        from perfloop.actuators.allowlist import pinned_knobs
+        from perfloop.exceptions import ConfigError
+
+        try:
+            return pinned_knobs(value)
+        except ConfigError as e:  # one line naming the valid knobs
+            raise ValueError(str(e)) from None
 
 
 class StackSettings(BaseServiceSettings):

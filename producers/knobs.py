@@ -260,9 +260,10 @@ def start_agent(
     on_result: Callable[[Any], None] | None = None,
 ) -> Any:
     """Start the job agent of a training process over ``knobs``, with the job's config patch
-    for slow-loop commands, the key in ``settings.signing_key`` and a line on stderr per change
-    unless ``settings.quiet``; returns the `perfloop.actuators.JobAgent` (listening within a
-    second, never blocking here)."""
+    for slow-loop commands, the key in ``settings.signing_key``, the knobs the user pinned
+    (``settings.pinned_knobs``) and a line on stderr per change unless ``settings.quiet``;
+    returns the `perfloop.actuators.JobAgent` (listening within a second, never blocking
+    here)."""
     from perfloop.actuators.agent import JobAgent
     from perfloop.actuators.patch import ConfigPatch, patch_path
 
@@ -278,6 +279,7 @@ def start_agent(
         read=knobs.value,
         patch=ConfigPatch(path, job_id=job_id),
         on_result=on_result,
+        pinned=getattr(settings, "pinned_knobs", ()),
         announce=not getattr(settings, "quiet", False),
     )
     agent.start(wait_assigned_s=0)

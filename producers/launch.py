@@ -1,4 +1,4 @@
-"""`perfloop run [--job-id ID] [--node NAME] [--no-gpu] [--tier T] -- COMMAND [ARGS...]`.
+"""`perfloop run [--job-id ID] [--node NAME] [--no-gpu] [--tier T] [--pin KNOB]... -- COMMAND…`.
 
 Runs COMMAND as a subprocess with perfloop's run bootstrap first on ``PYTHONPATH`` (any
 ``sitecustomize`` it shadows still runs) and the run described in ``PERFLOOP_*`` variables:
@@ -12,9 +12,14 @@ failed or killed with the exit code) and runs the node sampler (host, and GPU un
 Every traced process runs a job agent that applies the actuator's signed commands between
 steps (``PERFLOOP_AGENT=0`` turns it off). ``--tier`` sets the job's automation tier before
 the command starts (a live ``actuator.tier`` change for this job on ``perfloop.control``:
-observe, recommend, approve or auto); without it the actuator's default applies. The job's
-config patch (slow-loop changes its agent recorded, `perfloop.actuators.patch`) is passed to
-the command as ``PERFLOOP_CONFIG_PATCH`` and what it holds is printed.
+observe, recommend, approve or auto); without it the actuator's default applies. ``--pin KNOB``
+(repeatable; with those in ``PERFLOOP_PINNED_KNOBS``) keeps a knob out of perfloop's reach: the
+job's agents refuse commands for it (``PERFLOOP_PINNED_KNOBS`` in the command's environment)
+and the actuator is told not to issue them (``actuator.pinned`` for this job, published like
+the tier). The job agents print each change, verdict and rejection as one line on the
+command's stderr (``PERFLOOP_QUIET=1`` silences them). The job's config patch (slow-loop
+changes its agent recorded, `perfloop.actuators.patch`) is passed to the command as
+``PERFLOOP_CONFIG_PATCH`` and what it holds is printed.
 
 The command's exit code is ``perfloop run``'s (128 + N when it dies of signal N). SIGTERM,
 SIGHUP and SIGINT are forwarded to it; a Ctrl-C typed in the terminal already reaches the
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import re
@@ -136,9 +142,15 @@ def run_command(args: argparse.Namespace, settings: Any) -> int:
     node = args.node or settings.node or socket.gethostname()
     if not 0 < len(node) <= 255:
         raise ConfigError(f"invalid --node {node!r}: use 1-255 characters")
-    settings = settings.model_copy(update={"job_id": job_id, "node": node})
+    from perfloop.actuators.allowlist import pinned_knobs
+
+    given = getattr(args, "pin", None) or []
+    pins = pinned_knobs([*getattr(settings, "pinned_knobs", ()), *given])
+    settings = settings.model_copy(update={"job_id": job_id, "node": node, "pinned_knobs": pins})
     env = child_env(os.environ, job_id=job_id, node=node, command=cmd)
     env["PERFLOOP_CONFIG_PATCH"] = str(_show_patch(settings, job_id))
+    if pins:
+        env["PERFLOOP_PINNED_KNOBS"] = ",".join(pins)
     print(f"perfloop: job {job_id} on {node}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
 
     from perfloop.producers.emitter import Emitter
@@ -170,7 +182,11 @@ def run_command(args: argparse.Namespace, settings: Any) -> int:
 
     lifecycle("started", message=shlex.join(cmd))
     if getattr(args, "tier", None):
-        _publish_tier(settings, job_id, args.tier)
+        what = f"automation tier {args.tier}"
+        _publish_rule(settings, job_id, "actuator.tier", args.tier, "--tier", what)
+    if pins:
+        what = f"pinned {', '.join(pins)} (its agents and the actuator leave them alone)"
+        _publish_rule(settings, job_id, "actuator.pinned", json.dumps(list(pins)), "--pin", what)
     try:
         proc = subprocess.Popen(cmd, env=env)
     except OSError as e:
@@ -236,19 +252,22 @@ def _show_patch(settings: Any, job_id: str) -> Path:
     return path
 
 
-def _publish_tier(settings: Any, job_id: str, tier: str, timeout_s: float = 10.0) -> None:
-    """Set the job's automation tier (``actuator.tier``, for this job only); a broker that does
-    not take it is one line on stderr, and the command runs regardless."""
+def _publish_rule(
+    settings: Any, job_id: str, key: str, value: Any, flag: str, what: str, timeout_s: float = 10.0
+) -> None:
+    """Set an actuator rule for this job only (``actuator.tier`` for ``--tier``,
+    ``actuator.pinned`` for ``--pin``); a broker that does not take it is one line on stderr,
+    and the command runs regardless."""
     from perfloop._config_cli import build_change, publish_change
 
     change = build_change(
-        "actuator.tier", tier, job=job_id, reason="perfloop run --tier", author="perfloop run"
+        key, value, job=job_id, reason=f"perfloop run {flag}", author="perfloop run"
     )
     why = publish_change(settings, change, timeout_s)
     if why:
-        print(f"perfloop: tier {tier} not set for job {job_id}: {why}", file=sys.stderr)
+        print(f"perfloop: {key} not set for job {job_id}: {why}", file=sys.stderr)
     else:
-        print(f"perfloop: job {job_id}: automation tier {tier}", file=sys.stderr, flush=True)
+        print(f"perfloop: job {job_id}: {what}", file=sys.stderr, flush=True)
 
 
 def _close(emitter: Any, publisher: Any, where: str, timeout_s: float = 5.0) -> None:

@@ -1,6 +1,6 @@
-"""What the person watching a job sees on its stderr: one line per change applied, kept, rolled
-back or rejected, from the job agent. A closed or broken stderr never reaches the training
-loop. No broker."""
+"""What the person watching a job sees on its stderr (one line per change applied, kept, rolled
+back or rejected, from the job agent), and the knobs the user pinned (refused by the agent).
+A closed or broken stderr never reaches the training loop. No broker."""
 
 from __future__ import annotations
 
@@ -152,3 +152,35 @@ def test_a_closed_or_broken_stderr_does_not_matter(
     agent.receive(_cmd(2, THREADS, 4), now_ns=NOW)
     _steps(agent, 25, 300, step)
     assert [r.status for r in agent.results] == ["rejected", "applied", "rolled_back"]
+
+
+# -- pinned knobs ---------------------------------------------------------------------------
+
+
+def test_a_pinned_knob_is_rejected_and_nothing_changes(capsys: pytest.CaptureFixture[str]) -> None:
+    knobs = Knobs()
+    agent = _agent(knobs, pinned=(THREADS,))
+    reason = agent.receive(_cmd(1, THREADS, 1), now_ns=NOW)
+    assert reason == "pinned by the user (perfloop run --pin, PERFLOOP_PINNED_KNOBS)"
+    assert agent.step_boundary(1) == [] and knobs.values[THREADS] == 2
+    [rejected] = agent.results
+    assert (rejected.status, rejected.knob, rejected.reason) == ("rejected", THREADS, reason)
+    assert _lines(capsys) == [
+        f"perfloop[rank 0]: rejected torch.num_threads = 1 (command 01c1f00aa11b): {reason}"
+    ]
+    assert agent.receive(_cmd(2, WORKERS, 1), now_ns=NOW) is None, "another knob is not pinned"
+
+
+def test_a_pinned_knob_is_refused_for_the_next_start_too(tmp_path: Path) -> None:
+    patch = ConfigPatch(tmp_path / "p.json", job_id="job-1")
+    agent = _agent(Knobs(), pinned=("train.batch_size",), patch=patch, announce=False)
+    why = agent.receive(_cmd(1, "train.batch_size", 64, loop="slow"), now_ns=NOW)
+    assert why is not None and why.startswith("pinned by the user")
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_an_unsigned_command_for_a_pinned_knob_is_refused_for_its_signature() -> None:
+    agent = _agent(Knobs(), pinned=(THREADS,))
+    cmd = Command(ts_ns=NOW, job_id="job-1", node="n0", rank=-1, seq=1, knob=THREADS, value=1,
+                  expires_ts_ns=NOW + 60 * S)  # fmt: skip
+    assert "signature" in (agent.receive(encode_event(cmd), now_ns=NOW) or "")

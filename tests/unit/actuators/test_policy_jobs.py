@@ -1,6 +1,6 @@
-"""The actuator's decisions about jobs that ended, and about the straggler's node (a hook knob
-the actuator acts on itself): refused with the reason, governed by the tier, at most once per
-job and node, and rate-limited over every job."""
+"""The actuator's decisions about jobs that ended, about the straggler's node (a hook knob the
+actuator acts on itself) and about what a user pinned: refused with the reason, governed by the
+tier, at most once per job and node, and rate-limited over every job."""
 
 from __future__ import annotations
 
@@ -175,3 +175,48 @@ def test_a_node_that_is_not_a_host_name_is_refused(node: Any) -> None:
 def test_the_hook_cannot_be_configured_live() -> None:
     with pytest.raises(ConfigError, match="unknown actuator setting"):
         JobRules().with_setting("actuator.straggler_hook", "rm -rf {node}")
+
+
+# -- pinned knobs ---------------------------------------------------------------------------
+
+
+def test_a_pinned_knob_is_refused_in_every_tier_and_others_are_not() -> None:
+    for tier in ("observe", "recommend", "approve", "auto"):
+        p = _policy(tier=tier)
+        p.configure(_change("actuator.pinned", '["torch.num_threads"]'))
+        cmd, d = p.decide(recommendation(knob="torch.num_threads", to_value=2), now_ns=T0)
+        assert cmd is None and d.outcome == "refused"
+        assert d.reason == "torch.num_threads is pinned by the user (actuator.pinned)"
+        assert p.decide(recommendation(), now_ns=T0)[1].outcome != "refused"
+
+
+def test_a_pin_set_after_a_recommendation_refuses_its_approval() -> None:
+    p = _policy(tier="approve")
+    rec = recommendation()
+    assert p.decide(rec, now_ns=T0)[1].outcome == "pending"
+    p.configure(_change("actuator.pinned", "dataloader.num_workers"))
+    cmd, d = p.approve(_approve(rec), now_ns=T0 + S)
+    assert cmd is None and d.outcome == "refused" and "pinned by the user" in d.reason
+
+
+@pytest.mark.parametrize(
+    ("value", "pinned"),
+    [
+        ('["torch.num_threads", "dataloader.num_workers"]',
+         ("dataloader.num_workers", "torch.num_threads")),
+        (["torch.num_threads"], ("torch.num_threads",)),  # as the warehouse gives it back
+        ("torch.num_threads,torch.num_threads", ("torch.num_threads",)),
+        ("[]", ()),
+        ("", ()),
+    ],
+)  # fmt: skip
+def test_pins_are_read_from_json_or_commas(value: Any, pinned: tuple[str, ...]) -> None:
+    assert JobRules().with_setting("actuator.pinned", value).pinned == pinned
+
+
+@pytest.mark.parametrize("value", ['["threads"]', "torch.threads", '["a"', "[1]", 3])
+def test_a_bad_pin_is_refused_naming_the_valid_knobs(value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^actuator.pinned: ") as e:
+        JobRules().with_setting("actuator.pinned", value)
+    if "unknown knob" in str(e.value):
+        assert "valid: cluster.drain_node, dataloader.num_workers" in str(e.value)
