@@ -7,8 +7,13 @@ signed `Approval` (``perfloop approve``) releases a recommendation pending in ti
 The `JobAgent` inside the training process verifies each command (signature, expiry,
 sequence, bounds), applies it at the next step boundary and acks it on
 ``perfloop.actuations``; then judges it from the steps around it (`ChangeVerifier`) and keeps
-it or rolls it back to the last value known good. An invalid command changes nothing and is
-acked as rejected.
+it or rolls it back to the last value known good (a slowdown above 3 % that is not yet
+significant is judged on more steps), and says each change on the job's stderr. An invalid
+command, or one for a knob the user pinned, changes nothing and is acked as rejected.
+
+A job that ended gets nothing more. A straggler's node (``cluster.drain_node``) is never sent to
+a job: the service runs the operator's action hook for it (`perfloop.actuators.hook`), as the
+job's tier allows, and audits how it went.
 """
 
 from perfloop.actuators.agent import (
