@@ -55,6 +55,7 @@ __all__ = [
     "COLLECTIVES",
     "Session",
     "Tracer",
+    "collective_op",
     "explicit_monitor_started",
     "install",
     "installed",
@@ -66,7 +67,9 @@ log = logging.getLogger("perfloop.producers")
 _now = time.perf_counter_ns
 _get_ident = threading.get_ident
 
-# torch.distributed function → CollectiveOp.op
+# torch.distributed function → CollectiveOp.op. Functions of torch.distributed not named here
+# are hooked too when their name starts like a collective (`collective_op`): PyTorch adds new
+# variants (all_gather_single, reduce_scatter_single, …) that FSDP uses at once.
 COLLECTIVES: dict[str, str] = {
     "all_reduce": "all_reduce",
     "all_gather": "all_gather",
@@ -87,12 +90,52 @@ COLLECTIVES: dict[str, str] = {
     "monitored_barrier": "barrier",
     "send": "send",
     "isend": "send",
+    "send_object_list": "send",
     "recv": "recv",
     "irecv": "recv",
+    "recv_object_list": "recv",
 }
+_OP_PREFIXES = (
+    ("all_reduce", "all_reduce"),
+    ("all_gather", "all_gather"),
+    ("reduce_scatter", "reduce_scatter"),
+    ("all_to_all", "all_to_all"),
+    ("broadcast", "broadcast"),
+)
+
+
+def collective_op(name: str) -> str | None:
+    """The `CollectiveOp.op` of a ``torch.distributed`` function, or None (not a collective).
+
+    >>> collective_op("all_gather_single"), collective_op("reduce_scatter_single")
+    ('all_gather', 'reduce_scatter')
+    >>> collective_op("all_reduce_coalesced"), collective_op("get_rank")
+    ('all_reduce', None)
+    """
+    if name in COLLECTIVES:
+        return COLLECTIVES[name]
+    return next((op for prefix, op in _OP_PREFIXES if name.startswith(prefix)), None)
+
+
 CAPTURE_MAX_STEPS = 50
 """The longest profiler capture a command may ask for (``profiler.capture_steps``)."""
-_PAYLOAD_NAMES = ("tensor", "input_tensor", "input", "input_list", "input_tensor_list")
+# A collective's size is its larger buffer, input or output (the convention of nccl-tests and
+# HTA, and of trace replay): an all-gather moves its output's bytes, a reduce-scatter its input's.
+_PAYLOAD_NAMES = (
+    "tensor",
+    "tensors",
+    "input_tensor",
+    "input",
+    "input_list",
+    "input_tensor_list",
+    "output_tensor",
+    "output",
+    "output_tensor_list",
+    "output_tensor_lists",
+    "tensor_list",
+    "gather_list",
+    "scatter_list",
+)
 
 
 class Tracer:
@@ -1007,17 +1050,17 @@ def _group_of(group: Any) -> tuple[str, int]:
     return out
 
 
-def _payload(x: Any, tensor_type: Any) -> tuple[int, str]:
+def _payload(x: Any, tensor_type: Any, depth: int = 0) -> tuple[int, str]:
+    """Bytes and dtype of a tensor, or of a list of tensors (or of lists of them)."""
     if isinstance(x, tensor_type):
         return int(x.numel() * x.element_size()), str(x.dtype).removeprefix("torch.")
-    if isinstance(x, (list, tuple)):
-        size, dtype = 0, ""
+    size, dtype = 0, ""
+    if depth < 2 and isinstance(x, (list, tuple)):
         for y in x:
-            if isinstance(y, tensor_type):
-                size += int(y.numel() * y.element_size())
-                dtype = dtype or str(y.dtype).removeprefix("torch.")
-        return size, dtype
-    return 0, ""
+            n, d = _payload(y, tensor_type, depth + 1)
+            size += n
+            dtype = dtype or d
+    return size, dtype
 
 
 def _make_collective(orig: Any, op: str) -> Any:
@@ -1026,14 +1069,17 @@ def _make_collective(orig: Any, op: str) -> Any:
     except (TypeError, ValueError):
         params = []
     g_idx = params.index("group") if "group" in params else -1
-    p_name = next((n for n in _PAYLOAD_NAMES if n in params), None)
-    p_idx = params.index(p_name) if p_name is not None else -1
-
+    payload = [(params.index(n), n) for n in _PAYLOAD_NAMES if n in params]
     a_idx = params.index("async_op") if "async_op" in params else -1
 
     def describe(args: Any, kwargs: Any) -> tuple[int, str, str, int]:
-        x = args[p_idx] if 0 <= p_idx < len(args) else kwargs.get(p_name or "")
-        size, dtype = _payload(x, _S.torch.Tensor)
+        tt = _S.torch.Tensor
+        size, dtype = 0, ""
+        for i, name in payload:
+            n, d = _payload(args[i] if i < len(args) else kwargs.get(name), tt)
+            if n > size:
+                size = n
+            dtype = dtype or d
         g = args[g_idx] if 0 <= g_idx < len(args) else kwargs.get("group")
         gname, gsize = _group_of(g)
         return size, dtype, gname, gsize
@@ -1240,9 +1286,11 @@ def install(
                 _patch(mod, "clip_grad_norm_", _make_clip)
         if dist.is_available():
             c10d = dist.distributed_c10d
-            for fname, op in COLLECTIVES.items():
+            names = [n for n in vars(c10d) if not n.startswith("_") and collective_op(n)]
+            for fname in dict.fromkeys([*COLLECTIVES, *names]):
                 fn = getattr(c10d, fname, None)
-                if fn is None:
+                op = collective_op(fname)
+                if not inspect.isfunction(fn) or op is None:
                     continue
                 wrapped = _make_collective(fn, op)
                 for mod in (c10d, dist):

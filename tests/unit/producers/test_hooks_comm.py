@@ -200,6 +200,33 @@ def test_a_step_whose_work_runs_in_an_optimizer_closure_has_its_phases(
         assert top == pytest.approx(rows["step_time_ms"][i], rel=1e-6), "spans tile the step"
 
 
+def test_collectives_torch_added_lately_are_hooked_by_name(
+    traced: FakePublisher, group: None
+) -> None:
+    """FSDP calls ``all_gather_single`` and ``reduce_scatter_single`` (torch 2.10+); sizes are
+    the larger buffer, input or output."""
+
+    def every_step(i: int) -> None:
+        for name in ("all_gather_single", "reduce_scatter_single"):
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                fn(torch.empty(256), torch.ones(256))
+
+    _train(_model(), 3, every_step)
+    hooks.uninstall()
+    colls = traced.rows("collective")
+    expected = [
+        op
+        for name, op in (
+            ("all_gather_single", "all_gather"),
+            ("reduce_scatter_single", "reduce_scatter"),
+        )
+        if hasattr(dist, name)
+    ]
+    assert sorted(set(colls["op"])) == sorted(expected)
+    assert set(colls["size_bytes"]) <= {1024}
+
+
 def test_torch_save_is_a_checkpoint_span(traced: FakePublisher, tmp_path: Any) -> None:
     model = _model()
 
