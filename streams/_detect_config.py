@@ -21,6 +21,11 @@ def _p(default: float, lo: float, hi: float, doc: str) -> Any:
     return field(default=default, metadata={"lo": lo, "hi": hi, "doc": doc})
 
 
+_PERSIST = "hold without a break at least this long to open (s)"
+_MAX_PERSIST = "at most this long, however noisy the job has been (s)"
+_WARMUP = "the job's first steps (its noisiest) open nothing"
+
+
 def _flag(default: bool = True) -> Any:
     return field(default=default, metadata={"doc": "run this detector"})
 
@@ -62,9 +67,15 @@ class GpuErrorParams:
 @dataclass(frozen=True)
 class StragglerParams:
     enabled: bool = _flag()
-    score_threshold: float = _p(0.12, 0.01, 0.99, "score (1 - median/compute) of a slow step")
+    score_threshold: float = _p(
+        0.12, 0.01, 0.99, "a slow step: lateness over the on-time ranks, share of the step"
+    )
+    median_steps: int = _p(5, 1, 100, "steps whose median lateness counts (noise is brief)")
+    persist_s: float = _p(1.0, 0.0, 3600.0, _PERSIST)
+    max_persist_s: float = _p(6.0, 0.0, 3600.0, _MAX_PERSIST)
     persist_steps: int = _p(3, 1, 1000, "consecutive slow steps to open")
     clear_steps: int = _p(4, 1, 1000, "consecutive normal steps to resolve")
+    warmup_steps: int = _p(20, 0, 100000, _WARMUP)
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,11 @@ class LoadImbalanceParams:
     threshold: float = _p(0.15, 0.01, 0.99, "1 - median/max compute of an imbalanced step")
     window_steps: int = _p(8, 2, 1000, "steps looked at")
     min_flagged: int = _p(6, 1, 1000, "imbalanced steps in the window to open")
+    persist_s: float = _p(2.0, 0.0, 3600.0, _PERSIST)
+    max_persist_s: float = _p(8.0, 0.0, 3600.0, _MAX_PERSIST)
+    persist_steps: int = _p(3, 1, 1000, "consecutive imbalanced windows to open")
+    clear_steps: int = _p(1, 1, 1000, "balanced windows to resolve")
+    warmup_steps: int = _p(20, 0, 100000, _WARMUP)
 
 
 @dataclass(frozen=True)
@@ -87,11 +103,12 @@ class DataloaderParams:
 class CommParams:
     enabled: bool = _flag()
     ratio_threshold: float = _p(1.5, 1.01, 100.0, "pure comm time / baseline of a slow step")
-    strong_ratio: float = _p(2.0, 1.01, 1000.0, "a ratio this high needs fewer steps")
     persist_steps: int = _p(3, 1, 1000, "consecutive slow steps to open")
-    strong_persist_steps: int = _p(2, 1, 1000, "consecutive strongly slow steps to open")
     clear_steps: int = _p(4, 1, 1000, "consecutive normal steps to resolve")
     baseline_steps: int = _p(8, 2, 10000, "steps that set the first baseline")
+    persist_s: float = _p(0.5, 0.0, 3600.0, _PERSIST)
+    max_persist_s: float = _p(6.0, 0.0, 3600.0, _MAX_PERSIST)
+    warmup_steps: int = _p(0, 0, 100000, "steps after the baseline that open nothing")
 
 
 @dataclass(frozen=True)
@@ -99,6 +116,9 @@ class ExposedCommParams:
     enabled: bool = _flag()
     share_threshold: float = _p(0.2, 0.01, 0.99, "exposed (unhidden) comm share of the step")
     persist_steps: int = _p(4, 1, 1000, "consecutive steps to open")
+    persist_s: float = _p(0.0, 0.0, 3600.0, _PERSIST)
+    max_persist_s: float = _p(6.0, 0.0, 3600.0, _MAX_PERSIST)
+    warmup_steps: int = _p(20, 0, 100000, _WARMUP)
     clear_steps: int = _p(4, 1, 1000, "consecutive steps to resolve")
 
 

@@ -9,7 +9,9 @@ the kernel-level roofline class (context only).
   is *pending*: the funnel holds the symptoms it would explain (a straggler on that rank).
 * gpu_error — an XID event or a rise of the ECC double-bit error count; resolves after
   ``clear_s`` (event time) without a new one.
-* cpu_saturation — node CPU at or above ``threshold_pct`` for ``persist_s``.
+* cpu_saturation — node CPU at or above ``threshold_pct`` for ``persist_s``, for a job with
+  GPUs (job info or GPU samples), whose CPUs feed them. A CPU training job is meant to keep
+  its CPUs busy: what contention does to it shows as its stragglers and slower steps.
 * roofline (memory_bound / compute_bound / overhead_bound) — from kernel summaries when the job
   publishes them (GPU busy vs compute time, memory- vs compute-class kernel time), else a rough
   guess from NVML SM vs memory utilisation; low confidence, never on the critical path.
@@ -160,6 +162,9 @@ def _gpu_error(job: JobState, cfg: DetectConfig) -> None:
 
 def _cpu(job: JobState, cfg: DetectConfig) -> None:
     nd, c = job.node, cfg.cpu
+    if not (job.gpus or len(job.dev["node"])):
+        _replace(job, "cpu_saturation:", {})
+        return
     n = len(nd["ts"])
     st = job.det.setdefault("cpu", {"active": np.zeros(0, dtype=bool)})
     if len(st["active"]) < n:

@@ -160,6 +160,7 @@ class JobState:
         self.job_id = job_id
         self.declared_world = 0
         self.gpu_mem_bytes = 0.0
+        self.gpus = 0  # GPUs per rank, from job info
         self.nodes: list[str] = []
         self.ring = _alloc(_RING, (STEPS, 0))
         self.arrival = ArrivalRing(STEPS)  # waits at each collective of a step, per rank
@@ -477,6 +478,7 @@ class JobState:
         "job_id",
         "declared_world",
         "gpu_mem_bytes",
+        "gpus",
         "newest_step",
         "last_eval_step",
         "watermark_ns",

@@ -23,7 +23,9 @@ What each one reads (data-parallel semantics: every rank shares the step time):
 * comm_degradation — pure comm time per step: the shortest collective time over ranks (the
   last rank to arrive does not wait for anyone), against a baseline learned from the job's own
   first steps and tracked while healthy; waiting for a straggler or a starved node does not
-  move it.
+  move it. Only for jobs with GPUs or on several nodes: the collectives of a CPU job on one
+  node move memory over loopback with the same CPUs that compute, so they slow down with its
+  compute (its stragglers and contention), not with a network.
 * exposed_comm — the shortest comm span over ranks (comm not hidden and not waiting), as a
   share of the step.
 * memory_leak — allocated memory at step end grows at every step of a window.
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from perfloop.streams._detect_persist import Persistence
 from perfloop.streams._detect_state import Finding, JobState
 
 if TYPE_CHECKING:
@@ -150,6 +153,7 @@ def _derive(job: JobState, win: dict[str, np.ndarray]) -> dict[str, Any]:
             else nan_steps,
             "exposed": np.fmin.reduce(comm, axis=1) if comm is not None else nan_steps,
         }
+        d["excess"] = comp - np.fmin.reduce(comp, axis=1)[:, None]  # over the on-time ranks
         last = slice(-3, None)
         excess = nanmean((comp[last] - med[last, None]) / step_ms[last, None], axis=0)
         job.det["excess_share"] = np.minimum(np.maximum(nz(excess), 0.0), 1.0)
@@ -193,6 +197,18 @@ def _effective(comp: np.ndarray, own: np.ndarray) -> np.ndarray:
     return np.where(ok[:, None], ref[:, None] + extra, comp)
 
 
+def _persistence(state: dict[str, Any], p: Any, width: int) -> Persistence:
+    return Persistence(
+        state,
+        width=width,
+        persist_s=p.persist_s,
+        max_persist_s=p.max_persist_s,
+        persist_steps=p.persist_steps,
+        clear_steps=p.clear_steps,
+        warmup_steps=p.warmup_steps,
+    )
+
+
 def _start(win: dict[str, np.ndarray], i: int, r: Any) -> Any:
     """Event time at which step row ``i`` of rank(s) ``r`` started."""
     return win["end"][i, r] - np.nan_to_num(win["st"][i, r] * 1e6).astype(np.int64)
@@ -216,8 +232,10 @@ def step_detectors(job: JobState, cfg: DetectConfig) -> None:
         if len(st_all):
             job.det["p99_ms"] = float(np.percentile(st_all, 99))
             job.det["median_step_ms"] = float(np.median(st_all))
+    from perfloop.streams._detect_straggler import straggler_detector  # (it imports this module)
+
     for name, fn in (
-        ("straggler", _straggler),
+        ("straggler", straggler_detector),
         ("load_imbalance", _load_imbalance),
         ("dataloader", _dataloader),
         ("comm", _comm),
@@ -240,50 +258,6 @@ _PREFIX = {
 }
 
 
-def _straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
-    st = job.det.setdefault("straggler", {})
-    score, comp, med = d["score"], d["comp"], d["med"]
-    n, w = score.shape
-    flag = score >= p.score_threshold
-    active = _active(st, "active", w)[:w]
-    if not flag.any() and not active.any():
-        _replace(job, "straggler:", {})
-        return
-    ranks_present = int(np.sum(~np.isnan(comp[-1])))
-    run_on, run_off = trailing(flag), trailing(~flag)
-    st["active"][:w] = act = _hysteresis(active, run_on, run_off, p.persist_steps, p.clear_steps)
-    if ranks_present < 2:
-        st["active"][:] = act = np.zeros(w, dtype=bool)
-    found = {}
-    for r in np.flatnonzero(act):
-        k = int(min(max(run_on[r], 1), n, 4))
-        sc = float(score[-k:, r].mean())
-        late = float(nanmean(comp[-k:, r] - np.fmin.reduce(comp[-k:], axis=1)))
-        found[f"straggler:r{r}"] = Finding(
-            key=f"straggler:r{r}",
-            bottleneck="straggler",
-            onset_ns=int(_start(win, n - int(min(max(run_on[r], 1), n)), r)),
-            step_share=float(np.clip(job.det["excess_share"][r], 0, 1)),
-            confidence=float(np.clip(0.5 * sc / (2 * p.score_threshold), 0, 0.5))
-            + 0.5 * min(1.0, run_on[r] / (2 * p.persist_steps)),
-            ranks=[int(r)],
-            nodes=node_of(job, int(r)),
-            rank=int(r),
-            step=int(win["step"][-1]),
-            evidence={
-                "score": round(sc, 4),
-                "compute_ms": round(float(comp[-k:, r].mean()), 3),
-                "median_compute_ms": round(float(med[-k:].mean()), 3),
-                "step_time_ms": round(float(d["step_ms"][-k:].mean()), 3),
-                "slow_steps": float(run_on[r]),
-                **({"lateness_ms": round(late, 3)} if late == late else {}),
-            },
-            summary=f"rank {r} computes {1 / max(1e-9, 1 - sc):.2f}x the job median per step"
-            + (f"; the others wait {late:.0f} ms a step for it" if late == late else ""),
-        )
-    _replace(job, "straggler:", found)
-
-
 def _load_imbalance(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
     st = job.det.setdefault("load_imbalance", {"active": False})
     comp = d["comp"][-p.window_steps :]
@@ -302,10 +276,15 @@ def _load_imbalance(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
         and slow[flagged].sum(axis=0).max() <= count / 2
         and len(np.unique(tops)) >= min(3, comp.shape[1])
     )
-    if not st["active"]:
-        st["active"] = bool(len(comp) >= p.window_steps and count >= p.min_flagged and rotating)
-    elif count <= len(comp) - p.min_flagged or not rotating:
+    held = bool(len(comp) >= p.window_steps and count >= p.min_flagged and rotating)
+    end = int(np.nanmax(win["end"][-1]))
+    # noise rotates too: it must last longer than the job's own (`Persistence`)
+    pers = _persistence(st.setdefault("persist", {}), p, 1)
+    was = bool(st["active"])
+    st["active"] = bool(pers.update(np.array([held]), start=end, end=end)[0])
+    if was and (count <= len(comp) - p.min_flagged or not rotating):
         st["active"] = False
+        pers.stop()
     found = {}
     if st["active"]:
         argmax = tops
@@ -393,6 +372,9 @@ def _comm(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
     st = job.det.setdefault(
         "comm", {"base": 0.0, "exp_base": 0.0, "learn": [], "learn_exp": [], "active": False}
     )
+    if not (job.gpus or len(job.dev["node"]) or len(job.nodes) > 1):
+        _replace(job, "comm_degradation", {})
+        return
     pure, exposed = d["pure"], d["exposed"]
     for v, e in zip(pure[new], exposed[new], strict=True):
         if v != v:  # no collective or comm data for this step
@@ -413,13 +395,12 @@ def _comm(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
     if st["base"] > 0:
         ratio = nz(pure / st["base"])
         flag = ratio >= p.ratio_threshold
-        run_on, run_off = int(trailing(flag)), int(trailing(~flag))
-        strong = int(trailing(ratio >= p.strong_ratio))
-        opened = run_on >= p.persist_steps or strong >= p.strong_persist_steps
-        if not st["active"]:
-            st["active"] = bool(opened)
-        elif run_off >= p.clear_steps:
-            st["active"] = False
+        run_on = int(trailing(flag))
+        pers = _persistence(st.setdefault("persist", {}), p, 1)
+        for i in np.flatnonzero(new):
+            start = int(np.nanmin(_start(win, i, slice(None))))
+            pers.update(flag[i : i + 1], start=start, end=int(np.nanmax(win["end"][i])))
+        st["active"] = bool(pers.active[0])
         if st["active"]:
             n = len(pure)
             k = int(min(max(run_on, 1), n))
@@ -455,10 +436,12 @@ def _exposed(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None
     st = job.det.setdefault("exposed_comm", {"active": False})
     share = nz(d["exposed"] / d["step_ms"])
     flag = share >= p.share_threshold
-    run_on, run_off = int(trailing(flag)), int(trailing(~flag))
-    st["active"] = bool(
-        (run_on >= p.persist_steps) if not st["active"] else run_off < p.clear_steps
-    )
+    run_on = int(trailing(flag))
+    pers = _persistence(st.setdefault("persist", {}), p, 1)
+    for i in np.flatnonzero(new):
+        start = int(np.nanmin(_start(win, i, slice(None))))
+        pers.update(flag[i : i + 1], start=start, end=int(np.nanmax(win["end"][i])))
+    st["active"] = bool(pers.active[0])
     found = {}
     if st["active"]:
         n = len(share)

@@ -191,6 +191,7 @@ class Funnel:
                 job.version += 1
                 job.declared_world = max(job.declared_world, event.world_size)
                 job.gpu_mem_bytes = float(event.gpu_mem_bytes or job.gpu_mem_bytes)
+                job.gpus = max(job.gpus, event.gpu_count)
                 job.node_index(event.node)
         elif isinstance(event, JobLifecycle):
             job = self._job(event.job_id)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from perfloop.schemas import Diagnosis
+from perfloop.schemas import Diagnosis, JobInfo
 from perfloop.streams.funnel import Funnel, actionable
 from perfloop.streams.steps import StepAnalysis
-from tests.unit.streams._ddp import DDPJob
+from tests.unit.streams._ddp import T0, DDPJob
 
 
 def opened(diags: list[Diagnosis], bottleneck: str) -> list[Diagnosis]:
@@ -29,7 +29,7 @@ def test_the_rank_the_others_wait_for_is_named_not_the_ranks_that_wait(
     job.steps(20)
     extra = np.zeros(ranks)
     extra[slow] = 40.0  # as in the issue: one rank 40 ms slower a step
-    job.steps(30, extra_ms=extra)
+    job.steps(60, extra_ms=extra)
     diags = job.feed(Funnel())
     assert named(diags) == {slow}
     (d,) = opened(diags, "straggler")
@@ -54,27 +54,39 @@ def test_before_the_change_the_waiting_rank_looked_slowest() -> None:
 def test_two_slow_ranks_of_four_are_both_named() -> None:
     job = DDPJob(4, seed=7)
     job.steps(20)
-    job.steps(30, slow=[1.0, 1.6, 1.0, 1.6])
+    job.steps(60, slow=[1.0, 1.6, 1.0, 1.6])
     assert named(job.feed(Funnel())) == {1, 3}
 
 
-def test_cpu_contention_on_one_rank_is_a_straggler_even_on_a_saturated_node() -> None:
+def _gpu_job(job: DDPJob) -> None:
+    """Job info saying each rank drives a GPU (CPU saturation is a GPU job's bottleneck)."""
+    for r in range(job.world):
+        job.event(JobInfo(ts_ns=T0, job_id=job.job, node=job.node(r // job.per_node), rank=r,
+                          world_size=job.world, gpu_count=1))  # fmt: skip
+
+
+@pytest.mark.parametrize("gpus", [False, True])
+def test_cpu_contention_on_one_rank_is_a_straggler_even_on_a_saturated_node(gpus: bool) -> None:
     job = DDPJob(2, seed=3)
+    if gpus:
+        _gpu_job(job)
     job.steps(20)
     job.cpu[:] = 100.0  # the other process and both ranks keep every CPU busy
-    job.steps(40, slow=[1.0, 1.8], wait=[1.0, 1.8])  # everything of rank 1 is slower
+    job.steps(60, slow=[1.0, 1.8], wait=[1.0, 1.8])  # everything of rank 1 is slower
     diags = job.feed(Funnel())
     assert named(diags) == {1}
     (d,) = opened(diags, "straggler")
     assert d.explained_by == "" and d.critical_path
-    assert named(diags, "cpu_saturation") == {0, 1}
+    # a CPU job keeps its CPUs busy by design: no saturation to report
+    assert named(diags, "cpu_saturation") == ({0, 1} if gpus else set())
 
 
 def test_a_saturated_node_explains_stragglers_when_all_its_ranks_straggle() -> None:
     job = DDPJob(4, nodes=2, seed=5)
+    _gpu_job(job)
     job.steps(20)
     job.cpu[1] = 100.0
-    job.steps(40, slow=[1.0, 1.0, 1.7, 1.7])  # node 1 holds ranks 2 and 3
+    job.steps(60, slow=[1.0, 1.0, 1.7, 1.7])  # node 1 holds ranks 2 and 3
     diags = job.feed(Funnel())
     stragglers = opened(diags, "straggler")
     assert {r for d in stragglers for r in d.ranks} == {2, 3}
@@ -99,7 +111,7 @@ def test_a_healthy_job_with_checkpoints_and_evaluations_has_no_straggler() -> No
 def test_a_rank_that_waits_for_data_is_starved_not_a_straggler() -> None:
     job = DDPJob(2, seed=2)
     job.steps(20)
-    job.steps(30, wait=[1.0, 40.0])
+    job.steps(60, wait=[1.0, 40.0])
     diags = job.feed(Funnel())
     assert not named(diags)
     assert 1 in named(diags, "dataloader_starvation")

@@ -223,14 +223,14 @@ def test_straggler_opens_on_the_slow_rank_with_its_score_and_resolves() -> None:
     job = Synth()
     job.steps(20)
     onset = job.t
-    job.steps(20, compute=lambda s: [90, 90, 135, 90])
+    job.steps(40, compute=lambda s: [90, 90, 135, 90])
     diags = job.feed(f := Funnel())
     (d,) = opened(diags, "straggler")
     assert (d.ranks, d.rank, d.level, d.loop, d.explained_by) == ([2], 2, "network", "training", "")
     assert d.evidence["score"] == pytest.approx(1 - 1 / 1.5, abs=0.02)
     assert d.critical_path and d.step_share > 0.3
-    assert abs(d.onset_ns - onset) < 150 * MS, "onset: the first slow step"
-    assert d.ts_ns - onset < 2 * S
+    assert abs(d.onset_ns - onset) < 700 * MS, "onset: within the first slow steps"
+    assert d.ts_ns - onset < 5 * S, "slow for 3 s (noise is brief), then open"
     assert roots(diags) == {"straggler"}
     job.steps(20)
     later = job.feed(f)
@@ -241,7 +241,7 @@ def test_straggler_opens_on_the_slow_rank_with_its_score_and_resolves() -> None:
 def test_straggler_without_spans_reads_compute_from_collectives() -> None:
     job = Synth(spans=False)
     job.steps(20)
-    job.steps(20, compute=lambda s: [90, 90, 90, 140])
+    job.steps(40, compute=lambda s: [90, 90, 90, 140])
     (d,) = opened(job.feed(Funnel()), "straggler")
     assert d.ranks == [3]
 
@@ -259,7 +259,7 @@ def test_thermal_throttle_explains_the_straggler_on_its_rank() -> None:
     onset = job.t
     job.gpu_reasons[1] = 0x20 | 0x40
     job.gpu_clock[1] = 1980 * 0.6
-    job.steps(20, compute=lambda s: [90, 150, 90, 90])
+    job.steps(40, compute=lambda s: [90, 150, 90, 90])
     diags = job.feed(Funnel())
     (th,) = opened(diags, "thermal_throttle")
     (st,) = opened(diags, "straggler")
@@ -276,7 +276,7 @@ def test_a_throttled_gpu_no_rank_claims_explains_stragglers_on_its_node_only() -
     job.steps(20)
     job.gpu_reasons[3] = 0x40
     job.gpu_clock[3] = 1200.0
-    job.steps(20, compute=[150, 90, 90, 150])
+    job.steps(40, compute=[150, 90, 90, 150])
     diags = job.feed(Funnel())
     (th,) = opened(diags, "thermal_throttle")
     assert (th.rank, th.ranks, th.nodes) == (-1, [], ["j-node-1"])
@@ -321,12 +321,12 @@ def test_comm_degradation_against_the_learned_baseline() -> None:
     job = Synth(comm=20.0)
     job.steps(20)
     onset = job.t
-    job.steps(20, comm=80.0)
+    job.steps(40, comm=80.0)
     diags = job.feed(Funnel())
     (d,) = opened(diags, "comm_degradation")
     assert d.evidence["ratio"] == pytest.approx(4.0, rel=0.1)
     assert d.evidence["baseline_ms"] == pytest.approx(20.0, rel=0.1)
-    assert d.ts_ns - onset < 2 * S
+    assert d.ts_ns - onset < 5 * S
     (e,) = opened(diags, "exposed_comm")  # 80 of 170 ms is communication nobody hides
     assert e.explained_by == "comm_degradation" and not e.critical_path
     assert roots(diags) == {"comm_degradation"}
@@ -449,7 +449,7 @@ def test_load_imbalance_when_the_slowest_rank_rotates() -> None:
         c[step % 4] = 130.0
         return c
 
-    job.steps(30, compute=rotating)
+    job.steps(60, compute=rotating)
     diags = job.feed(Funnel())
     assert roots(diags) == {"load_imbalance"}
     (d,) = opened(diags, "load_imbalance")

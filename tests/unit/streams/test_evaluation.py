@@ -143,6 +143,14 @@ def test_the_check_can_fail() -> None:
     blind = DetectConfig().replace_key("straggler.enabled", False)
     kinds, _ = score(evaluate(["straggler"], (200,), ((1, 4),), duration_s=30.0, config=blind))
     assert kinds["straggler"].recall == 0.0
-    eager = DetectConfig().replace_key("straggler.score_threshold", 0.01)
+    eager = DetectConfig()
+    for key, value in (
+        ("straggler.score_threshold", 0.01),
+        ("straggler.median_steps", 1),
+        ("straggler.max_persist_s", 0.0),
+        ("straggler.persist_s", 0.0),
+        ("straggler.warmup_steps", 0),
+    ):
+        eager = eager.replace_key(key, value)
     kinds, _ = score(evaluate(["healthy"], (200,), ((2, 4),), duration_s=30.0, config=eager))
     assert kinds["straggler"].diagnoses > 0 and kinds["straggler"].precision == 0.0
