@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from perfloop.schemas.job import JobLifecycle
 from perfloop.streams._detect_arrival import ArrivalRing
 
 __all__ = [
@@ -58,6 +59,7 @@ _RANK: dict[str, tuple[Any, Any]] = {
     "node": (np.int64, -1),
     "last_step": (np.int64, -1),
     "proc_cpu": (np.float64, np.nan),
+    "ended": (np.int8, 0),  # its lifecycle says it finished, failed or was killed
 }
 _EPISODE = {"start": (np.int64, 0), "on": (np.int64, 0), "off": (np.int64, 0)}
 _DEV: dict[str, tuple[Any, Any]] = {
@@ -436,6 +438,23 @@ class JobState:
             self.rank["proc_cpu"][rank[mine]] = cols["proc_cpu_pct"][mine]
         idx = np.full(len(rank), node, dtype=np.int64)
         self.cpu_samples(idx, cols["ts_ns"], cols["sys_cpu_pct"])
+
+    # -- job events --------------------------------------------------------------------------
+    def lifecycle(self, event: JobLifecycle) -> None:
+        """A rank's (or the job's) lifecycle: the job has ended once it says so (rank -1) or
+        every rank it knows of finished, failed or was killed."""
+        if event.state not in ("finished", "failed", "killed"):
+            if event.state == "started" and event.rank >= 0:
+                self._ensure_ranks(event.rank + 1)
+            return
+        if event.rank == -1:
+            self.ended = True
+            return
+        self._ensure_ranks(event.rank + 1)
+        self.rank["ended"][event.rank] = 1
+        world = max(self.declared_world, self.world)
+        if self.world >= world and bool(self.rank["ended"][:world].all()):
+            self.ended = True
 
     def cpu_samples(self, idx: np.ndarray, ts: np.ndarray, cpu: np.ndarray) -> None:
         """CPU-saturation episodes use the threshold in force (`cpu_threshold`)."""

@@ -70,6 +70,7 @@ from perfloop.schemas import (
     ConfigChange,
     Diagnosis,
     JobInfo,
+    JobLifecycle,
     PhaseChange,
     Prediction,
     Recommendation,
@@ -181,6 +182,7 @@ class StreamEngine:
         self.cluster_id: str | None = None  # of the broker the offsets are positions in
         self._tick_ns = max(1, int(settings.tick_interval_s * NS))
         self._time: dict[str, JobClock] = {}
+        self._ended: dict[str, int] = {}  # job → event time it ended (-1: its state freed)
         self._seq = 0  # arrival order (ties of event time, within a source)
         self._out = Outputs()  # what the analyses produced since the last `tick`
 
@@ -359,9 +361,14 @@ class StreamEngine:
     def _release(self, jt: JobClock, entry: QueueEntry) -> None:
         jt.evt = max(jt.evt, entry[0])
         item = entry[4]
+        job = item.job_id
+        if isinstance(item, Batch) and item.kind == "step":
+            jt.gone.add(entry[3])
+        if job in self._ended:
+            if not (isinstance(item, JobLifecycle) and item.state == "started"):
+                return  # late input of an ended job: windows only (they took it at ingest)
+            del self._ended[job]  # the job runs again
         if isinstance(item, Batch):
-            if item.kind == "step":
-                jt.gone.add(entry[3])
             self.steps.observe(item, jt.evt)
             self.phases.observe(item, jt.evt)
             self.funnel.observe(item, jt.evt)
@@ -386,6 +393,8 @@ class StreamEngine:
             self.phases.observe_event(item, jt.evt)
             self.funnel.observe_event(item, jt.evt)
             self.predict.observe_event(item, jt.evt)
+            if isinstance(item, JobLifecycle) and self.funnel.has_ended(job):
+                self._ended[job] = jt.evt
 
     def _analyse(self, job: str, now: int, wall_ns: int) -> None:
         """Tick the analyses for one job at event time ``now``."""
@@ -400,6 +409,9 @@ class StreamEngine:
         self._out.phases.extend(phases)
         diagnoses = self.funnel.tick(now, jobs)
         self._out.diagnoses.extend(diagnoses)
+        if job in self._ended:  # what ends with it was said above (resolved, finished)
+            self._free(job)
+            return
         self._out.recommendations.extend(self.rule.evaluate(diagnoses))
         planned = self.rule.workers(job, now)  # the threads fit the workers asked for
         self._out.recommendations.extend(self.threads.evaluate(job, now, workers=planned))
@@ -407,6 +419,20 @@ class StreamEngine:
             self.predict.steps(self.steps.last_done)
             self.predict.phases(phases)
             self._out.predictions.extend(self.predict.tick(now, jobs))
+
+    def _free(self, job: str) -> None:
+        """The job ended: nothing more is diagnosed, predicted or recommended for it, and what
+        every component keeps of it goes (once; its windows close as they are due)."""
+        if self._ended.get(job, 0) < 0:
+            return
+        self.steps.forget(job)
+        self.phases.forget(job)
+        self.rule.forget(job)
+        self.threads.forget(job)
+        self.outcomes.forget(job)
+        self.predict.forget(job)
+        self._out.predictions.extend(self.predict.drain())
+        self._ended[job] = -1  # freed
 
     def _forget_time(self, job: str, wall_ns: int) -> bool:
         """Whether the job's clock can go: the windows forgot it and every analysis has had
@@ -489,8 +515,11 @@ class StreamEngine:
             self._advance(job, wall_ns)
             if self._forget_time(job, wall_ns):
                 del self._time[job]
+                self._ended.pop(job, None)
                 self.predict.forget(job)
                 self.threads.forget(job)
+                self.rule.forget(job)
+                self.outcomes.forget(job)
         self._out.predictions.extend(self.predict.drain())
         out, self._out = self._out, Outputs()
         cols = self.windows.advance(wall_ns)
@@ -541,6 +570,7 @@ class StreamEngine:
             "derived_metrics": self.derived_metrics,
             "stats": dict(self.stats),
             "time": {job: jt.state() for job, jt in self._time.items()},
+            "ended": dict(self._ended),
             "seq": self._seq,
             "out": {k: [e.model_dump() for e in getattr(self._out, k)] for k in _EVENT_OUTPUTS},
         }
@@ -566,6 +596,7 @@ class StreamEngine:
         self.stats.update(state.get("stats", {}))
         self.stats["restored"] += 1
         self._time = {job: JobClock.from_state(d) for job, d in state["time"].items()}
+        self._ended = dict(state.get("ended", {}))
         self._seq = state["seq"]
         self._out = Outputs(
             **{k: [t(**e) for e in state["out"].get(k, [])] for k, t in _EVENT_OUTPUTS.items()}

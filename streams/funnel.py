@@ -101,7 +101,6 @@ by something of its own, such as another process on its CPUs)."""
 
 _OOM = re.compile(r"out of memory|outofmemory|\boom\b", re.IGNORECASE)
 _BATCH_KINDS = frozenset({"step", "span", "collective", "kernel", "gpu", "host"})
-_ENDED = frozenset({"finished", "failed", "killed"})
 
 
 def actionable(diagnoses: Iterable[Diagnosis]) -> list[Diagnosis]:
@@ -164,6 +163,11 @@ class Funnel:
             self._apply_thresholds(job)
         return job
 
+    def has_ended(self, job_id: str) -> bool:
+        """Whether the job has ended: its lifecycle said so (rank -1, or every rank)."""
+        job = self._jobs.get(job_id)
+        return job_id in self._ended or (job is not None and job.ended)
+
     def config_for(self, job_id: str) -> DetectConfig:
         """The settings the job's detectors use: the shared ones with the job's own applied."""
         return self._job_config.get(job_id, self.config)
@@ -194,6 +198,8 @@ class Funnel:
                 job.gpus = max(job.gpus, event.gpu_count)
                 job.node_index(event.node)
         elif isinstance(event, JobLifecycle):
+            if event.state == "started" and event.job_id in self._ended:
+                del self._ended[event.job_id]  # the job runs again: start afresh
             job = self._job(event.job_id)
             if job is None:
                 return
@@ -201,8 +207,7 @@ class Funnel:
             job.version += 1
             if event.state == "failed" and _OOM.search(event.message or ""):
                 self._oom(job, event)
-            if event.rank == -1 and event.state in _ENDED:
-                job.ended = True
+            job.lifecycle(event)
 
     def _oom(self, job: JobState, event: JobLifecycle) -> None:
         old = job.findings.get("oom")

@@ -78,6 +78,10 @@ class Outcomes:
     def observe_info(self, info: JobInfo) -> None:
         self._device[info.job_id] = "gpu" if info.gpu_count else "cpu"
 
+    def forget(self, job: str) -> None:
+        """The job ended: drop what is kept of it (the verdicts it taught stay, by kind)."""
+        self._device.pop(job, None)
+
     def expect(self, command_id: str, old: KnobValue | None, new: KnobValue) -> None:
         """A command went out: its verdict will say how ``old`` → ``new`` did."""
         self._pending[command_id] = (old, new)

@@ -214,6 +214,11 @@ class PhaseMachine:
         out, self._out = self._out, []
         return out
 
+    def forget(self, job_id: str) -> None:
+        """Drop the job (it ended and its changes were returned)."""
+        self._apply()
+        self._jobs.pop(job_id, None)
+
     def configure(self, key: str, value: Any) -> tuple[Any, Any]:
         """Change one parameter live (``phases.<name>``); return ``(old, new)``."""
         name = key.removeprefix("phases.")

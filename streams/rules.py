@@ -101,6 +101,11 @@ class DataWaitRule:
             return max(current, planned[0])
         return current
 
+    def forget(self, job_id: str) -> None:
+        """The job ended: drop what this rule keeps of it."""
+        for d in (self._workers, self._cpus, self._last_emit, self._planned):
+            d.pop(job_id, None)
+
     def max_for(self, job_id: str) -> int:
         """Workers the job may get: its CPUs per rank less one for the loop (when known)."""
         cpus = self._cpus.get(job_id)

@@ -271,6 +271,14 @@ class StepAnalysis:
         self.last_done = done
         return metric_columns(done) if done else _NO_METRICS
 
+    def forget(self, job_id: str) -> None:
+        """Drop the job: its open steps complete now (their metrics come with the next
+        `tick`), then nothing of it is kept."""
+        self._apply()
+        job = self._jobs.pop(job_id, None)
+        if job is not None:
+            self._complete_due(job, self._wall, force=True)
+
     def configure(self, key: str, value: Any) -> tuple[Any, Any]:
         """Change one parameter live (``steps.<name>``); return ``(old, new)``."""
         name = key.removeprefix("steps.")
