@@ -32,9 +32,10 @@ Definitions (per scenario, over all its runs under perfloop, observe and auto al
   an ``open`` message on ``perfloop.diagnoses`` or an ``open`` row in ``diagnoses``), whenever
   it arrives during the bench, less the kinds the scenario lists as follow-ons (``oom`` after
   a memory leak: true, but not the diagnosis under test), and less ``cpu_saturation`` that
-  arrives while the machine's CPUs were at least 90 % busy over the 10 s before it (measured
-  by the bench from ``/proc/stat`` every second; the machine is shared: such a diagnosis is
-  true of it, and is reported apart). A ``cpu_saturation`` on a machine less busy counts.
+  arrives while the machine's CPUs were at least 90 % busy over the 10 s before it, by
+  anything (the job itself, the stack, other users of a shared machine; measured by the bench
+  from ``/proc/stat`` every second): such a diagnosis is true of the machine, and is reported
+  apart. A ``cpu_saturation`` on a machine less busy counts.
 - **ranks of a diagnosis**: its ``ranks``; if empty, its ``rank``; if that is -1 (the whole
   job), every rank of the job.
 - **match**: a counted diagnosis whose ``bottleneck`` is the truth's kind **and** whose ranks
