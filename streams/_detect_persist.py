@@ -5,10 +5,14 @@ On a busy machine every rank of a healthy job falls behind for a second now and 
 collectives slow down for a moment, its loader stalls at an epoch boundary. A fault lasts.
 `Persistence` tracks, per rank (or per job: one column), when the condition last began to
 hold, and learns the job's noise as it goes: the longest run of the condition that ended on
-its own before a diagnosis opened. A condition opens once it has held for
-``clip(2 × that run, persist_s, max_persist_s)`` of event time and ``persist_steps`` steps
-(and the job has completed ``warmup_steps`` steps: a job's first steps are its noisiest); it
-resolves after ``clear_steps`` steps without it.
+its own before a diagnosis opened and, when the detector gives one, how strong the condition
+typically is in the job's steps (``level``: e.g. how late the latest rank is, every step,
+against the threshold ``scale``; the median over the job's first `NOISE_STEPS` steps after
+its warm-up). A condition opens once it has held for
+``clip(max(2 × that run, persist_s × level / scale), persist_s, max_persist_s)`` of event
+time and ``persist_steps`` steps (and the job has completed ``warmup_steps`` steps: a job's
+first steps are its noisiest; before `MIN_NOISE_STEPS` levels are known, ``max_persist_s``
+applies); it resolves after ``clear_steps`` steps without it.
 
 State is a dict of numpy arrays and numbers in the detector's own ``job.det`` entry, so the
 funnel's snapshots carry it.
@@ -17,9 +21,9 @@ funnel's snapshots carry it.
 >>> p = Persistence(st, width=1, persist_s=1.0, max_persist_s=5.0, persist_steps=2,
 ...                 clear_steps=2, warmup_steps=0)
 >>> NS = 10**9
->>> [bool(p.update(np.array([c]), start=t * NS, end=(t + 1) * NS)[0])
-...  for t, c in enumerate([True, False, True, True, True])]
-[False, False, False, False, True]
+>>> [bool(p.update(np.array([c]), start=(t + 1) * NS, end=(t + 2) * NS)[0])
+...  for t, c in enumerate([True, False, True, True, True, True])]
+[False, False, False, True, True, True]
 >>> st["noise_ns"]  # the first run lasted 1 s: now 2 s are needed
 1000000000
 """
@@ -30,9 +34,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Persistence"]
+__all__ = ["MIN_NOISE_STEPS", "NOISE_STEPS", "Persistence"]
 
 NS = 1_000_000_000
+NOISE_STEPS = 64
+"""Steps after the warm-up whose levels set the job's noise."""
+MIN_NOISE_STEPS = 16
+"""Levels needed before the noise is trusted."""
 
 
 class Persistence:
@@ -48,13 +56,16 @@ class Persistence:
         persist_steps: int,
         clear_steps: int,
         warmup_steps: int,
+        scale: float = 0.0,
     ) -> None:
         self.st = state
+        self.scale = scale
         for key in ("since", "steps", "off"):
             self._column(key, width, np.int64)
         self._column("active", width, bool)
         state.setdefault("noise_ns", 0)
         state.setdefault("seen", 0)
+        state.setdefault("levels", [])
         self.width = width
         self.min_ns = int(persist_s * NS)
         self.max_ns = int(max(persist_s, max_persist_s) * NS)
@@ -79,21 +90,34 @@ class Persistence:
     @property
     def need_ns(self) -> int:
         """How long the condition must hold now."""
-        return int(np.clip(2 * self.st["noise_ns"], self.min_ns, self.max_ns))
+        need = 2 * self.st["noise_ns"]
+        if self.scale > 0:
+            levels = self.st["levels"]
+            if len(levels) < MIN_NOISE_STEPS:
+                return self.max_ns
+            need = max(need, self.min_ns * float(np.median(levels)) / self.scale)
+        return int(np.clip(need, self.min_ns, self.max_ns))
 
-    def update(self, cond: np.ndarray, *, start: Any, end: int) -> np.ndarray:
+    def update(
+        self, cond: np.ndarray, *, start: Any, end: int, level: float = np.nan
+    ) -> np.ndarray:
         """One more step: ``cond`` per column, the step's ``start`` (per column or one time)
-        and ``end``; returns which columns are active."""
+        and ``end``, and the condition's strength in it (``level``); returns which columns
+        are active."""
         st, w = self.st, self.width
         since, steps, off, active = (st[k][:w] for k in ("since", "steps", "off", "active"))
         st["seen"] += 1
+        warm = st["seen"] > self.warmup_steps
+        if warm and level == level and len(st["levels"]) < NOISE_STEPS:
+            st["levels"].append(float(level))
         broke = (since > 0) & ~cond & ~active
-        if broke.any():  # a run that ended on its own: the job's noise
-            st["noise_ns"] = max(int(st["noise_ns"]), int((end - since[broke]).max()))
+        if broke.any():  # a run that ended on its own (at the previous step): the job's noise
+            last = int(st.get("last_end", end))
+            st["noise_ns"] = max(int(st["noise_ns"]), int((last - since[broke]).max()))
+        st["last_end"] = end
         since[:] = np.where(cond, np.where(since > 0, since, start), 0)
         steps[:] = np.where(cond, steps + 1, 0)
         off[:] = np.where(cond, 0, off + 1)
-        warm = st["seen"] > self.warmup_steps
         lasting = (since > 0) & (end - since >= self.need_ns) & (steps >= self.persist_steps)
         active[:] = ((active | (lasting & warm)) & ~(active & (off >= self.clear_steps))) & (
             warm | active

@@ -40,6 +40,7 @@ def straggler_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarra
         persist_steps=p.persist_steps,
         clear_steps=p.clear_steps,
         warmup_steps=p.warmup_steps,
+        scale=p.score_threshold,
     )
     if int(np.sum(~np.isnan(d["comp"][-1]))) < 2:
         pers.stop()
@@ -47,7 +48,9 @@ def straggler_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarra
         for i in np.flatnonzero(new):
             m = nanmedian(share[max(0, i - p.median_steps + 1) : i + 1], 0)
             start = nz(_start(win, i, slice(None))).astype(np.int64)
-            pers.update(m >= p.score_threshold, start=start, end=int(np.nanmax(win["end"][i])))
+            end = int(np.nanmax(win["end"][i]))
+            spread = float(np.nanmax(share[i])) if np.isfinite(share[i]).any() else np.nan
+            pers.update(m >= p.score_threshold, start=start, end=end, level=spread)
     active = pers.active
     if not active.any():
         _replace(job, "straggler:", {})
