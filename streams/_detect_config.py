@@ -48,6 +48,13 @@ class HangParams:
     spin_util_pct: float = _p(50.0, 1.0, 100.0, "median GPU util at or above: ranks spin")
     idle_util_pct: float = _p(15.0, 0.0, 100.0, "a GPU at or below this idles (the culprit)")
     min_steps: int = _p(8, 2, 10000, "steps needed before the timeout is learned")
+    progress_floor_s: float = _p(
+        4.0, 0.1, 3600.0, "shortest stall called a hang when ranks report waiting in comm"
+    )
+    fresh_s: float = _p(6.0, 0.5, 3600.0, "a rank's progress report counts this long")
+    max_pause_s: float = _p(
+        900.0, 1.0, 86400.0, "a checkpoint or evaluation longer than this is a hang"
+    )
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from perfloop.schemas.job import JobLifecycle
+from perfloop.schemas.job import PROGRESS_PHASES, JobLifecycle, RankProgress
 from perfloop.streams._detect_arrival import ArrivalRing
 
 __all__ = [
@@ -59,6 +59,11 @@ _RANK: dict[str, tuple[Any, Any]] = {
     "node": (np.int64, -1),
     "last_step": (np.int64, -1),
     "proc_cpu": (np.float64, np.nan),
+    # the rank's latest RankProgress: when, its step, phase (`PROGRESS_PHASES` index), since
+    "p_ts": (np.int64, 0),
+    "p_step": (np.int64, -1),
+    "p_phase": (np.int64, -1),
+    "p_since": (np.int64, 0),
     "ended": (np.int8, 0),  # its lifecycle says it finished, failed or was killed
 }
 _EPISODE = {"start": (np.int64, 0), "on": (np.int64, 0), "off": (np.int64, 0)}
@@ -440,6 +445,16 @@ class JobState:
         self.cpu_samples(idx, cols["ts_ns"], cols["sys_cpu_pct"])
 
     # -- job events --------------------------------------------------------------------------
+    def progress(self, event: RankProgress) -> None:
+        """Where a rank is inside a step that has gone on for long."""
+        self._ensure_ranks(event.rank + 1)
+        rk, r = self.rank, event.rank
+        if event.ts_ns < rk["p_ts"][r]:
+            return  # an older report
+        rk["p_ts"][r], rk["p_step"][r] = event.ts_ns, event.step
+        rk["p_phase"][r] = _PROGRESS.get(event.phase, -1)
+        rk["p_since"][r] = event.since_ns
+
     def lifecycle(self, event: JobLifecycle) -> None:
         """A rank's (or the job's) lifecycle: the job has ended once it says so (rank -1) or
         every rank it knows of finished, failed or was killed."""
@@ -552,6 +567,9 @@ class JobState:
         job.arrival = ArrivalRing.from_state(doc.get("arrival"), STEPS, job.world)
         job.det = _copy(doc["det"])
         return job
+
+
+_PROGRESS = {p: i for i, p in enumerate(PROGRESS_PHASES)}
 
 
 def _copy(x: Any) -> Any:

@@ -7,7 +7,9 @@ States are `perfloop.schemas.analysis.RUN_PHASES`:
   ``warmup_min_steps`` steps were seen;
 - ``steady`` after that;
 - ``eval`` / ``checkpoint`` from spans of those phases (any rank, any depth; overlapping spans
-  are one episode), or from a pause in the steps — no step for ``max(gap_factor × median step,
+  are one episode), from a rank's progress report (`perfloop.schemas.RankProgress`) saying it
+  is in one (while such reports keep coming, the episode does not stall), or from a pause
+  in the steps — no step for ``max(gap_factor × median step,
   min_gap_s)`` — whose GPU samples show the signature: a busy GPU (mean SM ≥ ``eval_sm_pct`` and
   power ≥ ``eval_power_share`` of its limit) is an evaluation, an idle one (SM ≤ ``idle_sm_pct``)
   a checkpoint being written;
@@ -37,6 +39,7 @@ NS = 1_000_000_000
 _EPISODES = ("eval", "checkpoint")
 _KEEP_STEPS = 256
 _AGG = 256  # GPU batch aggregates kept for pauses
+_REPORTED_NS = 6 * NS  # a progress report of an episode holds it this long
 
 
 class RunState:
@@ -58,6 +61,7 @@ class RunState:
         self.agg_t = np.zeros((_AGG, 2), np.int64)  # its first and last sample time
         self.agg_i = 0
         self.episode: dict[str, Any] | None = None  # the open eval/checkpoint episode
+        self.reported = 0  # the newest progress report of an eval or a checkpoint
         self.learned = {k: {"last": 0, "interval": 0.0, "dur": 0.0, "n": 0} for k in _EPISODES}
         self.changes: list[dict[str, Any]] = []
 
@@ -129,6 +133,19 @@ class RunState:
             self._close_episode(end)
             self._move(back, end, "spans", step)
 
+    def progress(self, kind: str, since: int, ts: int, step: int) -> None:
+        """A rank reports where it is inside a long step: a checkpoint or an evaluation there
+        is that episode, not a stall."""
+        if kind not in _EPISODES or self.phase in ("", "finished") or since < self.last_end:
+            return
+        self.reported = max(self.__dict__.get("reported", 0), ts)
+        ep = self.episode
+        if ep is not None and ep["kind"] == kind:
+            return
+        if ep is not None:
+            self._close_episode(since)
+        self._open_episode(kind, since, "spans", step, 0.9)
+
     def end(self, ts_ns: int) -> None:
         """The job's lifecycle says it ended."""
         if self.phase != "finished":
@@ -184,6 +201,8 @@ class RunState:
             if n >= 3 and not (sm >= p("eval_sm_pct") and power >= p("eval_power_share")):
                 self._close_episode(now)
                 self._move("stalled", self.last_end, "gpu", self.last_step)
+        elif self.now(wall) - self.__dict__.get("reported", 0) <= _REPORTED_NS:
+            return  # a rank says it is still in the episode
         elif self.phase == "checkpoint" and gap > max(stall, 3 * self._dur_ns("checkpoint")):
             self._close_episode(now)
             self._move("stalled", self.last_end, "steps", self.last_step)

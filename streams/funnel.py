@@ -49,7 +49,7 @@ from perfloop.exceptions import ConfigError
 from perfloop.schemas.analysis import BOTTLENECKS, FUNNEL_LEVELS, Diagnosis
 from perfloop.schemas.base import Event
 from perfloop.schemas.codec import Batch
-from perfloop.schemas.job import JobInfo, JobLifecycle
+from perfloop.schemas.job import JobInfo, JobLifecycle, RankProgress
 from perfloop.streams._detect_config import DetectConfig
 from perfloop.streams._detect_gpu import device_detectors
 from perfloop.streams._detect_hang import hang_detector
@@ -197,6 +197,12 @@ class Funnel:
                 job.gpu_mem_bytes = float(event.gpu_mem_bytes or job.gpu_mem_bytes)
                 job.gpus = max(job.gpus, event.gpu_count)
                 job.node_index(event.node)
+        elif isinstance(event, RankProgress):
+            job = self._job(event.job_id)
+            if job is not None:
+                job.last_wall_ns = max(job.last_wall_ns, wall_ns)
+                job.version += 1
+                job.progress(event)
         elif isinstance(event, JobLifecycle):
             if event.state == "started" and event.job_id in self._ended:
                 del self._ended[event.job_id]  # the job runs again: start afresh

@@ -50,7 +50,7 @@ from perfloop.exceptions import ConfigError
 from perfloop.schemas.analysis import PhaseChange
 from perfloop.schemas.base import Event
 from perfloop.schemas.codec import Batch
-from perfloop.schemas.job import JobLifecycle
+from perfloop.schemas.job import JobLifecycle, RankProgress
 from perfloop.streams._phase_batches import group_batches, unique_ints
 from perfloop.streams._phase_run import RunState
 from perfloop.streams._phase_signatures import STEP_PHASES, SignatureLibrary, gpu_features
@@ -177,7 +177,15 @@ class PhaseMachine:
             self._pending.append((batch, wall_ns))
 
     def observe_event(self, event: Event, wall_ns: int) -> None:
-        """A job's lifecycle (rank -1): its end finishes the run; a new start resets it."""
+        """A job's lifecycle (rank -1): its end finishes the run; a new start resets it. A
+        rank's progress report of a checkpoint or an evaluation is that episode."""
+        if isinstance(event, RankProgress):
+            self._apply()
+            job = self._jobs.get(event.job_id)
+            if job is not None and not job.ended_wall:
+                job.run.progress(event.phase, event.since_ns, event.ts_ns, event.step)
+                job.dirty = True
+            return
         if not isinstance(event, JobLifecycle) or event.rank != -1:
             return
         self._apply()

@@ -196,6 +196,26 @@ class DDPJob:
             self.start = end
             self.step += 1
 
+    def pause(self, seconds: float, where: dict[int, str], *, every_s: float = 2.0) -> None:
+        """No step completes for ``seconds``: each rank in ``where`` reports its phase
+        (`RankProgress`) every ``every_s`` once its step has lasted 2 s; the others say
+        nothing. Then the steps go on."""
+        from perfloop.schemas import RankProgress
+
+        t0 = float(self.start.max())
+        step_start = int(t0 * MS)
+        for k in range(1, int(seconds / every_s) + 1):
+            t = t0 + 1000 * (2.0 + (k - 1) * every_s)
+            if t > t0 + 1000 * seconds:
+                break
+            for r, phase in where.items():
+                self.event(RankProgress(ts_ns=int(t * MS), job_id=self.job, node=self.node(
+                    r // self.per_node), rank=r, step=self.step, phase=phase,
+                    op="all_reduce" if phase == "comm" else "", since_ns=step_start + MS,
+                    step_start_ns=step_start))  # fmt: skip
+            self._host(int(t * MS))
+        self.start = np.full(self.world, t0 + 1000 * seconds)
+
     def _host(self, until_ns: int) -> None:
         ticks = np.arange(self.next_host, until_ns, S)
         if not len(ticks):
