@@ -146,6 +146,14 @@ class MemoryParams:
 
 
 @dataclass(frozen=True)
+class ThreadsParams:
+    enabled: bool = _flag()
+    min_compute_share: float = _p(0.3, 0.0, 1.0, "compute share of the step the threads matter at")
+    persist_steps: int = _p(3, 1, 1000, "consecutive oversubscribed steps to open")
+    clear_steps: int = _p(3, 1, 1000, "consecutive steps that fit to resolve")
+
+
+@dataclass(frozen=True)
 class RooflineParams:
     enabled: bool = _flag()
     min_samples: int = _p(50, 1, 1_000_000, "GPU samples (or kernel steps) before classifying")
@@ -179,6 +187,7 @@ clear_steps, enabled, persist_steps, score_threshold
     cpu: CpuParams = field(default_factory=CpuParams)
     memory: MemoryParams = field(default_factory=MemoryParams)
     roofline: RooflineParams = field(default_factory=RooflineParams)
+    threads: ThreadsParams = field(default_factory=ThreadsParams)
 
     def get_key(self, key: str) -> Any:
         """The value of ``<detector>.<param>`` (without the ``detect.`` prefix)."""

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from perfloop.schemas.job import PROGRESS_PHASES, JobLifecycle, RankProgress
+from perfloop.schemas.job import PROGRESS_PHASES, JobInfo, JobLifecycle, RankProgress
 from perfloop.streams._detect_arrival import ArrivalRing
 
 __all__ = [
@@ -59,6 +59,14 @@ _RANK: dict[str, tuple[Any, Any]] = {
     "node": (np.int64, -1),
     "last_step": (np.int64, -1),
     "proc_cpu": (np.float64, np.nan),
+    # host samples: loader workers, their CPU (100 = one core; smoothed) and memory
+    "loader_workers": (np.float64, np.nan),
+    "loader_cpu": (np.float64, np.nan),
+    "loader_rss": (np.float64, np.nan),
+    # job info: intra-op threads, the CPUs the rank may use, whether the script set threads
+    "threads": (np.float64, np.nan),
+    "budget": (np.float64, np.nan),
+    "by_script": (np.int8, 0),
     # the rank's latest RankProgress: when, its step, phase (`PROGRESS_PHASES` index), since
     "p_ts": (np.int64, 0),
     "p_step": (np.int64, -1),
@@ -88,6 +96,8 @@ _DEV: dict[str, tuple[Any, Any]] = {
 _NODE: dict[str, tuple[Any, Any]] = {
     "cpu": (np.float64, np.nan),
     "iowait": (np.float64, np.nan),
+    "mem_used": (np.float64, np.nan),
+    "mem_total": (np.float64, np.nan),
     "ts": (np.int64, 0),
     **{f"cpu_{k}": v for k, v in _EPISODE.items()},
 }
@@ -436,15 +446,51 @@ class JobState:
         nd["cpu"][node] = cols["sys_cpu_pct"][-1]
         nd["iowait"][node] = cols["sys_iowait_pct"][-1]
         nd["ts"][node] = cols["ts_ns"][-1]
+        nd["mem_used"][node] = cols["sys_mem_used_bytes"][-1]
+        nd["mem_total"][node] = cols["sys_mem_total_bytes"][-1]
         rank = cols["rank"]
         mine = rank >= 0
         if mine.any():
             self._ensure_ranks(int(rank.max()) + 1)
-            self.rank["proc_cpu"][rank[mine]] = cols["proc_cpu_pct"][mine]
+            self._loader(rank[mine], {k: cols[k][mine] for k in _LOADER_COLUMNS})
         idx = np.full(len(rank), node, dtype=np.int64)
         self.cpu_samples(idx, cols["ts_ns"], cols["sys_cpu_pct"])
 
+    def _loader(self, rank: np.ndarray, cols: dict[str, np.ndarray]) -> None:
+        """Each rank's process CPU and loader workers: the latest count and memory, their CPU
+        smoothed over samples (started afresh when the worker count changes)."""
+        rk = self.rank
+        rk["proc_cpu"][rank] = cols["proc_cpu_pct"]
+        ranks, inv = np.unique(rank, return_inverse=True)
+        n = np.bincount(inv)
+        mean = np.bincount(inv, weights=cols["loader_cpu_pct"]) / n
+        last = np.zeros(len(ranks), dtype=np.int64)
+        np.maximum.at(last, inv, np.arange(len(rank)))
+        workers = cols["loader_workers"][last].astype(np.float64)
+        old = rk["loader_cpu"][ranks]
+        fresh = np.isnan(old) | (rk["loader_workers"][ranks] != workers)
+        weight = 1.0 - 0.7**n  # each sample moves it 30 %
+        rk["loader_cpu"][ranks] = np.where(fresh, mean, old + weight * (mean - old))
+        rk["loader_workers"][ranks] = workers
+        rk["loader_rss"][ranks] = cols["loader_rss_bytes"][last]
+
     # -- job events --------------------------------------------------------------------------
+    def info(self, event: JobInfo) -> None:
+        """A rank's job info: its intra-op threads, its CPU budget, whether the script set its
+        threads itself."""
+        if event.rank < 0:
+            return
+        self._ensure_ranks(event.rank + 1)
+        extra, rk, r = event.extra, self.rank, event.rank
+        rk["threads"][r] = _number(extra.get("torch.num_threads"))
+        budget = _number(extra.get("cpu_budget"))
+        if not budget >= 1:  # an older producer: its affinity (or the node) over local ranks
+            cpus = _number(extra.get("cpu_affinity"))
+            cpus = cpus if cpus >= 1 else float(event.cpu_count or 0)
+            budget = max(1.0, cpus // max(1, event.local_world_size)) if cpus else np.nan
+        rk["budget"][r] = budget
+        rk["by_script"][r] = int("torch.num_threads.by_script" in extra)
+
     def progress(self, event: RankProgress) -> None:
         """Where a rank is inside a step that has gone on for long."""
         self._ensure_ranks(event.rank + 1)
@@ -569,7 +615,16 @@ class JobState:
         return job
 
 
+_LOADER_COLUMNS = ("proc_cpu_pct", "loader_workers", "loader_cpu_pct", "loader_rss_bytes")
 _PROGRESS = {p: i for i, p in enumerate(PROGRESS_PHASES)}
+
+
+def _number(text: str | None) -> float:
+    """A job info value as a number; NaN when absent or not a number."""
+    try:
+        return float(text) if text is not None else np.nan
+    except ValueError:
+        return np.nan
 
 
 def _copy(x: Any) -> Any:

@@ -232,7 +232,8 @@ def step_detectors(job: JobState, cfg: DetectConfig) -> None:
         if len(st_all):
             job.det["p99_ms"] = float(np.percentile(st_all, 99))
             job.det["median_step_ms"] = float(np.median(st_all))
-    from perfloop.streams._detect_straggler import straggler_detector  # (it imports this module)
+    from perfloop.streams._detect_straggler import straggler_detector  # (they import this)
+    from perfloop.streams._detect_threads import thread_detector
 
     for name, fn in (
         ("straggler", straggler_detector),
@@ -241,6 +242,7 @@ def step_detectors(job: JobState, cfg: DetectConfig) -> None:
         ("comm", _comm),
         ("exposed_comm", _exposed),
         ("memory", _memory),
+        ("threads", thread_detector),
     ):
         if getattr(cfg, name).enabled:
             fn(job, getattr(cfg, name), win, d, new)
@@ -255,6 +257,7 @@ _PREFIX = {
     "comm": "comm_degradation",
     "exposed_comm": "exposed_comm",
     "memory": "memory_leak:",
+    "threads": "thread_oversubscription:",
 }
 
 

@@ -414,7 +414,9 @@ class StreamEngine:
             return
         self._out.recommendations.extend(self.rule.evaluate(diagnoses))
         planned = self.rule.workers(job, now)  # the threads fit the workers asked for
-        self._out.recommendations.extend(self.threads.evaluate(job, now, workers=planned))
+        self._out.recommendations.extend(
+            self.threads.evaluate(job, now, workers=planned, diagnoses=diagnoses)
+        )
         if self.predict.enabled:
             self.predict.steps(self.steps.last_done)
             self.predict.phases(phases)

@@ -56,7 +56,7 @@ from perfloop.streams._detect_hang import hang_detector
 from perfloop.streams._detect_state import NS, Finding, JobState
 from perfloop.streams._detect_steps import step_detectors
 
-__all__ = ["EXPLAINS", "LOOPS", "DetectConfig", "Funnel", "actionable"]
+__all__ = ["EXPLAINS", "LEVELS", "LOOPS", "DetectConfig", "Funnel", "actionable"]
 
 LOOPS: dict[str, str] = {
     "hang": "product",
@@ -98,6 +98,10 @@ A side that names no ranks is compared by nodes; one that names neither spans th
 "whole_nodes": the nodes overlap and every rank the cause names has the symptom (a saturated
 node slows all its ranks alike; one rank straggling behind the others of its node is slowed
 by something of its own, such as another process on its CPUs)."""
+
+LEVELS: dict[str, str] = {**BOTTLENECKS, "thread_oversubscription": "host"}
+"""Each bottleneck's funnel level: the schema's, and the stream tier's own ones not yet in it
+(thread_oversubscription belongs in `perfloop.schemas.analysis.BOTTLENECKS`)."""
 
 _OOM = re.compile(r"out of memory|outofmemory|\boom\b", re.IGNORECASE)
 _BATCH_KINDS = frozenset({"step", "span", "collective", "kernel", "gpu", "host"})
@@ -197,6 +201,7 @@ class Funnel:
                 job.gpu_mem_bytes = float(event.gpu_mem_bytes or job.gpu_mem_bytes)
                 job.gpus = max(job.gpus, event.gpu_count)
                 job.node_index(event.node)
+                job.info(event)
         elif isinstance(event, RankProgress):
             job = self._job(event.job_id)
             if job is not None:
@@ -276,7 +281,7 @@ class Funnel:
                 alike = {r for x in active if x.bottleneck == f.bottleneck for r in x.ranks}
                 if not set(c.ranks) <= alike:
                     continue
-            level = FUNNEL_LEVELS.index(BOTTLENECKS[c.bottleneck])
+            level = FUNNEL_LEVELS.index(LEVELS[c.bottleneck])
             if level < best_level:
                 best, best_level = c.bottleneck, level
         return best
@@ -286,7 +291,7 @@ class Funnel:
         opened = self._open.setdefault(job.job_id, {})
         held = self._held.setdefault(job.job_id, {})
         active = list(job.findings.values())
-        active.sort(key=lambda f: (FUNNEL_LEVELS.index(BOTTLENECKS[f.bottleneck]), f.key))
+        active.sort(key=lambda f: (FUNNEL_LEVELS.index(LEVELS[f.bottleneck]), f.key))
         pending = job.det.get("pending", [])
         out = []
         for f in active:
@@ -297,7 +302,7 @@ class Funnel:
                 if now_ns - first < cfg.hold_s * NS:
                     continue
             held.pop(f.key, None)
-            level = BOTTLENECKS[f.bottleneck]
+            level = LEVELS[f.bottleneck]
             loop = LOOPS.get(f.bottleneck, "inner")
             critical = (
                 not cause
@@ -346,7 +351,7 @@ class Funnel:
             rank=f.rank,
             diagnosis_id=rec.id,
             bottleneck=f.bottleneck,
-            level=BOTTLENECKS[f.bottleneck],  # type: ignore[arg-type]
+            level=LEVELS[f.bottleneck],  # type: ignore[arg-type]
             loop=LOOPS.get(f.bottleneck, "inner"),  # type: ignore[arg-type]
             state=state,  # type: ignore[arg-type]
             onset_ns=max(0, int(f.onset_ns)),

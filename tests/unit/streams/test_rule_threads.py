@@ -1,0 +1,164 @@
+"""The thread rule and the thread-oversubscription diagnosis it acts on, per rank from each
+rank's real CPU budget (the issue: 2 ranks on 2 CPUs with the script's own
+set_num_threads(1) were given 2 threads each, and step time tripled)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from perfloop.schemas import Diagnosis, JobInfo
+from perfloop.schemas.codec import decode_batch, encode_batch
+from perfloop.streams.funnel import Funnel
+from perfloop.streams.rules import ThreadRule
+
+NS = 1_000_000_000
+
+
+def _info(rank: int = 0, *, threads: int, budget: int | None = 1, by_script: bool = False,
+          cpus: int = 2, local: int = 2, affinity: int | None = None, gpus: int = 0,
+          bound: int | None = None, job: str = "j") -> JobInfo:  # fmt: skip
+    extra = {"torch.num_threads": str(threads)}
+    if budget is not None:
+        extra["cpu_budget"] = str(budget)
+    if by_script:
+        extra["torch.num_threads.by_script"] = str(threads)
+    if affinity is not None:
+        extra["cpu_affinity"] = str(affinity)
+    if bound is not None:
+        extra["bounds.torch.num_threads"] = f"1,{bound}"
+    return JobInfo(ts_ns=NS, job_id=job, node="n0", rank=rank, world_size=local,
+                   local_world_size=local, cpu_count=cpus, gpu_count=gpus, extra=extra)  # fmt: skip
+
+
+def _rule(*infos: JobInfo, steps: int = 40, wait: float = 0.1, workers: int = 0) -> ThreadRule:
+    rule = ThreadRule(cooldown_s=30, settle_steps=30)
+    for info in infos:
+        rule.observe_info(info)
+    rule.observe_steps("j", steps=steps, step_ms=100.0 * steps, wait_ms=100.0 * wait * steps,
+                       workers=workers)  # fmt: skip
+    return rule
+
+
+def _over(share: float = 0.6, loader_cores: float = 0.0, state: str = "open") -> Diagnosis:
+    return Diagnosis(ts_ns=5 * NS, job_id="j", node="n0", rank=0, diagnosis_id="d-threads",
+                     bottleneck="thread_oversubscription", level="host", loop="inner",
+                     state=state, onset_ns=NS, step_share=share, confidence=0.8,
+                     critical_path=state != "resolved", ranks=[0],
+                     evidence={"loader_cores": loader_cores})  # fmt: skip
+
+
+def _recs(rule: ThreadRule, t_s: float = 10, **kw: Any) -> list[tuple[Any, Any]]:
+    return [(r.from_value, r.to_value) for r in rule.evaluate("j", int(t_s * NS), **kw)]
+
+
+def test_the_issue_two_ranks_on_two_cpus_with_the_scripts_own_one_thread_get_nothing() -> None:
+    rule = _rule(*(_info(r, threads=1, budget=1, by_script=True) for r in (0, 1)), wait=0.0)
+    assert _recs(rule) == []
+
+
+def test_an_older_producer_s_shared_affinity_is_divided_among_the_local_ranks() -> None:
+    infos = [_info(r, threads=1, budget=None, affinity=2, cpus=2, local=2) for r in (0, 1)]
+    assert _recs(_rule(*infos, wait=0.0)) == [], "2 CPUs shared by 2 ranks: 1 each"
+
+
+def test_idle_cores_are_filled_up_to_the_budget_less_the_loader_workers() -> None:
+    infos = [_info(r, threads=1, budget=8, cpus=16) for r in (0, 1)]  # a launcher's default
+    (rec,) = _rule(*infos, workers=2).evaluate("j", 10 * NS)
+    assert (rec.from_value, rec.to_value, rec.rank) == (1, 6, -1)
+    assert "may use 8 CPU(s)" in rec.rationale and rec.evidence["cpu_budget"] == 8.0
+
+
+def test_a_count_the_script_set_is_never_raised() -> None:
+    infos = [_info(r, threads=2, budget=8, cpus=16, by_script=True) for r in (0, 1)]
+    assert _recs(_rule(*infos)) == []
+
+
+def test_the_smallest_budget_of_the_ranks_and_the_jobs_own_bound_hold() -> None:
+    rule = _rule(_info(0, threads=1, budget=8, cpus=16), _info(1, threads=1, budget=3, cpus=16))
+    assert _recs(rule) == [(1, 3)]
+    rule = _rule(*(_info(r, threads=1, budget=8, cpus=16, bound=4) for r in (0, 1)))
+    assert _recs(rule) == [(1, 4)]
+
+
+def test_oversubscription_is_lowered_on_its_diagnosis_only() -> None:
+    infos = [_info(r, threads=16, budget=1, by_script=True) for r in (0, 1)]
+    rule = _rule(*infos)
+    assert _recs(rule) == [], "no diagnosis, no change"
+    (rec,) = rule.evaluate("j", 10 * NS, diagnoses=[_over(0.6)])
+    assert (rec.from_value, rec.to_value) == (16, 1)
+    assert "d-threads" in rec.rationale and rec.expected_gain_pct == pytest.approx(60.0)
+    assert _recs(rule, t_s=20) == [], "cooldown"
+
+
+def test_busy_loader_workers_take_their_cores_from_the_threads() -> None:
+    rule = _rule(_info(threads=8, budget=4, local=1, cpus=4), workers=2)
+    assert _recs(rule, diagnoses=[_over(loader_cores=1.9)]) == [(8, 2)]
+    rule = _rule(_info(threads=8, budget=4, local=1, cpus=4), workers=4)
+    # workers that wait on storage burn little CPU: they leave the cores to the threads
+    assert _recs(rule, diagnoses=[_over(loader_cores=0.3)]) == [(8, 4)]
+
+
+def test_a_resolved_diagnosis_stops_the_lowering_and_a_gpu_job_is_left_alone() -> None:
+    rule = _rule(_info(threads=16, budget=1))
+    rule.observe_diagnoses([_over(), _over(state="resolved")])
+    assert _recs(rule) == []
+    rule = _rule(_info(threads=16, budget=1, gpus=1))
+    assert _recs(rule, diagnoses=[_over()]) == []
+
+
+def test_the_rule_s_state_survives_a_snapshot() -> None:
+    rule = _rule(*(_info(r, threads=16, budget=1) for r in (0, 1)))
+    rule.observe_diagnoses([_over()])
+    again = ThreadRule(cooldown_s=30, settle_steps=30)
+    again.restore(rule.snapshot())
+    assert _recs(again) == [(16, 1)]
+
+
+# -- the diagnosis ------------------------------------------------------------------------------
+def _job(threads: int, budget: int, *, workers: int = 0, loader_cpu: float = 0.0,
+         wait_ms: float = 5.0, steps: int = 30, ranks: int = 1) -> list[Diagnosis]:  # fmt: skip
+    f = Funnel()
+    t0 = 1_700_000_000 * NS
+    for r in range(ranks):
+        f.observe_event(_info(r, threads=threads, budget=budget, by_script=True, local=ranks), t0)
+    for i in range(steps):
+        t = t0 + (i + 1) * 100_000_000
+        cols = {"ts_ns": [t] * ranks, "rank": list(range(ranks)), "step": [i] * ranks,
+                "step_time_ms": [100.0] * ranks, "data_wait_ms": [wait_ms] * ranks,
+                "num_workers": [workers] * ranks}  # fmt: skip
+        f.observe(decode_batch(encode_batch("step", cols, job_id="j", node="n0")), t)
+        host = {"ts_ns": [t] * ranks, "rank": list(range(ranks)),
+                "loader_workers": [workers] * ranks, "loader_cpu_pct": [loader_cpu] * ranks,
+                "proc_cpu_pct": [100.0] * ranks, "sys_cpu_pct": [100.0] * ranks}  # fmt: skip
+        f.observe(decode_batch(encode_batch("host", host, job_id="j", node="n0")), t)
+    out = []
+    for k in range(20):
+        out += f.tick(t0 + steps * 100_000_000 + k * 250_000_000)
+    return [d for d in out if d.state == "open"]
+
+
+def test_threads_past_the_budget_while_compute_dominates_are_diagnosed() -> None:
+    (d,) = _job(threads=16, budget=2)
+    assert (d.bottleneck, d.level, d.ranks, d.critical_path) == (
+        "thread_oversubscription", "host", [0], True)  # fmt: skip
+    assert d.evidence["num_threads"] == 16 and d.evidence["cpu_budget"] == 2
+    assert d.step_share == pytest.approx(0.95 * (1 - 2 / 16), abs=0.01)
+    (d,) = _job(threads=1, budget=1, ranks=2, workers=2, loader_cpu=180.0)
+    assert d.ranks == [0, 1], "busy loader workers share the rank's budget"
+
+
+@pytest.mark.parametrize(
+    ("threads", "budget", "workers", "loader_cpu", "wait_ms"),
+    [
+        (2, 2, 0, 0.0, 5.0),  # fits
+        (1, 2, 4, 20.0, 5.0),  # workers waiting on storage burn little CPU
+        (16, 2, 0, 0.0, 80.0),  # the step waits for data, not for the threads
+    ],
+)
+def test_what_is_not_thread_oversubscription(
+    threads: int, budget: int, workers: int, loader_cpu: float, wait_ms: float
+) -> None:
+    found = _job(threads, budget, workers=workers, loader_cpu=loader_cpu, wait_ms=wait_ms)
+    assert not [d for d in found if d.bottleneck == "thread_oversubscription"]
