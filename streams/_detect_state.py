@@ -449,6 +449,10 @@ class JobState:
         nd["mem_used"][node] = cols["sys_mem_used_bytes"][-1]
         nd["mem_total"][node] = cols["sys_mem_total_bytes"][-1]
         rank = cols["rank"]
+        if max(self.declared_world, self.world) <= 1 and (rank < 0).any():
+            # a process started without a launcher is sampled without its rank: the job's
+            # only rank
+            rank = np.where((rank < 0) & (cols["pid"] > 0), 0, rank)
         mine = rank >= 0
         if mine.any():
             self._ensure_ranks(int(rank.max()) + 1)

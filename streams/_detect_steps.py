@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from perfloop.streams._detect_loader import loader_evidence
 from perfloop.streams._detect_persist import Persistence
 from perfloop.streams._detect_state import Finding, JobState
 
@@ -333,6 +334,7 @@ def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> N
         onset = int(min(_start(win, n - int(x), r) for x, r in zip(runs, ranks, strict=True)))
         name = job.nodes[int(node)] if node >= 0 else "unknown"
         key = f"dataloader_starvation:{name}"
+        loader, words = loader_evidence(job, ranks, int(node))
         found[key] = Finding(
             key=key,
             bottleneck="dataloader_starvation",
@@ -349,9 +351,10 @@ def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> N
                 "step_time_ms": round(float(d["step_ms"][-k:].mean()), 3),
                 "ranks": float(len(ranks)),
                 **_node_evidence(job, int(node)),
+                **loader,
             },
             summary=f"{len(ranks)} rank(s) on {name} wait for input {100 * sh.max():.0f}% "
-            "of each step",
+            "of each step" + (f"; {words}" if words else ""),
         )
     _replace(job, "dataloader_starvation:", found)
 

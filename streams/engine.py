@@ -413,6 +413,8 @@ class StreamEngine:
             self._free(job)
             return
         self._out.recommendations.extend(self.rule.evaluate(diagnoses))
+        for note in self.rule.drain_notes():  # why it stops: on the diagnosis, next tick
+            self.funnel.annotate(*note)
         planned = self.rule.workers(job, now)  # the threads fit the workers asked for
         self._out.recommendations.extend(
             self.threads.evaluate(job, now, workers=planned, diagnoses=diagnoses)

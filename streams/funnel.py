@@ -125,13 +125,20 @@ def actionable(diagnoses: Iterable[Diagnosis]) -> list[Diagnosis]:
 class _Open:
     """What the funnel remembers of one open diagnosis (and its latest finding)."""
 
-    __slots__ = ("critical", "explained_by", "finding", "id", "last_emit_ns")
+    __slots__ = ("critical", "explained_by", "finding", "id", "last_emit_ns", "note")
 
     def __init__(
-        self, id: str, explained_by: str, critical: bool, last_emit_ns: int, finding: Finding
+        self,
+        id: str,
+        explained_by: str,
+        critical: bool,
+        last_emit_ns: int,
+        finding: Finding,
+        note: str = "",
     ) -> None:
         self.id, self.explained_by = id, explained_by
         self.critical, self.last_emit_ns, self.finding = critical, last_emit_ns, finding
+        self.note = note  # what the rules said about it (`Funnel.annotate`), as last emitted
 
 
 class Funnel:
@@ -166,6 +173,13 @@ class Funnel:
             job = self._jobs[job_id] = JobState(job_id)
             self._apply_thresholds(job)
         return job
+
+    def annotate(self, job_id: str, bottleneck: str, note: str, evidence: dict[str, float]) -> None:
+        """What a rule says about the job's ``bottleneck`` (why perfloop stops acting on it):
+        its diagnoses carry it in their evidence and summary, in an update at the next tick."""
+        job = self._jobs.get(job_id)
+        if job is not None:
+            job.det.setdefault("notes", {})[bottleneck] = {"note": note, "evidence": evidence}
 
     def has_ended(self, job_id: str) -> bool:
         """Whether the job has ended: its lifecycle said so (rank -1, or every rank)."""
@@ -293,6 +307,7 @@ class Funnel:
         active = list(job.findings.values())
         active.sort(key=lambda f: (FUNNEL_LEVELS.index(LEVELS[f.bottleneck]), f.key))
         pending = job.det.get("pending", [])
+        notes = job.det.get("notes", {})
         out = []
         for f in active:
             cause = self._cause(f, active)
@@ -316,12 +331,15 @@ class Funnel:
             rec.finding = f
             if final:  # the job ended: everything resolves below, no last updates
                 continue
+            note = notes.get(f.bottleneck, {}).get("note", "")
             if (
                 cause != rec.explained_by
                 or critical != rec.critical
+                or note != rec.note
                 or now_ns - rec.last_emit_ns >= cfg.update_s * NS
             ):
                 rec.explained_by, rec.critical, rec.last_emit_ns = cause, critical, now_ns
+                rec.note = note
                 out.append(self._diagnosis(job, f, rec, "update", now_ns))
         live = set() if final else {f.key for f in active}
         for key in [k for k in opened if k not in live]:
@@ -344,6 +362,11 @@ class Funnel:
         self, job: JobState, f: Finding, rec: _Open, state: str, now_ns: int
     ) -> Diagnosis:
         node = f.nodes[0] if f.nodes else (job.nodes[0] if job.nodes else "unknown")
+        evidence, summary = f.evidence, f.summary
+        said = job.det.get("notes", {}).get(f.bottleneck)
+        if said is not None and state != "resolved":
+            evidence = {**evidence, **said["evidence"]}
+            summary = f"{summary}; perfloop stops here: {said['note']}"
         return Diagnosis(
             ts_ns=now_ns,
             job_id=job.job_id,
@@ -362,8 +385,8 @@ class Funnel:
             ranks=list(f.ranks),
             nodes=list(f.nodes),
             step=max(0, int(f.step)),
-            evidence={k: float(v) for k, v in f.evidence.items() if v == v},
-            summary=f.summary[:2000],
+            evidence={k: float(v) for k, v in evidence.items() if v == v},
+            summary=summary[:2000],
         )
 
     # -- live settings and snapshots ---------------------------------------------------------
@@ -403,7 +426,14 @@ class Funnel:
             "jobs": {k: j.to_state() for k, j in self._jobs.items()},
             "open": {
                 j: {
-                    k: [o.id, o.explained_by, o.critical, o.last_emit_ns, o.finding.to_dict()]
+                    k: [
+                        o.id,
+                        o.explained_by,
+                        o.critical,
+                        o.last_emit_ns,
+                        o.finding.to_dict(),
+                        o.note,
+                    ]
                     for k, o in recs.items()
                 }
                 for j, recs in self._open.items()
@@ -420,7 +450,7 @@ class Funnel:
         self.config = DetectConfig.from_dict(state["config"])
         self._jobs = {k: JobState.from_state(v) for k, v in state["jobs"].items()}
         self._open = {
-            j: {k: _Open(*v[:4], Finding(**v[4])) for k, v in recs.items()}
+            j: {k: _Open(*v[:4], Finding(**v[4]), *v[5:]) for k, v in recs.items()}
             for j, recs in state["open"].items()
         }
         self._held = {j: dict(h) for j, h in state["held"].items()}

@@ -72,6 +72,8 @@ class Outcomes:
         self.min_failures = min_failures
         self.records: defaultdict[tuple[str, str, str], Record] = defaultdict(Record)
         self._device: dict[str, str] = {}  # job -> "cpu" | "gpu"
+        # (job, knob) -> the verdict on the job's latest change of the knob (see `last`)
+        self._last: dict[tuple[str, str], dict[str, Any]] = {}
         # command id -> the knob's value before and after (the newest MAX_PENDING commands)
         self._pending: dict[str, tuple[KnobValue | None, KnobValue]] = {}
 
@@ -81,6 +83,8 @@ class Outcomes:
     def forget(self, job: str) -> None:
         """The job ended: drop what is kept of it (the verdicts it taught stay, by kind)."""
         self._device.pop(job, None)
+        for key in [k for k in self._last if k[0] == job]:
+            del self._last[key]
 
     def expect(self, command_id: str, old: KnobValue | None, new: KnobValue) -> None:
         """A command went out: its verdict will say how ``old`` → ``new`` did."""
@@ -106,9 +110,32 @@ class Outcomes:
         else:
             rec.rolled_back += 1
         before, after = result.evidence.get("before_ms"), result.evidence.get("after_ms")
-        if before and after and before > 0:
-            rec.gains = [*rec.gains[-(MAX_GAINS - 1) :], 1.0 - after / before]
+        gain = 1.0 - after / before if before and after and before > 0 else float("nan")
+        if gain == gain:
+            rec.gains = [*rec.gains[-(MAX_GAINS - 1) :], gain]
+        self._verdict(result, old, new, gain)
         return True
+
+    def _verdict(self, result: ActuationResult, old: Any, new: Any, gain: float) -> None:
+        """Keep the job's latest verdict per knob; the ranks of one change agree on it: rolled
+        back if any rank rolled it back, its gain the least any rank measured."""
+        key = (result.job_id, result.knob)
+        cur = self._last.get(key)
+        if cur is None or cur["value"] != result.value:
+            cur = self._last[key] = {"value": result.value, "from": old, "status": "kept",
+                                     "gain": gain, "ts_ns": result.ts_ns, "ranks": 0}  # fmt: skip
+        if result.status == "rolled_back":
+            cur["status"] = "rolled_back"
+        if gain == gain:
+            cur["gain"] = gain if cur["gain"] != cur["gain"] else min(cur["gain"], gain)
+        cur["ts_ns"] = max(cur["ts_ns"], result.ts_ns)
+        cur["ranks"] += 1
+
+    def last(self, job: str, knob: str) -> dict[str, Any] | None:
+        """The verdict on the job's latest change of ``knob``: ``value`` (what it was changed
+        to), ``from`` (None when its command was not seen), ``status`` (kept or rolled_back),
+        ``gain`` (1 - after/before step time, NaN unknown), ``ts_ns``, ``ranks`` (verdicts)."""
+        return self._last.get((job, knob))
 
     def similar(self, job: str, knob: str, old: KnobValue | None, new: KnobValue) -> Record:
         return self.records.get(self._key(job, knob, old, new), Record())
@@ -152,6 +179,7 @@ class Outcomes:
             },
             "device": dict(self._device),
             "pending": {c: list(v) for c, v in self._pending.items()},
+            "last": [[j, k, dict(v)] for (j, k), v in self._last.items()],
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -161,3 +189,4 @@ class Outcomes:
             self.records[(knob, direction, device)] = Record(kept, rolled, list(gains))
         self._device = dict(state.get("device", {}))
         self._pending = {c: (v[0], v[1]) for c, v in state.get("pending", {}).items()}
+        self._last = {(j, k): dict(v) for j, k, v in state.get("last", [])}

@@ -49,7 +49,7 @@ def _state_of(eng: StreamEngine, job: str = "j") -> dict[str, bool]:
         "funnel": job in eng.funnel._jobs,
         "steps": job in eng.steps._jobs,
         "phases": job in eng.phases._jobs,
-        "rule": any(job in d for d in (eng.rule._workers, eng.rule._cpus, eng.rule._planned)),
+        "rule": job in eng.rule._jobs,
         "threads": job in eng.threads._jobs,
         "outcomes": job in eng.outcomes._device,
         "predict": job in eng.predict._jobs,
