@@ -86,7 +86,7 @@ from perfloop.streams.funnel import Funnel
 from perfloop.streams.outcomes import Outcomes
 from perfloop.streams.phases import PhaseMachine
 from perfloop.streams.predict import PredictionHost
-from perfloop.streams.rules import DataWaitRule, ThreadRule
+from perfloop.streams.rules import DataWaitRule, StragglerRule, ThreadRule
 from perfloop.streams.steps import StepAnalysis
 from perfloop.streams.windows import NS, WindowSet, parse_specs
 
@@ -170,6 +170,7 @@ class StreamEngine:
         self.threads = ThreadRule(
             cooldown_s=settings.recommendation_cooldown_s, outcomes=self.outcomes
         )
+        self.stragglers = StragglerRule()
         self.derived_metrics: tuple[str, ...] = DEFAULT_DERIVED
         self.max_skew_ns = int(settings.max_skew_s * NS)
         self.max_age_ns = int(settings.max_age_s * NS)
@@ -413,6 +414,7 @@ class StreamEngine:
             self._free(job)
             return
         self._out.recommendations.extend(self.rule.evaluate(diagnoses))
+        self._out.recommendations.extend(self.stragglers.evaluate(diagnoses))
         for note in self.rule.drain_notes():  # why it stops: on the diagnosis, next tick
             self.funnel.annotate(*note)
         planned = self.rule.workers(job, now)  # the threads fit the workers asked for
@@ -433,6 +435,7 @@ class StreamEngine:
         self.phases.forget(job)
         self.rule.forget(job)
         self.threads.forget(job)
+        self.stragglers.forget(job)
         self.outcomes.forget(job)
         self.predict.forget(job)
         self._out.predictions.extend(self.predict.drain())
@@ -523,6 +526,7 @@ class StreamEngine:
                 self.predict.forget(job)
                 self.threads.forget(job)
                 self.rule.forget(job)
+                self.stragglers.forget(job)
                 self.outcomes.forget(job)
         self._out.predictions.extend(self.predict.drain())
         out, self._out = self._out, Outputs()
@@ -569,6 +573,7 @@ class StreamEngine:
             "funnel": self.funnel.snapshot(),
             "rule": self.rule.snapshot(),
             "threads": self.threads.snapshot(),
+            "stragglers": self.stragglers.snapshot(),
             "outcomes": self.outcomes.snapshot(),
             "predict": self.predict.snapshot(),
             "derived_metrics": self.derived_metrics,
@@ -591,6 +596,7 @@ class StreamEngine:
         self.funnel.restore(state["funnel"])
         self.rule.restore(state["rule"])
         self.threads.restore(state.get("threads", {}))
+        self.stragglers.restore(state.get("stragglers", {}))
         self.outcomes.restore(state.get("outcomes", {}))
         self.predict.restore(state.get("predict", {}))
         self.derived_metrics = tuple(state.get("derived_metrics", DEFAULT_DERIVED))
