@@ -70,9 +70,11 @@ def loader_evidence(job: JobState, ranks: np.ndarray, node: int) -> tuple[dict[s
             )
         else:
             bound = BOUND_IO
-            words = (
-                f"its {workers:.0f} loader worker(s) use {100 * util:.0f}% of a core each: "
-                "I/O-bound, they wait on storage"
+            busy = nd["cpu"][node] if 0 <= node < len(nd["cpu"]) else np.nan
+            words = f"its {workers:.0f} loader worker(s) use {100 * util:.0f}% of a core each: " + (
+                f"I/O-bound, they wait (on storage, or for a CPU: the host is {busy:.0f}% busy)"
+                if busy >= 90
+                else "I/O-bound, they wait on storage"
             )
     ev["loader_bound"] = bound
     return ev, words

@@ -120,6 +120,7 @@ class Finding:
     step: int = 0
     evidence: dict[str, float] = field(default_factory=dict)
     summary: str = ""
+    mark: str = ""  # what, when it changes, is worth an update at once (not after update_s)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

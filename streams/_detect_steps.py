@@ -39,7 +39,7 @@ import numpy as np
 
 from perfloop.streams._detect_loader import loader_evidence
 from perfloop.streams._detect_persist import Persistence
-from perfloop.streams._detect_state import Finding, JobState
+from perfloop.streams._detect_state import NS, Finding, JobState
 
 if TYPE_CHECKING:
     from perfloop.streams._detect_config import DetectConfig
@@ -323,6 +323,11 @@ def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> N
         _replace(job, "dataloader_starvation:", {})
         return
     run_on, run_off = trailing(flag), trailing(~flag)
+    # fed for clear_steps steps and clear_s of event time: a loader that keeps up for a
+    # moment between two slow batches is still starving
+    first_fed = np.clip(n - run_off, 0, n - 1)
+    fed_ns = win["end"][-1, :w] - _start(win, first_fed, np.arange(w))
+    run_off = np.where((run_off >= n) | (fed_ns >= p.clear_s * NS), run_off, 0)
     st["active"][:w] = act = _hysteresis(active, run_on, run_off, p.persist_steps, p.clear_steps)
     found = {}
     node_of = job.rank["node"][:w]
@@ -335,6 +340,7 @@ def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> N
         name = job.nodes[int(node)] if node >= 0 else "unknown"
         key = f"dataloader_starvation:{name}"
         loader, words = loader_evidence(job, ranks, int(node))
+        window = float(np.nan_to_num(nanmean(share[:, ranks], axis=0)).max())
         found[key] = Finding(
             key=key,
             bottleneck="dataloader_starvation",
@@ -347,6 +353,7 @@ def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> N
             step=int(win["step"][-1]),
             evidence={
                 "data_wait_share": round(float(sh.max()), 4),
+                "data_wait_share_window": round(window, 4),
                 "data_wait_ms": round(float(nanmean(d["wait"][-k:, ranks])), 3),
                 "step_time_ms": round(float(d["step_ms"][-k:].mean()), 3),
                 "ranks": float(len(ranks)),
@@ -355,6 +362,10 @@ def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> N
             },
             summary=f"{len(ranks)} rank(s) on {name} wait for input {100 * sh.max():.0f}% "
             "of each step" + (f"; {words}" if words else ""),
+            # said at once: a change of workers, of what bounds them, or of the share crossing
+            # twice the threshold (where the data rule acts by default)
+            mark=f"{loader.get('loader_workers', -1):.0f}/{loader['loader_bound']:.0f}/"
+            f"{int(max(sh.max(), window) >= 2 * p.share_threshold)}",
         )
     _replace(job, "dataloader_starvation:", found)
 

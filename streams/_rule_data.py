@@ -61,6 +61,7 @@ class _Loader:
     stop: str = ""  # why growing stopped after a verdict ("" : it did not)
     stop_at: int = -1  # the workers it stopped at
     noted: str = ""  # the last note handed out
+    diag: Diagnosis | None = None  # the job's latest actionable starvation diagnosis
 
 
 class DataWaitRule:
@@ -137,21 +138,41 @@ class DataWaitRule:
 
     # -- decision ----------------------------------------------------------------------------
     def evaluate(
-        self, diagnoses: Iterable[Diagnosis], *, now_ns: int | None = None
+        self,
+        diagnoses: Iterable[Diagnosis],
+        *,
+        now_ns: int | None = None,
+        job: str | None = None,
     ) -> list[Recommendation]:
         """Recommendations for these diagnoses; the cooldown runs on ``now_ns``, by default
-        each diagnosis's own ``ts_ns`` (event time)."""
-        recs = []
-        for d in actionable(diagnoses):
+        each diagnosis's own ``ts_ns`` (event time). With ``job``, that job's latest actionable
+        starvation diagnosis is judged again even when none came now (a verdict may have come
+        since: the next step need not wait for the diagnosis's next update)."""
+        fresh: dict[str, Diagnosis] = {}
+        for d in diagnoses:
             if d.bottleneck != "dataloader_starvation":
                 continue
-            share = float(d.evidence.get("data_wait_share", d.step_share))
+            j = self._jobs.setdefault(d.job_id, _Loader())
+            j.diag = d if actionable([d]) else None
+            if j.diag is not None:
+                fresh[d.job_id] = d
+        if job is not None and job not in fresh and job in self._jobs:
+            d0 = self._jobs[job].diag
+            if d0 is not None and now_ns is not None:
+                fresh[job] = d0.model_copy(update={"ts_ns": max(d0.ts_ns, now_ns)})
+        recs = []
+        for d in fresh.values():
+            ev = d.evidence
+            share = max(float(ev.get("data_wait_share", d.step_share)),
+                        float(ev.get("data_wait_share_window", 0.0)))  # fmt: skip
             if share < self.threshold:
                 continue
-            j = self._jobs.setdefault(d.job_id, _Loader())
+            j = self._jobs[d.job_id]
             now = d.ts_ns if now_ns is None else now_ns
             if j.stop or not self._may_go(d, j, now):
                 continue
+            if j.workers != ev.get("loader_workers", j.workers) and j.workers > 0:
+                continue  # its loader facts are of the workers before: wait for fresh ones
             rec = self._next(d, j, share, now)
             if rec is not None:
                 recs.append(rec)
@@ -173,7 +194,7 @@ class DataWaitRule:
         if not gain >= self.min_step_gain:
             return self._stop(d, j, to, f"the last step {frm} → {to} workers gained {pct}, "
                               f"less than {100 * self.min_step_gain:.0f}%", gain)  # fmt: skip
-        j.planned = None  # kept, with a real gain: the next step at once
+        j.planned, j.last_emit = None, None  # kept, with a real gain: the next step at once
         return True
 
     def _stop(

@@ -413,7 +413,7 @@ class StreamEngine:
         if job in self._ended:  # what ends with it was said above (resolved, finished)
             self._free(job)
             return
-        self._out.recommendations.extend(self.rule.evaluate(diagnoses))
+        self._out.recommendations.extend(self.rule.evaluate(diagnoses, now_ns=now, job=job))
         self._out.recommendations.extend(self.stragglers.evaluate(diagnoses))
         for note in self.rule.drain_notes():  # why it stops: on the diagnosis, next tick
             self.funnel.annotate(*note)

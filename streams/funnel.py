@@ -18,7 +18,9 @@ is held up to ``funnel.hold_s``, so it opens already explained.
 
 Each condition becomes one diagnosis with a stable ``diagnosis_id``: "open" when first held,
 "update" at most every ``funnel.update_s`` (and at once when ``explained_by`` or
-``critical_path`` changes), "resolved" when it clears or the job ends. `actionable` picks what
+``critical_path`` changes, a rule's note on it (`Funnel.annotate`) changes, or the detector
+marks a change worth saying at once, such as a starved rank's loader workers), "resolved"
+when it clears or the job ends. `actionable` picks what
 may lead to a recommendation: open or updated, root, on the critical path.
 
 Time: every duration the funnel measures (holds, update cadence, hang stalls) and every
@@ -103,6 +105,8 @@ LEVELS: dict[str, str] = {**BOTTLENECKS, "thread_oversubscription": "host"}
 """Each bottleneck's funnel level: the schema's, and the stream tier's own ones not yet in it
 (thread_oversubscription belongs in `perfloop.schemas.analysis.BOTTLENECKS`)."""
 
+_MARK_NS = NS  # a detector's marked change updates a diagnosis at most this often
+
 _OOM = re.compile(r"out of memory|outofmemory|\boom\b", re.IGNORECASE)
 _BATCH_KINDS = frozenset({"step", "span", "collective", "kernel", "gpu", "host"})
 
@@ -125,7 +129,7 @@ def actionable(diagnoses: Iterable[Diagnosis]) -> list[Diagnosis]:
 class _Open:
     """What the funnel remembers of one open diagnosis (and its latest finding)."""
 
-    __slots__ = ("critical", "explained_by", "finding", "id", "last_emit_ns", "note")
+    __slots__ = ("critical", "explained_by", "finding", "id", "last_emit_ns", "mark", "note")
 
     def __init__(
         self,
@@ -139,6 +143,7 @@ class _Open:
         self.id, self.explained_by = id, explained_by
         self.critical, self.last_emit_ns, self.finding = critical, last_emit_ns, finding
         self.note = note  # what the rules said about it (`Funnel.annotate`), as last emitted
+        self.mark = finding.mark  # the detector's mark, as last emitted
 
 
 class Funnel:
@@ -336,10 +341,11 @@ class Funnel:
                 cause != rec.explained_by
                 or critical != rec.critical
                 or note != rec.note
+                or (f.mark != rec.mark and now_ns - rec.last_emit_ns >= _MARK_NS)
                 or now_ns - rec.last_emit_ns >= cfg.update_s * NS
             ):
                 rec.explained_by, rec.critical, rec.last_emit_ns = cause, critical, now_ns
-                rec.note = note
+                rec.note, rec.mark = note, f.mark
                 out.append(self._diagnosis(job, f, rec, "update", now_ns))
         live = set() if final else {f.key for f in active}
         for key in [k for k in opened if k not in live]:

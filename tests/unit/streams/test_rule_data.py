@@ -142,3 +142,17 @@ def test_why_perfloop_stopped_is_on_the_diagnosis() -> None:
     assert u.state == "update" and u.evidence["loader_stopped"] == 1.0
     assert u.summary.endswith("perfloop stops here: the last step 3 → 4 workers gained +1%, "
                               "less than 5%")  # fmt: skip
+
+
+def test_the_next_step_needs_no_new_diagnosis_only_its_verdict_and_fresh_loader_facts() -> None:
+    job = Job(budget=2, bound=8)
+    rule = job.rule
+    (first,) = rule.evaluate([_diag(10, bound=0.0, workers=0.0)], now_ns=10 * NS, job="j")
+    assert (first.from_value, first.to_value) == (0, 1)
+    job.verdict(12, 0, 1, gain=0.4)
+    # the engine asks at every tick of the job: the stored diagnosis still describes the loop
+    # loading its own batches (0 workers), so it waits for the facts of the worker it runs now
+    assert rule.evaluate([], now_ns=12 * NS, job="j") == []
+    assert rule.drain_notes() == []
+    (rec,) = rule.evaluate([_diag(13, workers=1.0)], now_ns=13 * NS, job="j")
+    assert (rec.from_value, rec.to_value) == (1, 2), "I/O-bound: no cooldown after a kept step"
