@@ -4,10 +4,16 @@
 batch) into compact, bounded arrays:
 
 * a ring of the last `STEPS` steps x ranks (step time, data wait, compute and comm from
-  depth-0 phase spans, collective time, GPU busy from kernel summaries, memory);
+  depth-0 phase spans, comm nested in them, checkpoint and eval time, collective time, GPU
+  busy from kernel summaries, memory) and each collective's wait (`ArrivalRing`);
 * per GPU (node, device): the latest clock, temperature, utilisation, memory, error counters,
   its clock baseline and throttle episodes (`episodes_update`);
-* per node: CPU and IO wait, with a CPU-saturation episode.
+* per node: CPU, IO wait and memory, with a CPU-saturation episode;
+* per rank: its process and loader CPU, loader workers, job info (threads, CPU budget), its
+  latest progress report, whether it ended.
+
+The GPU, host and job-event handlers are `Feeds` (`perfloop.streams._detect_feeds`); the
+array specs, `Finding` and `episodes_update` live in `perfloop.streams._detect_base`.
 
 Everything is a dict of numpy arrays or plain numbers, so a snapshot is a copy of it.
 A step is *complete* once every rank that reports steps has sent it (and its spans and
@@ -16,162 +22,47 @@ collectives when the job publishes them); detectors read complete steps only.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 
-from perfloop.schemas.job import PROGRESS_PHASES, JobInfo, JobLifecycle, RankProgress
 from perfloop.streams._detect_arrival import ArrivalRing
+from perfloop.streams._detect_base import (
+    _DEV,
+    _NODE,
+    _RANK,
+    _RING,
+    COMPUTE_CLASSES,
+    COMPUTE_PHASES,
+    MEMORY_CLASSES,
+    NS,
+    POWER_BITS,
+    SLOWDOWN_BITS,
+    STEPS,
+    THERMAL_BITS,
+    Finding,
+    alloc,
+    episodes_update,
+    grow,
+)
+from perfloop.streams._detect_feeds import Feeds
 
 __all__ = [
+    "COMPUTE_CLASSES",
+    "COMPUTE_PHASES",
+    "MEMORY_CLASSES",
+    "NS",
+    "POWER_BITS",
+    "SLOWDOWN_BITS",
     "STEPS",
+    "THERMAL_BITS",
     "Finding",
     "JobState",
     "episodes_update",
 ]
 
-STEPS = 64  # steps kept per rank (the ring)
-NS = 1_000_000_000
 
-THERMAL_BITS = 0x20 | 0x40  # NVML SwThermalSlowdown | HwThermalSlowdown
-POWER_BITS = 0x4 | 0x80  # NVML SwPowerCap | HwPowerBrakeSlowdown
-SLOWDOWN_BITS = THERMAL_BITS | POWER_BITS | 0x8  # | HwSlowdown
-COMPUTE_PHASES = ("forward", "backward", "optimizer")
-
-_RING: dict[str, tuple[Any, Any]] = {  # name: (dtype, fill)
-    "st": (np.float64, np.nan),  # step time, ms
-    "wait": (np.float64, np.nan),  # data wait, ms
-    "end": (np.int64, 0),  # step end, event time
-    "mem": (np.float64, np.nan),  # allocated (else reserved) bytes at step end
-    "peak": (np.float64, np.nan),
-    "compute": (np.float64, 0.0),  # forward + backward + optimizer spans, ms
-    "n_compute": (np.int8, 0),  # 1: spans of this kind arrived
-    "comm": (np.float64, 0.0),  # comm spans, ms
-    "n_comm": (np.int8, 0),
-    "coll": (np.float64, 0.0),  # collectives, ms
-    "n_coll": (np.int8, 0),
-    "aside": (np.float64, 0.0),  # checkpoint and eval spans (depth 0): not compute, ms
-    "incomm": (np.float64, 0.0),  # comm spans inside forward/backward/optimizer (depth 1), ms
-    "busy": (np.float64, np.nan),  # GPU busy (kernel summary stream -1), ms
-}
-_RANK: dict[str, tuple[Any, Any]] = {
-    "node": (np.int64, -1),
-    "last_step": (np.int64, -1),
-    "proc_cpu": (np.float64, np.nan),
-    # host samples: loader workers, their CPU (100 = one core; smoothed) and memory
-    "loader_workers": (np.float64, np.nan),
-    "loader_cpu": (np.float64, np.nan),
-    "loader_rss": (np.float64, np.nan),
-    # job info: intra-op threads, the CPUs the rank may use, whether the script set threads
-    "threads": (np.float64, np.nan),
-    "budget": (np.float64, np.nan),
-    "by_script": (np.int8, 0),
-    # the rank's latest RankProgress: when, its step, phase (`PROGRESS_PHASES` index), since
-    "p_ts": (np.int64, 0),
-    "p_step": (np.int64, -1),
-    "p_phase": (np.int64, -1),
-    "p_since": (np.int64, 0),
-    "ended": (np.int8, 0),  # its lifecycle says it finished, failed or was killed
-}
-_EPISODE = {"start": (np.int64, 0), "on": (np.int64, 0), "off": (np.int64, 0)}
-_DEV: dict[str, tuple[Any, Any]] = {
-    "node": (np.int64, -1),
-    "device": (np.int64, -1),
-    "rank": (np.int64, -1),
-    "ts": (np.int64, 0),
-    "clock": (np.float64, np.nan),
-    "base": (np.float64, 0.0),  # highest unthrottled SM clock seen
-    "temp": (np.float64, np.nan),
-    "util": (np.float64, np.nan),  # mean SM util of the latest batch
-    "reasons": (np.int64, 0),
-    "mem_total": (np.float64, 0.0),
-    "dbe": (np.int64, np.iinfo(np.int64).max),  # latest ECC DBE count; max: none seen yet
-    "xid": (np.int64, 0),
-    "last_xid": (np.int64, 0),
-    "err_ns": (np.int64, 0),
-    **{f"th_{k}": v for k, v in _EPISODE.items()},
-    **{f"pw_{k}": v for k, v in _EPISODE.items()},
-}
-_NODE: dict[str, tuple[Any, Any]] = {
-    "cpu": (np.float64, np.nan),
-    "iowait": (np.float64, np.nan),
-    "mem_used": (np.float64, np.nan),
-    "mem_total": (np.float64, np.nan),
-    "ts": (np.int64, 0),
-    **{f"cpu_{k}": v for k, v in _EPISODE.items()},
-}
-MEMORY_CLASSES = ("elementwise", "reduction", "norm", "memcpy", "memset")
-COMPUTE_CLASSES = ("gemm", "conv", "attention")
-
-
-@dataclass
-class Finding:
-    """One condition a detector holds active now (the funnel turns it into a diagnosis)."""
-
-    key: str
-    bottleneck: str
-    onset_ns: int
-    step_share: float
-    confidence: float
-    ranks: list[int] = field(default_factory=list)
-    nodes: list[str] = field(default_factory=list)
-    rank: int = -1
-    step: int = 0
-    evidence: dict[str, float] = field(default_factory=dict)
-    summary: str = ""
-    mark: str = ""  # what, when it changes, is worth an update at once (not after update_s)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _alloc(spec: dict[str, tuple[Any, Any]], shape: tuple[int, ...]) -> dict[str, np.ndarray]:
-    return {k: np.full(shape, fill, dtype=dt) for k, (dt, fill) in spec.items()}
-
-
-def _grow(arrs: dict[str, np.ndarray], spec: dict[str, tuple[Any, Any]], n: int, axis: int) -> None:
-    for k, (dt, fill) in spec.items():
-        a = arrs[k]
-        if a.shape[axis] >= n:
-            continue
-        pad = list(a.shape)
-        pad[axis] = n - a.shape[axis]
-        arrs[k] = np.concatenate([a, np.full(pad, fill, dtype=dt)], axis=axis)
-
-
-def episodes_update(
-    arrs: dict[str, np.ndarray], prefix: str, idx: np.ndarray, ts: np.ndarray, on: np.ndarray
-) -> None:
-    """Fold samples into per-slot episodes: ``<prefix>start`` is the first "on" sample after
-    the latest "off" one (0: none), ``<prefix>on`` / ``<prefix>off`` the latest of each.
-
-    An episode is unbroken "on" samples; callers open on its length and resolve on how long
-    "off" has lasted, so a flickering signal keeps an open episode but cannot open a new one.
-
-    >>> a = {"x_start": np.zeros(1, np.int64), "x_on": np.zeros(1, np.int64),
-    ...      "x_off": np.zeros(1, np.int64)}
-    >>> episodes_update(a, "x_", np.zeros(4, np.int64), np.array([1, 2, 3, 4]),
-    ...                 np.array([False, True, True, True]))
-    >>> int(a["x_start"][0]), int(a["x_on"][0]), int(a["x_off"][0])
-    (2, 4, 1)
-    """
-    start, last_on, last_off = arrs[prefix + "start"], arrs[prefix + "on"], arrs[prefix + "off"]
-    off = ~on
-    if off.any():
-        np.maximum.at(last_off, idx[off], ts[off])
-    if on.any():
-        np.maximum.at(last_on, idx[on], ts[on])
-        after = on & (ts > last_off[idx])
-        cand = np.full(len(start), np.iinfo(np.int64).max)
-        np.minimum.at(cand, idx[after], ts[after])
-        keep = start > last_off
-        start[:] = np.where(keep, start, np.where(cand < np.iinfo(np.int64).max, cand, 0))
-    else:
-        start[start <= last_off] = 0
-
-
-class JobState:
+class JobState(Feeds):
     """Bounded state of one job, fed batch by batch (see the module docstring)."""
 
     def __init__(self, job_id: str) -> None:
@@ -180,15 +71,15 @@ class JobState:
         self.gpu_mem_bytes = 0.0
         self.gpus = 0  # GPUs per rank, from job info
         self.nodes: list[str] = []
-        self.ring = _alloc(_RING, (STEPS, 0))
+        self.ring = alloc(_RING, (STEPS, 0))
         self.arrival = ArrivalRing(STEPS)  # waits at each collective of a step, per rank
         self.step_no = np.full(STEPS, -1, dtype=np.int64)
         self.done = np.zeros(STEPS, dtype=bool)  # evaluated, or dropped as incomplete
         self.usable = np.zeros(STEPS, dtype=bool)  # complete and evaluated
-        self.rank = _alloc(_RANK, (0,))
-        self.dev = _alloc(_DEV, (0,))
+        self.rank = alloc(_RANK, (0,))
+        self.dev = alloc(_DEV, (0,))
         self.dev_lookup: dict[int, np.ndarray] = {}  # node index → device → slot
-        self.node = _alloc(_NODE, (0,))
+        self.node = alloc(_NODE, (0,))
         self.flags = {
             "spans": False,
             "comm_spans": False,
@@ -231,8 +122,8 @@ class JobState:
 
     def _ensure_ranks(self, n: int) -> None:
         if n > self.world:
-            _grow(self.ring, _RING, n, 1)
-            _grow(self.rank, _RANK, n, 0)
+            grow(self.ring, _RING, n, 1)
+            grow(self.rank, _RANK, n, 0)
             self.arrival.grow(n)
 
     def node_index(self, node: str) -> int:
@@ -240,29 +131,8 @@ class JobState:
             return self.nodes.index(node)
         except ValueError:
             self.nodes.append(node)
-            _grow(self.node, _NODE, len(self.nodes), 0)
+            grow(self.node, _NODE, len(self.nodes), 0)
             return len(self.nodes) - 1
-
-    def _dev_slots(self, node: int, device: np.ndarray, rank: np.ndarray) -> np.ndarray:
-        lut = self.dev_lookup.get(node)
-        try:
-            slot = lut[device]  # type: ignore[index]
-        except (IndexError, TypeError):  # a device beyond the table (or the node's first)
-            old = lut if lut is not None else np.full(0, -1, dtype=np.int64)
-            top = int(device.max()) + 1
-            lut = np.concatenate([old, np.full(max(0, top - len(old)), -1, dtype=np.int64)])
-            self.dev_lookup[node] = lut
-            slot = lut[device]
-        if (slot < 0).any():
-            new = np.unique(device[slot < 0])
-            first = len(self.dev["node"])
-            _grow(self.dev, _DEV, first + len(new), 0)
-            lut[new] = np.arange(first, first + len(new))  # type: ignore[index]
-            self.dev["node"][first:] = node
-            self.dev["device"][first:] = new
-            slot = lut[device]  # type: ignore[index]
-        self.dev["rank"][slot] = rank
-        return slot
 
     # -- steps -------------------------------------------------------------------------------
     def _slots(self, step: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -400,132 +270,6 @@ class JobState:
             if m.any():
                 self.kernel_busy[name] = self.kernel_busy.get(name, 0.0) + float(busy[m].sum())
 
-    # -- GPUs and hosts ----------------------------------------------------------------------
-    def _gpu(self, node: int, cols: dict[str, np.ndarray]) -> None:
-        """Latest reading per device (samples of a batch are in time order, the last wins),
-        clock baseline, throttle episodes and error counters."""
-        d = self.dev
-        slot = self._dev_slots(node, cols["device"], cols["rank"])
-        ts, clock, reasons = cols["ts_ns"], cols["sm_clock_mhz"], cols["throttle_reasons"]
-        for src, dst in (
-            ("ts_ns", "ts"),
-            ("sm_clock_mhz", "clock"),
-            ("temp_c", "temp"),
-            ("throttle_reasons", "reasons"),
-            ("sm_util_pct", "util"),
-            ("mem_total_bytes", "mem_total"),
-        ):
-            d[dst][slot] = cols[src]
-        self.gpu_batches += 1
-        if self.gpu_stats[0] < 1000 or self.gpu_batches % 8 == 1:  # roofline: a sample will do
-            util = cols["sm_util_pct"]
-            busy = util >= 50.0
-            self.gpu_stats += (busy.sum(), util[busy].sum(), cols["mem_util_pct"][busy].sum())
-        slow = (reasons & SLOWDOWN_BITS) != 0
-        if slow.any():
-            self.flags["throttled"] = True
-            calm = ~slow
-            d["base"][slot[calm]] = np.maximum(d["base"][slot[calm]], clock[calm])
-        else:
-            d["base"][slot] = np.maximum(d["base"][slot], clock)
-        if self.flags.get("throttled"):
-            # a throttle sample: its reason bit is set and the clock fell below the baseline
-            base = d["base"][slot]
-            low = (base <= 0) | (clock <= (1.0 - self.det.get("clock_drop", 0.05)) * base)
-            episodes_update(d, "th_", slot, ts, low & ((reasons & THERMAL_BITS) != 0))
-            episodes_update(d, "pw_", slot, ts, low & ((reasons & POWER_BITS) != 0))
-        xid, dbe = cols["xid_events"], cols["ecc_dbe_total"]
-        bad = (xid > 0) | (dbe > d["dbe"][slot])
-        d["dbe"][slot] = dbe
-        if bad.any():
-            np.add.at(d["xid"], slot[bad], xid[bad])
-            d["last_xid"][slot[bad & (xid > 0)]] = cols["last_xid"][bad & (xid > 0)]
-            np.maximum.at(d["err_ns"], slot[bad], ts[bad])
-
-    def _host(self, node: int, cols: dict[str, np.ndarray]) -> None:
-        nd = self.node
-        nd["cpu"][node] = cols["sys_cpu_pct"][-1]
-        nd["iowait"][node] = cols["sys_iowait_pct"][-1]
-        nd["ts"][node] = cols["ts_ns"][-1]
-        nd["mem_used"][node] = cols["sys_mem_used_bytes"][-1]
-        nd["mem_total"][node] = cols["sys_mem_total_bytes"][-1]
-        rank = cols["rank"]
-        if max(self.declared_world, self.world) <= 1 and (rank < 0).any():
-            # a process started without a launcher is sampled without its rank: the job's
-            # only rank
-            rank = np.where((rank < 0) & (cols["pid"] > 0), 0, rank)
-        mine = rank >= 0
-        if mine.any():
-            self._ensure_ranks(int(rank.max()) + 1)
-            self._loader(rank[mine], {k: cols[k][mine] for k in _LOADER_COLUMNS})
-        idx = np.full(len(rank), node, dtype=np.int64)
-        self.cpu_samples(idx, cols["ts_ns"], cols["sys_cpu_pct"])
-
-    def _loader(self, rank: np.ndarray, cols: dict[str, np.ndarray]) -> None:
-        """Each rank's process CPU and loader workers: the latest count and memory, their CPU
-        smoothed over samples (started afresh when the worker count changes)."""
-        rk = self.rank
-        rk["proc_cpu"][rank] = cols["proc_cpu_pct"]
-        ranks, inv = np.unique(rank, return_inverse=True)
-        n = np.bincount(inv)
-        mean = np.bincount(inv, weights=cols["loader_cpu_pct"]) / n
-        last = np.zeros(len(ranks), dtype=np.int64)
-        np.maximum.at(last, inv, np.arange(len(rank)))
-        workers = cols["loader_workers"][last].astype(np.float64)
-        old = rk["loader_cpu"][ranks]
-        fresh = np.isnan(old) | (rk["loader_workers"][ranks] != workers)
-        weight = 1.0 - 0.7**n  # each sample moves it 30 %
-        rk["loader_cpu"][ranks] = np.where(fresh, mean, old + weight * (mean - old))
-        rk["loader_workers"][ranks] = workers
-        rk["loader_rss"][ranks] = cols["loader_rss_bytes"][last]
-
-    # -- job events --------------------------------------------------------------------------
-    def info(self, event: JobInfo) -> None:
-        """A rank's job info: its intra-op threads, its CPU budget, whether the script set its
-        threads itself."""
-        if event.rank < 0:
-            return
-        self._ensure_ranks(event.rank + 1)
-        extra, rk, r = event.extra, self.rank, event.rank
-        rk["threads"][r] = _number(extra.get("torch.num_threads"))
-        budget = _number(extra.get("cpu_budget"))
-        if not budget >= 1:  # an older producer: its affinity (or the node) over local ranks
-            cpus = _number(extra.get("cpu_affinity"))
-            cpus = cpus if cpus >= 1 else float(event.cpu_count or 0)
-            budget = max(1.0, cpus // max(1, event.local_world_size)) if cpus else np.nan
-        rk["budget"][r] = budget
-        rk["by_script"][r] = int("torch.num_threads.by_script" in extra)
-
-    def progress(self, event: RankProgress) -> None:
-        """Where a rank is inside a step that has gone on for long."""
-        self._ensure_ranks(event.rank + 1)
-        rk, r = self.rank, event.rank
-        if event.ts_ns < rk["p_ts"][r]:
-            return  # an older report
-        rk["p_ts"][r], rk["p_step"][r] = event.ts_ns, event.step
-        rk["p_phase"][r] = _PROGRESS.get(event.phase, -1)
-        rk["p_since"][r] = event.since_ns
-
-    def lifecycle(self, event: JobLifecycle) -> None:
-        """A rank's (or the job's) lifecycle: the job has ended once it says so (rank -1) or
-        every rank it knows of finished, failed or was killed."""
-        if event.state not in ("finished", "failed", "killed"):
-            if event.state == "started" and event.rank >= 0:
-                self._ensure_ranks(event.rank + 1)
-            return
-        if event.rank == -1:
-            self.ended = True
-            return
-        self._ensure_ranks(event.rank + 1)
-        self.rank["ended"][event.rank] = 1
-        world = max(self.declared_world, self.world)
-        if self.world >= world and bool(self.rank["ended"][:world].all()):
-            self.ended = True
-
-    def cpu_samples(self, idx: np.ndarray, ts: np.ndarray, cpu: np.ndarray) -> None:
-        """CPU-saturation episodes use the threshold in force (`cpu_threshold`)."""
-        episodes_update(self.node, "cpu_", idx, ts, cpu >= self.det.get("cpu_threshold", 90.0))
-
     # -- complete steps ----------------------------------------------------------------------
     def complete_steps(self) -> int:
         """Mark newly complete steps usable; return how many there are since the last call."""
@@ -618,18 +362,6 @@ class JobState:
         job.arrival = ArrivalRing.from_state(doc.get("arrival"), STEPS, job.world)
         job.det = _copy(doc["det"])
         return job
-
-
-_LOADER_COLUMNS = ("proc_cpu_pct", "loader_workers", "loader_cpu_pct", "loader_rss_bytes")
-_PROGRESS = {p: i for i, p in enumerate(PROGRESS_PHASES)}
-
-
-def _number(text: str | None) -> float:
-    """A job info value as a number; NaN when absent or not a number."""
-    try:
-        return float(text) if text is not None else np.nan
-    except ValueError:
-        return np.nan
 
 
 def _copy(x: Any) -> Any:

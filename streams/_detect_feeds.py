@@ -1,0 +1,196 @@
+"""What a job's GPUs, hosts and job events say, folded into its state (a mixin of
+`perfloop.streams._detect_state.JobState`, private to it): the latest reading per GPU with its
+clock baseline, throttle episodes and error counters; per node its CPU, IO wait and memory;
+per rank its process and loader CPU, its loader workers, its job info (threads, CPU budget),
+its latest progress report and whether it ended."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from perfloop.schemas.job import PROGRESS_PHASES, JobInfo, JobLifecycle, RankProgress
+from perfloop.streams._detect_base import (
+    _DEV,
+    POWER_BITS,
+    SLOWDOWN_BITS,
+    THERMAL_BITS,
+    episodes_update,
+    grow,
+    number,
+)
+
+__all__ = ["Feeds"]
+
+_LOADER_COLUMNS = ("proc_cpu_pct", "loader_workers", "loader_cpu_pct", "loader_rss_bytes")
+_PROGRESS = {p: i for i, p in enumerate(PROGRESS_PHASES)}
+
+
+class Feeds:
+    """GPU, host and job-event handlers of `JobState` (which holds the arrays they fill)."""
+
+    dev: dict[str, np.ndarray]
+    node: dict[str, np.ndarray]
+    rank: dict[str, np.ndarray]
+    det: dict[str, Any]
+    dev_lookup: dict[int, np.ndarray]
+    flags: dict[str, bool]
+    gpu_stats: np.ndarray
+    gpu_batches: int
+    declared_world: int
+    ended: bool
+
+    @property
+    def world(self) -> int:
+        raise NotImplementedError
+
+    def _ensure_ranks(self, n: int) -> None:
+        raise NotImplementedError
+
+    def _dev_slots(self, node: int, device: np.ndarray, rank: np.ndarray) -> np.ndarray:
+        lut = self.dev_lookup.get(node)
+        try:
+            slot = lut[device]  # type: ignore[index]
+        except (IndexError, TypeError):  # a device beyond the table (or the node's first)
+            old = lut if lut is not None else np.full(0, -1, dtype=np.int64)
+            top = int(device.max()) + 1
+            lut = np.concatenate([old, np.full(max(0, top - len(old)), -1, dtype=np.int64)])
+            self.dev_lookup[node] = lut
+            slot = lut[device]
+        if (slot < 0).any():
+            new = np.unique(device[slot < 0])
+            first = len(self.dev["node"])
+            grow(self.dev, _DEV, first + len(new), 0)
+            lut[new] = np.arange(first, first + len(new))  # type: ignore[index]
+            self.dev["node"][first:] = node
+            self.dev["device"][first:] = new
+            slot = lut[device]  # type: ignore[index]
+        self.dev["rank"][slot] = rank
+        return slot
+
+    # -- GPUs and hosts ----------------------------------------------------------------------
+    def _gpu(self, node: int, cols: dict[str, np.ndarray]) -> None:
+        """Latest reading per device (samples of a batch are in time order, the last wins),
+        clock baseline, throttle episodes and error counters."""
+        d = self.dev
+        slot = self._dev_slots(node, cols["device"], cols["rank"])
+        ts, clock, reasons = cols["ts_ns"], cols["sm_clock_mhz"], cols["throttle_reasons"]
+        for src, dst in (
+            ("ts_ns", "ts"),
+            ("sm_clock_mhz", "clock"),
+            ("temp_c", "temp"),
+            ("throttle_reasons", "reasons"),
+            ("sm_util_pct", "util"),
+            ("mem_total_bytes", "mem_total"),
+        ):
+            d[dst][slot] = cols[src]
+        self.gpu_batches += 1
+        if self.gpu_stats[0] < 1000 or self.gpu_batches % 8 == 1:  # roofline: a sample will do
+            util = cols["sm_util_pct"]
+            busy = util >= 50.0
+            self.gpu_stats += (busy.sum(), util[busy].sum(), cols["mem_util_pct"][busy].sum())
+        slow = (reasons & SLOWDOWN_BITS) != 0
+        if slow.any():
+            self.flags["throttled"] = True
+            calm = ~slow
+            d["base"][slot[calm]] = np.maximum(d["base"][slot[calm]], clock[calm])
+        else:
+            d["base"][slot] = np.maximum(d["base"][slot], clock)
+        if self.flags.get("throttled"):
+            # a throttle sample: its reason bit is set and the clock fell below the baseline
+            base = d["base"][slot]
+            low = (base <= 0) | (clock <= (1.0 - self.det.get("clock_drop", 0.05)) * base)
+            episodes_update(d, "th_", slot, ts, low & ((reasons & THERMAL_BITS) != 0))
+            episodes_update(d, "pw_", slot, ts, low & ((reasons & POWER_BITS) != 0))
+        xid, dbe = cols["xid_events"], cols["ecc_dbe_total"]
+        bad = (xid > 0) | (dbe > d["dbe"][slot])
+        d["dbe"][slot] = dbe
+        if bad.any():
+            np.add.at(d["xid"], slot[bad], xid[bad])
+            d["last_xid"][slot[bad & (xid > 0)]] = cols["last_xid"][bad & (xid > 0)]
+            np.maximum.at(d["err_ns"], slot[bad], ts[bad])
+
+    def _host(self, node: int, cols: dict[str, np.ndarray]) -> None:
+        nd = self.node
+        nd["cpu"][node] = cols["sys_cpu_pct"][-1]
+        nd["iowait"][node] = cols["sys_iowait_pct"][-1]
+        nd["ts"][node] = cols["ts_ns"][-1]
+        nd["mem_used"][node] = cols["sys_mem_used_bytes"][-1]
+        nd["mem_total"][node] = cols["sys_mem_total_bytes"][-1]
+        rank = cols["rank"]
+        if max(self.declared_world, self.world) <= 1 and (rank < 0).any():
+            # a process started without a launcher is sampled without its rank: the job's
+            # only rank
+            rank = np.where((rank < 0) & (cols["pid"] > 0), 0, rank)
+        mine = rank >= 0
+        if mine.any():
+            self._ensure_ranks(int(rank.max()) + 1)
+            self._loader(rank[mine], {k: cols[k][mine] for k in _LOADER_COLUMNS})
+        idx = np.full(len(rank), node, dtype=np.int64)
+        self.cpu_samples(idx, cols["ts_ns"], cols["sys_cpu_pct"])
+
+    def _loader(self, rank: np.ndarray, cols: dict[str, np.ndarray]) -> None:
+        """Each rank's process CPU and loader workers: the latest count and memory, their CPU
+        smoothed over samples (started afresh when the worker count changes)."""
+        rk = self.rank
+        rk["proc_cpu"][rank] = cols["proc_cpu_pct"]
+        ranks, inv = np.unique(rank, return_inverse=True)
+        n = np.bincount(inv)
+        mean = np.bincount(inv, weights=cols["loader_cpu_pct"]) / n
+        last = np.zeros(len(ranks), dtype=np.int64)
+        np.maximum.at(last, inv, np.arange(len(rank)))
+        workers = cols["loader_workers"][last].astype(np.float64)
+        old = rk["loader_cpu"][ranks]
+        fresh = np.isnan(old) | (rk["loader_workers"][ranks] != workers)
+        weight = 1.0 - 0.7**n  # each sample moves it 30 %
+        rk["loader_cpu"][ranks] = np.where(fresh, mean, old + weight * (mean - old))
+        rk["loader_workers"][ranks] = workers
+        rk["loader_rss"][ranks] = cols["loader_rss_bytes"][last]
+
+    # -- job events --------------------------------------------------------------------------
+    def info(self, event: JobInfo) -> None:
+        """A rank's job info: its intra-op threads, its CPU budget, whether the script set its
+        threads itself."""
+        if event.rank < 0:
+            return
+        self._ensure_ranks(event.rank + 1)
+        extra, rk, r = event.extra, self.rank, event.rank
+        rk["threads"][r] = number(extra.get("torch.num_threads"))
+        budget = number(extra.get("cpu_budget"))
+        if not budget >= 1:  # an older producer: its affinity (or the node) over local ranks
+            cpus = number(extra.get("cpu_affinity"))
+            cpus = cpus if cpus >= 1 else float(event.cpu_count or 0)
+            budget = max(1.0, cpus // max(1, event.local_world_size)) if cpus else np.nan
+        rk["budget"][r] = budget
+        rk["by_script"][r] = int("torch.num_threads.by_script" in extra)
+
+    def progress(self, event: RankProgress) -> None:
+        """Where a rank is inside a step that has gone on for long."""
+        self._ensure_ranks(event.rank + 1)
+        rk, r = self.rank, event.rank
+        if event.ts_ns < rk["p_ts"][r]:
+            return  # an older report
+        rk["p_ts"][r], rk["p_step"][r] = event.ts_ns, event.step
+        rk["p_phase"][r] = _PROGRESS.get(event.phase, -1)
+        rk["p_since"][r] = event.since_ns
+
+    def lifecycle(self, event: JobLifecycle) -> None:
+        """A rank's (or the job's) lifecycle: the job has ended once it says so (rank -1) or
+        every rank it knows of finished, failed or was killed."""
+        if event.state not in ("finished", "failed", "killed"):
+            if event.state == "started" and event.rank >= 0:
+                self._ensure_ranks(event.rank + 1)
+            return
+        if event.rank == -1:
+            self.ended = True
+            return
+        self._ensure_ranks(event.rank + 1)
+        self.rank["ended"][event.rank] = 1
+        world = max(self.declared_world, self.world)
+        if self.world >= world and bool(self.rank["ended"][:world].all()):
+            self.ended = True
+
+    def cpu_samples(self, idx: np.ndarray, ts: np.ndarray, cpu: np.ndarray) -> None:
+        """CPU-saturation episodes use the threshold in force (`cpu_threshold`)."""
+        episodes_update(self.node, "cpu_", idx, ts, cpu >= self.det.get("cpu_threshold", 90.0))
