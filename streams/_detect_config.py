@@ -144,6 +144,8 @@ class MemoryParams:
     window_steps: int = _p(5, 3, 1000, "steps whose allocated memory must keep growing")
     min_growth_bytes: float = _p(float(1 << 20), 1.0, 1e15, "least growth per step (bytes)")
     clear_steps: int = _p(4, 1, 1000, "steps without growth to resolve")
+    clear_s: float = _p(3.0, 0.0, 3600.0, "and this long without growth (event time)")
+    warmup_steps: int = _p(50, 0, 100000, "a CPU job's first steps (its RSS settles) say nothing")
 
 
 @dataclass(frozen=True)

@@ -204,8 +204,16 @@ class JobState(Feeds):
         r["st"][slot, rank] = pick(cols["step_time_ms"])
         r["wait"][slot, rank] = pick(cols["data_wait_ms"])
         r["end"][slot, rank] = pick(cols["ts_ns"])
-        alloc = cols["mem_allocated_bytes"]  # 0: not reported (then the reserved figure)
-        r["mem"][slot, rank] = pick(alloc if alloc.any() else cols["mem_reserved_bytes"])
+        # the CUDA allocator's figures; 0: not reported (a CPU job: its process's RSS)
+        alloc, reserved = cols["mem_allocated_bytes"], cols["mem_reserved_bytes"]
+        if alloc.any():
+            mem = alloc
+        elif reserved.any():
+            mem = reserved
+        else:
+            mem = cols.get("rss_bytes", reserved)
+            self.flags["rss"] = bool(mem.any()) or self.flags.get("rss", False)
+        r["mem"][slot, rank] = pick(mem)
         r["peak"][slot, rank] = pick(cols["mem_peak_bytes"])
         self.rank["node"][rank] = node
         self.last_step_ns = max(self.last_step_ns, self._newest)

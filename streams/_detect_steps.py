@@ -486,8 +486,8 @@ def _memory(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
     mem = np.where(win["need"][None, :], win["mem"], np.nan)
     n, w = mem.shape
     active = _active(st, "active", w)[:w]
-    if n < 2:
-        return
+    if n < 2 or job.det.get("steps_seen", 0) <= (p.warmup_steps if job.flags.get("rss") else 0):
+        return  # a process's RSS grows in its first steps (caches, allocator pools, workers)
     delta = np.diff(mem, axis=0)
     up = delta > 0
     if not up[-1].any() and not active.any():
@@ -496,7 +496,9 @@ def _memory(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
     run = trailing(up)
     slope = nanmedian(np.where(up, delta, np.nan)[-p.window_steps + 1 :], 0)
     grows = (run >= p.window_steps - 1) & (nz(slope) >= p.min_growth_bytes)
-    still = trailing(~up) < p.clear_steps
+    flat = trailing(~up)  # steps without growth; and how long (RSS grows in chunks)
+    flat_ns = win["end"][-1, :w] - _start(win, np.clip(n - 1 - flat, 0, n - 1), np.arange(w))
+    still = (flat < p.clear_steps) | ((flat < n - 1) & (flat_ns < p.clear_s * NS))
     st["active"][:w] = act = (active | grows) & still
     found = {}
     for r in np.flatnonzero(act):
@@ -534,6 +536,11 @@ def _memory(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
 
 
 def _device_total(job: JobState, rank: int) -> float:
+    """The memory the rank's figures run out of: its GPU's, else (RSS) its host's."""
     mine = job.dev["rank"] == rank
     total = float(job.dev["mem_total"][mine].max()) if mine.any() else 0.0
+    if total <= 0 and job.flags.get("rss"):
+        n = int(job.rank["node"][rank]) if rank < len(job.rank["node"]) else -1
+        host = float(job.node["mem_total"][n]) if 0 <= n < len(job.node["mem_total"]) else 0.0
+        return host if host == host else 0.0
     return total if total > 0 else float(job.gpu_mem_bytes)

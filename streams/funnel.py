@@ -107,7 +107,11 @@ LEVELS: dict[str, str] = {**BOTTLENECKS, "thread_oversubscription": "host"}
 
 _MARK_NS = NS  # a detector's marked change updates a diagnosis at most this often
 
-_OOM = re.compile(r"out of memory|outofmemory|\boom\b", re.IGNORECASE)
+_OOM = re.compile(
+    r"out of memory|outofmemory|\boom\b|cannot allocate memory|can't allocate memory|"
+    r"memoryerror|bad_alloc",
+    re.IGNORECASE,
+)
 _BATCH_KINDS = frozenset({"step", "span", "collective", "kernel", "gpu", "host"})
 
 
