@@ -5,15 +5,16 @@ pulls in Faust) consumes the telemetry topics and ``perfloop.control`` at least 
 one `StreamEngine`. The engine validates every message (bad input goes to ``perfloop.dlq`` with
 its reason) and feeds its components — `WindowSet` (1 s / 10 s / 60 s tumbling and hopping
 windows), `StepAnalysis` (per-step busy/idle and stragglers), `PhaseMachine` and `Funnel` (the
-top-down bottleneck funnel) — whose output goes to ``perfloop.windows``, ``perfloop.phases``,
-``perfloop.diagnoses`` and ``perfloop.recommendations``. State is snapshotted to disk before
+top-down bottleneck funnel) and the rules (`DataWaitRule`, `ThreadRule`, `StragglerRule`) —
+whose output goes to ``perfloop.windows``, ``perfloop.phases``, ``perfloop.diagnoses`` and
+``perfloop.recommendations``. State is snapshotted to disk before
 input is acknowledged. The sink (`perfloop.streams.sink`) lands every topic in the warehouse.
 """
 
 from perfloop.streams.engine import Outputs, StreamEngine
 from perfloop.streams.funnel import DetectConfig, Funnel, actionable
 from perfloop.streams.phases import PhaseMachine
-from perfloop.streams.rules import KNOB_NUM_WORKERS, DataWaitRule
+from perfloop.streams.rules import KNOB_NUM_WORKERS, DataWaitRule, StragglerRule, ThreadRule
 from perfloop.streams.steps import StepAnalysis
 from perfloop.streams.windows import NS, WindowSet, WindowSpec, parse_specs, split_by_job
 
@@ -26,7 +27,9 @@ __all__ = [
     "Outputs",
     "PhaseMachine",
     "StepAnalysis",
+    "StragglerRule",
     "StreamEngine",
+    "ThreadRule",
     "WindowSet",
     "WindowSpec",
     "actionable",
