@@ -8,7 +8,8 @@ Faults (``--fault``), with the perfloop ``bottleneck`` a right diagnosis names:
 - ``none`` (healthy, ``none``): in-memory data, torch's default threads;
 - ``io_loader`` (``dataloader_starvation``): ``num_workers=0`` and every sample waits on
   "storage" (``time.sleep`` of ~1 ms, drawn per seed) before a cheap decode: the loop waits, the
-  CPU does not work. From the first step;
+  CPU does not work; one torch thread for the model, so its compute stays small beside the
+  wait however busy the machine is. From the first step;
 - ``cpu_loader`` (``dataloader_starvation``): ``num_workers=0`` and a costly augmentation in
   ``__getitem__`` (blur passes in NumPy), one torch thread for the model. From the first step;
 - ``threads`` (``thread_oversubscription``): ``torch.set_num_threads`` far above the CPUs
@@ -90,6 +91,7 @@ def main() -> None:
     add_common_args(p)
     p.add_argument("--fault", choices=sorted(KINDS), default="none")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers (the fault: 0)")
     p.add_argument("--leak-mb-s", type=float, default=0.0, help="MB kept a second (0: seed)")
     p.add_argument("--headroom-mb", type=float, default=0.0, help="RLIMIT_AS margin (0: seed)")
     args = p.parse_args()
@@ -109,6 +111,7 @@ def main() -> None:
         wait_s = rng.uniform(0.8e-3, 1.4e-3)
     if args.fault == "cpu_loader":
         passes = rng.randint(25, 40)
+    if args.fault in ("io_loader", "cpu_loader"):
         torch.set_num_threads(1)
     if args.fault == "threads":
         torch.set_num_threads(rng.choice([6, 8, 12, 16]) * cpus())
@@ -126,7 +129,7 @@ def main() -> None:
         x = torch.randn(4096, 3, 32, 32, generator=g)
         y = torch.randint(0, 10, (4096,), generator=g)
         data = torch.utils.data.TensorDataset(x, y)
-    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, num_workers=0)
+    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
     net = cnn()
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
