@@ -263,7 +263,10 @@ def second_half_rate(step_ms: list[float]) -> float | None:
 
 
 def launch(run: Run, timeout_s: float) -> None:
-    """Run the command to its end (or kill its session after ``timeout_s``)."""
+    """Run the command to its end (SIGTERM after ``timeout_s``, SIGKILL 20 s later); then
+    kill whatever it started that is still alive (torchrun starts each rank in a session of
+    its own, and a rank its CPU burner): only processes seen descending from the command."""
+    seen: dict[int, str] = {}  # pid → its start time (a pid reused later is not ours)
     with open(run.log, "w") as out:
         run.t_start_ns = time.time_ns()
         proc = subprocess.Popen(
@@ -274,36 +277,51 @@ def launch(run: Run, timeout_s: float) -> None:
             env=job_env(run.variant),
             start_new_session=True,
         )
-        try:
-            run.exit_code = proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            run.timed_out = True
-            os.killpg(proc.pid, signal.SIGTERM)  # the job's own session: what we started
+        deadline, signalled = time.monotonic() + timeout_s, False
+        while run.exit_code is None:
             try:
-                run.exit_code = proc.wait(20)
+                run.exit_code = proc.wait(1.0)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                run.exit_code = proc.wait()
+                seen |= descendants(proc.pid)
+                if time.monotonic() > deadline + 20:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                elif time.monotonic() > deadline and not signalled:
+                    run.timed_out = signalled = True
+                    os.killpg(proc.pid, signal.SIGTERM)  # perfloop run forwards it
         run.t_end_ns = time.time_ns()
-    left = session_members(proc.pid)  # e.g. a rank or a CPU burner its launcher left behind
-    for pid in left:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    now = _processes()
+    for pid, started in seen.items():
+        if pid in now and now[pid][1] == started and now[pid][2] != "Z":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
-def session_members(sid: int) -> list[int]:
-    """Processes still in the session ``sid`` (the job's own, started for it)."""
-    pids = []
+def _processes() -> dict[int, tuple[int, str, str]]:
+    """pid → (parent pid, start time, state) of every process, from /proc."""
+    out = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == sid and int(fields[2]) == sid and fields[0] != "Z":
-            pids.append(int(d.name))
-    return pids
+        out[int(d.name)] = (int(f[1]), f[19], f[0])
+    return out
+
+
+def descendants(root: int) -> dict[int, str]:
+    """The processes under ``root`` now (pid → start time)."""
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        out[pid] = procs[pid][1]
+        todo += children.get(pid, [])
+    return out
 
 
 def plan_runs(scenarios: list[Scenario], rounds: int) -> list[tuple[int, Scenario, str]]:
