@@ -146,6 +146,11 @@ class MemoryParams:
     clear_steps: int = _p(4, 1, 1000, "steps without growth to resolve")
     clear_s: float = _p(3.0, 0.0, 3600.0, "and this long without growth (event time)")
     warmup_steps: int = _p(50, 0, 100000, "a CPU job's first steps (its RSS settles) say nothing")
+    rss_points: int = _p(6, 3, 32, "one-second RSS points a CPU job's leak is judged on")
+    rss_up_share: float = _p(0.75, 0.0, 1.0, "share of those intervals RSS must rise in")
+    rss_min_growth_bytes_per_s: float = _p(
+        float(10 << 20), 1.0, 1e15, "least RSS growth a second over them (bytes)"
+    )
 
 
 @dataclass(frozen=True)

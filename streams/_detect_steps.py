@@ -482,12 +482,17 @@ def _exposed(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None
 
 
 def _memory(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
+    if job.flags.get("rss"):  # a CPU job: its processes' RSS, judged over time
+        from perfloop.streams._detect_rss import rss_leak_detector
+
+        rss_leak_detector(job, p, win)
+        return
     st = job.det.setdefault("memory", {})
     mem = np.where(win["need"][None, :], win["mem"], np.nan)
     n, w = mem.shape
     active = _active(st, "active", w)[:w]
-    if n < 2 or job.det.get("steps_seen", 0) <= (p.warmup_steps if job.flags.get("rss") else 0):
-        return  # a process's RSS grows in its first steps (caches, allocator pools, workers)
+    if n < 2:
+        return
     delta = np.diff(mem, axis=0)
     up = delta > 0
     if not up[-1].any() and not active.any():
@@ -536,11 +541,6 @@ def _memory(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
 
 
 def _device_total(job: JobState, rank: int) -> float:
-    """The memory the rank's figures run out of: its GPU's, else (RSS) its host's."""
     mine = job.dev["rank"] == rank
     total = float(job.dev["mem_total"][mine].max()) if mine.any() else 0.0
-    if total <= 0 and job.flags.get("rss"):
-        n = int(job.rank["node"][rank]) if rank < len(job.rank["node"]) else -1
-        host = float(job.node["mem_total"][n]) if 0 <= n < len(job.node["mem_total"]) else 0.0
-        return host if host == host else 0.0
     return total if total > 0 else float(job.gpu_mem_bytes)

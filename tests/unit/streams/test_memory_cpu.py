@@ -42,8 +42,8 @@ def test_a_leak_in_the_rss_of_a_cpu_job_is_one_and_its_oom_too() -> None:
     )
     diags = _run(warm + leak, failed=failed)
     (d,) = _opened(diags, "memory_leak")
-    assert d.ranks == [0] and d.evidence["growth_bytes_per_step"] > 10 * MIB
-    assert d.onset_ns >= T0 + 80 * 100_000_000, "not the warm-up"
+    assert d.ranks == [0] and d.evidence["growth_bytes_per_s"] > 50 * MIB
+    assert d.onset_ns >= T0 + 70 * 100_000_000, "not the warm-up (within a 1 s RSS point)"
     assert [x.ranks for x in _opened(diags, "oom")] == [[0]]
 
 
