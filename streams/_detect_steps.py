@@ -362,10 +362,15 @@ def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> N
             },
             summary=f"{len(ranks)} rank(s) on {name} wait for input {100 * sh.max():.0f}% "
             "of each step" + (f"; {words}" if words else ""),
-            # said at once: a change of workers, of what bounds them, or of the share crossing
-            # twice the threshold (where the data rule acts by default)
-            mark=f"{loader.get('loader_workers', -1):.0f}/{loader['loader_bound']:.0f}/"
-            f"{int(max(sh.max(), window) >= 2 * p.share_threshold)}",
+            # said at once: a change of workers, of what bounds them, and while the loop loads
+            # its own batches, the share crossing twice the threshold (where the data rule
+            # acts by default: its first worker need not wait for the next update)
+            mark=f"{loader.get('loader_workers', -1):.0f}/{loader['loader_bound']:.0f}"
+            + (
+                f"/{int(max(sh.max(), window) >= 2 * p.share_threshold)}"
+                if not loader.get("loader_workers", 0) >= 1
+                else ""
+            ),
         )
     _replace(job, "dataloader_starvation:", found)
 

@@ -105,7 +105,7 @@ LEVELS: dict[str, str] = {**BOTTLENECKS, "thread_oversubscription": "host"}
 """Each bottleneck's funnel level: the schema's, and the stream tier's own ones not yet in it
 (thread_oversubscription belongs in `perfloop.schemas.analysis.BOTTLENECKS`)."""
 
-_MARK_NS = NS  # a detector's marked change updates a diagnosis at most this often
+_MARK_NS = 2 * NS  # a detector's marked change updates a diagnosis at most this often
 
 _OOM = re.compile(
     r"out of memory|outofmemory|\boom\b|cannot allocate memory|can't allocate memory|"
