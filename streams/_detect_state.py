@@ -46,6 +46,7 @@ from perfloop.streams._detect_base import (
     grow,
 )
 from perfloop.streams._detect_feeds import Feeds
+from perfloop.streams._spans import comm_inside_compute
 
 __all__ = [
     "COMPUTE_CLASSES",
@@ -224,7 +225,7 @@ class JobState(Feeds):
         comp = depth0 & ((phase == "forward") | (phase == "backward") | (phase == "optimizer"))
         is_comm = phase == "comm"
         comm = depth0 & is_comm
-        inner = (depth == 1) & is_comm  # DDP's all-reduce in flight inside backward
+        inner = comm_inside_compute(cols)  # DDP's all-reduce in flight inside backward
         aside = depth0 & ((phase == "checkpoint") | (phase == "eval"))
         use = comp | comm | inner | aside
         if not use.any():

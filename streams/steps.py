@@ -71,6 +71,7 @@ from perfloop.streams._phase_steps import (
     nanmean0,
     record_state,
 )
+from perfloop.streams._spans import comm_inside_compute
 
 __all__ = [
     "DERIVED_METRICS",
@@ -100,7 +101,7 @@ _OPTIONAL = np.array([[_UNION], [_STREAMS], [_COLL]], np.uint8)  # rows 2-4 of _
 _KIND_FLAG = {"step": _STEP, "span": _SPAN, "kernel": _UNION, "collective": 0}
 _COLUMNS = {
     "step": ("rank", "step", "ts_ns", "step_time_ms", "data_wait_ms", "node"),
-    "span": ("rank", "step", "phase", "duration_ms", "depth", "node"),
+    "span": ("rank", "step", "phase", "duration_ms", "depth", "ts_ns", "node"),
     "kernel": ("rank", "step", "stream", "kernel_class", "busy_ms", "node"),
     "collective": ("rank", "step", "duration_ms", "node"),
 }
@@ -404,7 +405,7 @@ class StepAnalysis:
             job = self._job(job_id)
             job.last_wall = wall_ns
             if kind == "span":
-                keep = (c["depth"] == 0) | ((c["depth"] == 1) & (c["phase"] == "comm"))
+                keep = (c["depth"] == 0) | comm_inside_compute(c)
                 if not keep.all():
                     if not keep.any():
                         continue
