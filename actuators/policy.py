@@ -54,6 +54,7 @@ from perfloop.actuators.signing import verify
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import (
     AUTOMATION_TIERS,
+    ActuationResult,
     Approval,
     Command,
     ConfigChange,
@@ -190,6 +191,7 @@ class Policy:
         self.keys = keys or {}
         self._seq: dict[str, int] = {}
         self._last_change: dict[tuple[str, str], int] = {}
+        self._last_command: dict[tuple[str, str], str] = {}  # (job, knob): its last command id
         self._recent: dict[str, collections.deque[int]] = {}
         self._acted: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.job_bounds: dict[str, dict[str, tuple[float, float]]] = {}
@@ -237,9 +239,22 @@ class Policy:
             self.job_bounds.pop(job, None)
             for key in [k for k in self._last_change if k[0] == job]:
                 del self._last_change[key]
+            for key in [k for k in self._last_command if k[0] == job]:
+                del self._last_command[key]
             for key in [k for k in self._hook_done if k[0] == job]:
                 del self._hook_done[key]
         return due
+
+    def observe_verdict(self, result: ActuationResult) -> bool:
+        """A job's verdict on a command: once the knob's last command was judged ``kept``, its
+        cooldown is over (the change was measured; the next step of a rule that grows a knob
+        one verified step at a time need not wait ``cooldown_s``). A rollback keeps it.
+        Returns whether a cooldown ended."""
+        key = (result.job_id, result.knob)
+        if result.status != "kept" or self._last_command.get(key) != result.command_id:
+            return False
+        del self._last_command[key]
+        return self._last_change.pop(key, None) is not None
 
     def observe_info(self, info: JobInfo) -> None:
         """Take a job's own knob ranges from its job info (``extra["bounds.<knob>"]`` =
@@ -423,6 +438,7 @@ class Policy:
             why = f"dry run: would send {src.knob} = {value} (seq {cmd.seq})"
             return None, self._decision(src, rules, now_ns, "dry_run", why, actor=actor)
         self._remember(rec_id, f"issued as command {cmd.event_id}")
+        self._last_command[key] = cmd.event_id
         return cmd, self._decision(
             src, rules, now_ns, "issued", f"{src.knob} = {value} (seq {cmd.seq})", actor=actor,
             command_id=cmd.event_id,

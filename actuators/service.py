@@ -12,6 +12,10 @@ else key ``default``) and publishes it on ``perfloop.control``, and publishes th
 lands it in the ``audit`` table. Offsets are committed after both are delivered (at least
 once; the job agent drops a replayed command by its sequence number).
 
+From ``perfloop.actuations`` it reads the jobs' verdicts: once the last command for a knob
+was judged ``kept``, that knob's cooldown is over, so a rule that grows a knob one verified
+step at a time (loader workers that wait on storage) is not held for ``cooldown_s``.
+
 From ``perfloop.telemetry.job`` it also takes each job's end (its launcher's lifecycle event,
 rank -1): the recommendations and approvals of a job that ended are refused ("job ended") and
 its state is freed ``ended_job_retention_s`` later (`Policy.sweep`).
@@ -49,6 +53,7 @@ from perfloop.catalog import Topics
 from perfloop.exceptions import ConfigError
 from perfloop.kafka import consumer, producer
 from perfloop.schemas import (
+    ActuationResult,
     Approval,
     Command,
     ConfigChange,
@@ -114,7 +119,9 @@ class ActuatorService:
     def start(self) -> None:
         self.load_settings()
         self.load_ended_jobs()
-        self._consumer.subscribe([Topics.RECOMMENDATIONS, Topics.CONTROL, Topics.JOB])
+        self._consumer.subscribe(
+            [Topics.RECOMMENDATIONS, Topics.CONTROL, Topics.JOB, Topics.ACTUATIONS]
+        )
 
     def stop(self) -> None:
         self._stop.set()
@@ -138,7 +145,7 @@ class ActuatorService:
                         log.warning("consumer error: %s", msg.error())
                     continue
                 self.handle(msg.value() or b"", msg.topic())
-                if msg.topic() == Topics.JOB:  # nothing published for it: no need to wait
+                if msg.topic() in (Topics.JOB, Topics.ACTUATIONS):  # nothing published for it
                     self._consumer.commit(message=msg, asynchronous=True)
                     continue
                 self._producer.flush(10)
@@ -237,6 +244,11 @@ class ActuatorService:
             return None
         if isinstance(ev, JobLifecycle):
             self.policy.observe_lifecycle(ev, now_ns=now)
+            return None
+        if isinstance(ev, ActuationResult):  # a job's verdict ends its knob's cooldown
+            if self.policy.observe_verdict(ev):
+                log.info("%s kept %s (command %s): its cooldown is over", ev.job_id, ev.knob,
+                         ev.command_id)  # fmt: skip
             return None
         rec: Recommendation | None = None
         if isinstance(ev, Recommendation):

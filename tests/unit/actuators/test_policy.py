@@ -10,7 +10,7 @@ import pytest
 
 from perfloop.actuators import KNOB_BOUNDS, JobRules, Policy, sign
 from perfloop.exceptions import ConfigError
-from perfloop.schemas import Approval, Command, ConfigChange, Recommendation
+from perfloop.schemas import ActuationResult, Approval, Command, ConfigChange, Recommendation
 from tests.helpers import recommendation
 
 KNOB = "dataloader.num_workers"
@@ -142,6 +142,31 @@ def test_cooldown_is_per_job_and_knob() -> None:
     assert policy.decide(_rec(job_id="job-2"), now_ns=T0 + 10 * S)[0] is not None
     assert policy.decide(_rec(knob="dataloader.prefetch_factor"), now_ns=T0 + 10 * S)[0]
     assert policy.decide(_rec(to_value=6), now_ns=T0 + 30 * S)[0] is not None
+
+
+def _verdict(cmd: Command, status: str, command_id: str | None = None) -> ActuationResult:
+    return ActuationResult(
+        ts_ns=cmd.ts_ns + 5 * S, job_id=cmd.job_id, node="n0", rank=0,
+        command_id=command_id or cmd.event_id, status=status, knob=cmd.knob, value=cmd.value,
+    )  # fmt: skip
+
+
+def test_a_kept_verdict_on_the_knobs_last_command_ends_its_cooldown() -> None:
+    """A rule that grows a knob one verified step at a time (loader workers waiting on
+    storage) takes its next step once the job kept the last one, not cooldown_s later."""
+    policy = _policy(cooldown_s=30)
+    cmd, _ = policy.decide(_rec(to_value=2), now_ns=T0)
+    assert cmd is not None
+    assert not policy.observe_verdict(_verdict(cmd, "applied"))  # applied: not judged yet
+    assert not policy.observe_verdict(_verdict(cmd, "kept", command_id="another"))
+    assert policy.decide(_rec(to_value=3), now_ns=T0 + 5 * S)[0] is None  # still cooling
+    assert policy.observe_verdict(_verdict(cmd, "kept"))
+    nxt, d = policy.decide(_rec(to_value=3), now_ns=T0 + 6 * S)
+    assert nxt is not None, d.reason
+    # a rollback keeps the cooldown: the job just went back
+    assert not policy.observe_verdict(_verdict(nxt, "rolled_back"))
+    cmd3, d3 = policy.decide(_rec(to_value=4), now_ns=T0 + 8 * S)
+    assert cmd3 is None and d3.reason.startswith("cooldown")
 
 
 def test_refused_recommendation_does_not_start_a_cooldown() -> None:
