@@ -48,6 +48,7 @@ BOTTLENECKS: dict[str, str] = {
     "dataloader_starvation": "host",
     "cpu_saturation": "host",
     "launch_overhead": "host",
+    "thread_oversubscription": "host",
     # memory
     "memory_leak": "memory",
     "oom": "memory",
@@ -64,7 +65,9 @@ class PhaseChange(Event):
     """The phase machine moved: a run-level or step-level state changed for a rank.
 
     ``rank`` -1 is the job as a whole. ``source`` says what the state was read from: phase
-    spans when the job publishes them, otherwise the GPU signal signature learned online.
+    spans when the job publishes them, otherwise the GPU signal signature learned online;
+    ``progress`` for a checkpoint or evaluation a rank reported while its step went on
+    (`perfloop.schemas.RankProgress`).
     ``next_phase`` / ``next_ts_ns`` predict the next transition (0 and "" when unknown).
     ``ts_ns`` is the job's event time when the change was decided.
 
@@ -80,7 +83,7 @@ class PhaseChange(Event):
     previous: Short = ""
     since_ns: int = Field(ge=0, description="When the new phase began (event time).")
     step: int = Field(0, ge=0)
-    source: Literal["spans", "gpu", "steps", "lifecycle"]
+    source: Literal["spans", "gpu", "steps", "lifecycle", "progress"]
     confidence: float = Field(1.0, ge=0, le=1)
     duration_ms: float = Field(0.0, ge=0, allow_inf_nan=False, description="Of the previous.")
     next_phase: Short = ""

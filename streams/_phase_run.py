@@ -144,7 +144,7 @@ class RunState:
             return
         if ep is not None:
             self._close_episode(since)
-        self._open_episode(kind, since, "spans", step, 0.9)
+        self._open_episode(kind, since, "progress", step, 0.9)
 
     def end(self, ts_ns: int) -> None:
         """The job's lifecycle says it ended."""

@@ -101,9 +101,8 @@ A side that names no ranks is compared by nodes; one that names neither spans th
 node slows all its ranks alike; one rank straggling behind the others of its node is slowed
 by something of its own, such as another process on its CPUs)."""
 
-LEVELS: dict[str, str] = {**BOTTLENECKS, "thread_oversubscription": "host"}
-"""Each bottleneck's funnel level: the schema's, and the stream tier's own ones not yet in it
-(thread_oversubscription belongs in `perfloop.schemas.analysis.BOTTLENECKS`)."""
+LEVELS: dict[str, str] = BOTTLENECKS
+"""Each bottleneck's funnel level (`perfloop.schemas.analysis.BOTTLENECKS`)."""
 
 _MARK_NS = 2 * NS  # a detector's marked change updates a diagnosis at most this often
 
