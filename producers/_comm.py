@@ -18,6 +18,8 @@ Two things live here, both used by `perfloop.producers.hooks`:
 
 `union` turns overlapping intervals into disjoint ones, for ``comm`` spans nested in the
 phase that waited (a bucket's all-reduce overlaps the next bucket's backward).
+`collective_op` names the ``torch.distributed`` functions that are collectives, and
+`_payload` sizes their tensors.
 """
 
 from __future__ import annotations
@@ -29,9 +31,91 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["InFlight", "hook_ddp", "union"]
+__all__ = ["COLLECTIVES", "InFlight", "collective_op", "hook_ddp", "union"]
 
 _now = time.perf_counter_ns
+
+# torch.distributed function → CollectiveOp.op. Functions of torch.distributed not named here
+# are hooked too when their name starts like a collective (`collective_op`): PyTorch adds new
+# variants (all_gather_single, reduce_scatter_single, …) that FSDP uses at once.
+COLLECTIVES: dict[str, str] = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_object": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "broadcast": "broadcast",
+    "broadcast_object_list": "broadcast",
+    "reduce": "reduce",
+    "all_to_all": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "gather": "gather",
+    "gather_object": "gather",
+    "scatter": "scatter",
+    "scatter_object_list": "scatter",
+    "barrier": "barrier",
+    "monitored_barrier": "barrier",
+    "send": "send",
+    "isend": "send",
+    "send_object_list": "send",
+    "recv": "recv",
+    "irecv": "recv",
+    "recv_object_list": "recv",
+}
+_OP_PREFIXES = (
+    ("all_reduce", "all_reduce"),
+    ("all_gather", "all_gather"),
+    ("reduce_scatter", "reduce_scatter"),
+    ("all_to_all", "all_to_all"),
+    ("broadcast", "broadcast"),
+)
+
+
+def collective_op(name: str) -> str | None:
+    """The `CollectiveOp.op` of a ``torch.distributed`` function, or None (not a collective).
+
+    >>> collective_op("all_gather_single"), collective_op("reduce_scatter_single")
+    ('all_gather', 'reduce_scatter')
+    >>> collective_op("all_reduce_coalesced"), collective_op("get_rank")
+    ('all_reduce', None)
+    """
+    if name in COLLECTIVES:
+        return COLLECTIVES[name]
+    return next((op for prefix, op in _OP_PREFIXES if name.startswith(prefix)), None)
+
+
+# A collective's size is its larger buffer, input or output (the convention of nccl-tests and
+# HTA, and of trace replay): an all-gather moves its output's bytes, a reduce-scatter its input's.
+_PAYLOAD_NAMES = (
+    "tensor",
+    "tensors",
+    "input_tensor",
+    "input",
+    "input_list",
+    "input_tensor_list",
+    "output_tensor",
+    "output",
+    "output_tensor_list",
+    "output_tensor_lists",
+    "tensor_list",
+    "gather_list",
+    "scatter_list",
+)
+
+
+def _payload(x: Any, tensor_type: Any, depth: int = 0) -> tuple[int, str]:
+    """Bytes and dtype of a tensor, or of a list of tensors (or of lists of them)."""
+    if isinstance(x, tensor_type):
+        return int(x.numel() * x.element_size()), str(x.dtype).removeprefix("torch.")
+    size, dtype = 0, ""
+    if depth < 2 and isinstance(x, (list, tuple)):
+        for y in x:
+            n, d = _payload(y, tensor_type, depth + 1)
+            size += n
+            dtype = dtype or d
+    return size, dtype
+
 
 Done = tuple[str, int, int, int, str, int, str]
 """A completed collective: (op, t0, t1, size_bytes, group, group_size, dtype)."""
