@@ -171,12 +171,12 @@ def test_ddp_gradient_all_reduce_is_recorded_with_its_sizes(
         "SELECT rank, step, sumIf(size_bytes, size_bytes > 64), countIf(size_bytes > 64), "
         "min(duration_ms) FROM (SELECT * FROM collectives WHERE job_id = {j:String} "
         "AND op = 'all_reduce' LIMIT 1 BY event_id, step, op, size_bytes, duration_ms) "
-        "GROUP BY rank, step",
+        "GROUP BY rank, step HAVING countIf(size_bytes > 64) > 0",
         j=job,
     )
     per_rank = {r: [x for x in rows if x[0] == r] for r in (0, 1)}
     for rank, got in per_rank.items():
-        # every step after the first (DDP builds its buckets on the first backward) is there
+        # every step but the first (ours replaces no hook before the first step) is there
         assert len(got) >= len(steps) - 2, (
             f"rank {rank}: DDP's all-reduce recorded at {len(got)} of {len(steps)} steps"
         )
