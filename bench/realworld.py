@@ -64,7 +64,9 @@ Targets (issue 21), each printed PASS or FAIL: precision and recall ≥ 0.9 and 
 ≤ 10 s per fault scenario; 0 false diagnoses per healthy scenario; auto / plain ≥ 2× (I/O
 loader), ≥ 1.5× (CPU loader, threads); no kept change slower than 3 %; healthy runs: no change
 applied, observe / plain and auto / plain ≥ 0.98; ≥ 5 runs per scenario. Results in
-``bench/results/realworld-<time>.json``, each job's output in ``bench/results/realworld-<time>/``.
+``bench/results/realworld-<time>.json`` (every run with its truth and the loop's timeline: each
+diagnosis, recommendation, decision, command and ack with its arrival), each job's output in
+``bench/results/realworld-<time>/``.
 """
 
 from __future__ import annotations
@@ -638,6 +640,29 @@ def targets(scores: dict[str, dict[str, Any]], runs_per: dict[str, int]) -> list
     return out
 
 
+def timeline(run: Run, events: list[tuple[int, int, Any]]) -> list[str]:
+    """What the loop said about the run, one line per event: seconds after the command
+    started (arrival), then what it was."""
+    from perfloop.schemas import ActuationResult, Command, Decision, Diagnosis, Recommendation
+
+    out = []
+    for arrival, _, e in events:
+        if isinstance(e, Diagnosis):
+            what = f"diagnosis {e.state} {e.bottleneck}{sorted(e.ranks)}: {e.summary[:160]}"
+        elif isinstance(e, Recommendation):
+            what = f"recommend {e.knob} {e.from_value} → {e.to_value}: {e.rationale[:160]}"
+        elif isinstance(e, Decision):
+            what = f"actuator {e.outcome} {e.knob} → {e.to_value}: {e.reason[:160]}"
+        elif isinstance(e, Command):
+            what = f"command {e.knob} = {e.value}"
+        elif isinstance(e, ActuationResult):
+            what = f"job {e.status} {e.knob} = {e.value} at step {e.step}: {e.reason[:160]}"
+        else:
+            what = type(e).__name__
+        out.append(f"{(arrival - run.t_start_ns) / NS:7.2f} s  {what}")
+    return out
+
+
 def _f(x: float | None, fmt: str = "{:.2f}") -> str:
     return "–" if x is None else fmt.format(x)
 
@@ -820,7 +845,11 @@ def main(argv: list[str] | None = None) -> int:
         "scores": scores,
         "targets": [{"target": n, "figure": f, "pass": ok} for n, f, ok in lines],
         "runs": [
-            asdict(r) | {"truth": {k: v for k, v in r.truth.items() if k != "step_ms"}}
+            asdict(r)
+            | {
+                "truth": {k: v for k, v in r.truth.items() if k != "step_ms"},
+                "loop": timeline(r, follower.events.get(r.job_id, [])),
+            }
             for r in runs
         ],
         "undecodable_events": follower.undecodable,
