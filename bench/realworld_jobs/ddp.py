@@ -35,6 +35,7 @@ import argparse
 import itertools
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -158,7 +159,7 @@ def main() -> None:
     model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    ckpt_dir = Path(tempfile.mkdtemp(prefix="realworld-ckpt-"))
+    ckpt_dir = Path(tempfile.mkdtemp(prefix="realworld-ckpt-")) if ckpt_every else None
     burner: subprocess.Popen[bytes] | None = None
     if rank == 0:
         print(
@@ -214,7 +215,7 @@ def main() -> None:
                 truth.step()
                 n = truth.steps
                 if ckpt_every and n % ckpt_every == 0:
-                    if rank == 0:
+                    if rank == 0 and ckpt_dir is not None:
                         path = ckpt_dir / "last.pt"
                         torch.save(
                             {"model": net.state_dict(), "optim": opt.state_dict(), "step": n}, path
@@ -248,9 +249,8 @@ def main() -> None:
         if burner is not None:
             burner.kill()
             burner.wait()
-        for f in ckpt_dir.glob("*"):
-            f.unlink()
-        ckpt_dir.rmdir()
+        if ckpt_dir is not None:
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
         truth.finish(error)
         if error is None:
             dist.destroy_process_group()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -119,6 +120,7 @@ def main() -> None:
     finally:
         truth.set(trainer_steps=int(trainer.state.global_step))
         truth.finish(error)
+        shutil.rmtree(out, ignore_errors=True)
 
 
 if __name__ == "__main__":
