@@ -117,8 +117,9 @@ def _payload(x: Any, tensor_type: Any, depth: int = 0) -> tuple[int, str]:
     return size, dtype
 
 
-Done = tuple[str, int, int, int, str, int, str]
-"""A completed collective: (op, t0, t1, size_bytes, group, group_size, dtype)."""
+Done = tuple[str, int, int, int, str, int, str, int]
+"""A completed collective: (op, t0, t1, size_bytes, group, group_size, dtype, step), ``step``
+the one it was called in (its completion may be noticed in the next)."""
 
 
 def union(intervals: Iterable[tuple[int, int]], after: int = 0) -> list[tuple[int, int]]:
@@ -151,13 +152,13 @@ class InFlight:
     ...     def __init__(self): self.fut = Fut()
     ...     def get_future(self): return self.fut
     >>> f = InFlight(); w = Work()
-    >>> f.watch(w, ("all_reduce", 10, 0, 4096, "world", 2, "float32"))
+    >>> f.watch(w, ("all_reduce", 10, 0, 4096, "world", 2, "float32", 7))
     True
     >>> f.oldest()[0], f.take()
     ('all_reduce', [])
     >>> w.fut.cb(w.fut)
-    >>> [(op, size) for op, _, _, size, *_ in f.take()], f.oldest()
-    ([('all_reduce', 4096)], None)
+    >>> [(op, size, step) for op, _, _, size, *_, step in f.take()], f.oldest()
+    ([('all_reduce', 4096, 7)], None)
     """
 
     def __init__(self) -> None:

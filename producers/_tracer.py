@@ -244,13 +244,17 @@ class Tracer:
         in the phase they overlapped, over the union of their intervals (buckets overlap the
         backward pass and each other)."""
         rec = self.rec
-        for op, t0, t1, size, group, gsize, dtype in done:
-            rec.collective(op, t0, t1, size_bytes=size, group=group, group_size=gsize, dtype=dtype)
+        for op, t0, t1, size, group, gsize, dtype, step in done:
+            rec.collective(
+                op, t0, t1, size_bytes=size, group=group, group_size=gsize, dtype=dtype, step=step
+            )
         if not rec.started:
             return
-        for t0, t1 in union(((d[1], d[2]) for d in done), after=self.comm_covered):
-            rec.span("comm", "comm", t0, t1, depth=1)
-            self.comm_covered = t1
+        for step in sorted({d[7] for d in done}):  # each collective in the step it was called in
+            spans = union(((d[1], d[2]) for d in done if d[7] == step), after=self.comm_covered)
+            for t0, t1 in spans:
+                rec.span("comm", "comm", t0, t1, depth=1, step=step)
+                self.comm_covered = t1
 
     def checkpoint(self, t0: int, t1: int, name: str) -> None:
         """A checkpoint save (``torch.save``): a ``checkpoint`` span of its own between

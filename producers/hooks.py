@@ -772,7 +772,8 @@ def _make_collective(orig: Any, op: str) -> Any:
                 work = orig(*args, **kwargs)
                 with contextlib.suppress(Exception):
                     size, dtype, gname, gsize = describe(args, kwargs)
-                    s.inflight.watch(work, (op, t0, 0, size, gname, gsize, dtype))
+                    step = s.pipe.recorder.step  # type: ignore[union-attr]
+                    s.inflight.watch(work, (op, t0, 0, size, gname, gsize, dtype, step))
                 return work
             return orig(*args, **kwargs)
         t0 = _now()
@@ -787,7 +788,7 @@ def _make_collective(orig: Any, op: str) -> Any:
             s.waiting = None
             try:
                 size, dtype, gname, gsize = describe(args, kwargs)
-                row = (op, t0, 0, size, gname, gsize, dtype)
+                row = (op, t0, 0, size, gname, gsize, dtype, tr.rec.step)
                 if not (is_async and work is not None and s.inflight.watch(work, row)):
                     tr.collective(op, t0, t1, size, gname, gsize, dtype)
                 _drain(tr)

@@ -370,17 +370,25 @@ class Recorder:
 
     # -- spans -------------------------------------------------------------------------
     def _emit(
-        self, phase: str, name: str, t0: int, t1: int, depth: int, tiles: bool = True
+        self,
+        phase: str,
+        name: str,
+        t0: int,
+        t1: int,
+        depth: int,
+        tiles: bool = True,
+        step: int | None = None,
     ) -> None:
         ms = (t1 - t0) / 1e6
-        self._spans.append((t0 + self.offset, self.rank, self.step, phase, name, ms, depth))
+        step = self.step if step is None else step
+        self._spans.append((t0 + self.offset, self.rank, step, phase, name, ms, depth))
         if depth == 0 and tiles:
             key = name if phase == "user" else phase
             self._phase_ms[key] = self._phase_ms.get(key, 0.0) + ms
         if "on_phase_end" in self.callbacks.wanted:
             try:
                 self.callbacks.on_phase_end(
-                    SpanRecord(self.step, phase, name, t0 + self.offset, ms, depth)
+                    SpanRecord(step, phase, name, t0 + self.offset, ms, depth)
                 )
             except Exception as e:
                 self.errors("a callback (on_phase_end)", e)
@@ -404,12 +412,15 @@ class Recorder:
         if self._start is None:
             self._begin(t)
 
-    def span(self, phase: str, name: str, t0: int, t1: int, depth: int = 0) -> None:
-        """Record a span from ``t0`` to ``t1``; depth-0 spans arrive in time order."""
+    def span(
+        self, phase: str, name: str, t0: int, t1: int, depth: int = 0, step: int | None = None
+    ) -> None:
+        """Record a span from ``t0`` to ``t1``; depth-0 spans arrive in time order. A nested
+        span (``depth`` ≥ 1) may name the ``step`` it belongs to (default: the open one)."""
         if t1 < t0:
             t1 = t0
         if depth:
-            self._emit(phase, name, t0, t1, depth)
+            self._emit(phase, name, t0, t1, depth, step=step)
             return
         if self._start is None:
             if not self.contiguous:  # outside a step block: kept, but it tiles nothing
@@ -451,14 +462,17 @@ class Recorder:
         group: str = "",
         group_size: int = 0,
         dtype: str = "",
+        step: int | None = None,
     ) -> None:
-        """Record one collective call as a `CollectiveOp` row (its span is the caller's)."""
+        """Record one collective call as a `CollectiveOp` row (its span is the caller's), in
+        ``step`` (default: the open one)."""
         ms = max(t1 - t0, 0) / 1e6
+        step = self.step if step is None else step
         self._colls.append(
             (
                 t0 + self.offset,
                 self.rank,
-                self.step,
+                step,
                 op,
                 size_bytes,
                 group[:128],
@@ -471,7 +485,7 @@ class Recorder:
             try:
                 self.callbacks.on_collective(
                     CollectiveRecord(
-                        self.step, op, t0 + self.offset, ms, size_bytes, group, group_size, dtype
+                        step, op, t0 + self.offset, ms, size_bytes, group, group_size, dtype
                     )
                 )
             except Exception as e:

@@ -308,6 +308,30 @@ def test_a_rank_blocked_in_a_collective_reports_comm(traced: FakePublisher, grou
     assert reports and {(r.phase, r.op) for r in reports} == {("comm", "all_reduce")}
 
 
+def test_a_collective_completed_late_stays_in_the_step_it_was_called_in() -> None:
+    """A bucket's completion noticed only in the next step (its done-callback ran on the
+    backend's thread after the step ended) still counts in the step that called it."""
+    from perfloop.producers._tracer import Tracer
+    from perfloop.producers.training import Recorder
+
+    rec = Recorder(None, wall_offset_ns=0)
+    tr = Tracer(rec)
+    ms = 1_000_000
+    tr.fetch(0, ms, batch_size=8)
+    assert tr.forward_begin(ms, training=True)
+    tr.forward_end(2 * ms)
+    assert tr.backward_begin(2 * ms)
+    tr.async_done([("all_reduce", 3 * ms, 4 * ms, 4096, "world", 2, "float32", 0)])
+    tr.backward_end(5 * ms)
+    assert tr.optimizer_begin(5 * ms, key=1)
+    assert tr.optimizer_end(6 * ms, key=1) is not None  # step 0 ends; step 1 is open
+    tr.async_done([("all_reduce", 4 * ms, 5 * ms, 8192, "world", 2, "float32", 0)])
+    steps = [row[2] for row in rec._colls]
+    assert steps == [0, 0]
+    nested = [(row[2], row[3]) for row in rec._spans if row[6] == 1]
+    assert nested and {step for step, _ in nested} == {0}
+
+
 @given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 200)), max_size=30))
 def test_union_covers_exactly_the_intervals(raw: list[tuple[int, int]]) -> None:
     intervals = [(a, a + d) for a, d in raw]
