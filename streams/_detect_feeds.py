@@ -23,7 +23,13 @@ from perfloop.streams._detect_base import (
 
 __all__ = ["Feeds"]
 
-_LOADER_COLUMNS = ("proc_cpu_pct", "loader_workers", "loader_cpu_pct", "loader_rss_bytes")
+_LOADER_COLUMNS = (
+    "ts_ns",
+    "proc_cpu_pct",
+    "loader_workers",
+    "loader_cpu_pct",
+    "loader_rss_bytes",
+)
 _PROGRESS = {p: i for i, p in enumerate(PROGRESS_PHASES)}
 
 
@@ -131,22 +137,26 @@ class Feeds:
         self.cpu_samples(idx, cols["ts_ns"], cols["sys_cpu_pct"])
 
     def _loader(self, rank: np.ndarray, cols: dict[str, np.ndarray]) -> None:
-        """Each rank's process CPU and loader workers: the latest count and memory, their CPU
-        smoothed over samples (started afresh when the worker count changes)."""
+        """Each rank's process CPU and loader workers: the latest count and memory, and their
+        CPU smoothed over the readings taken since the count last changed, less the first of
+        them: a worker the sampler sees for the first time reads 0 (its reading covers its
+        start), so the first reading of a new count says nothing of what the workers do. Until
+        a second one comes the workers' CPU is unknown (NaN)."""
         rk = self.rank
         rk["proc_cpu"][rank] = cols["proc_cpu_pct"]
-        ranks, inv = np.unique(rank, return_inverse=True)
-        n = np.bincount(inv)
-        mean = np.bincount(inv, weights=cols["loader_cpu_pct"]) / n
-        last = np.zeros(len(ranks), dtype=np.int64)
-        np.maximum.at(last, inv, np.arange(len(rank)))
-        workers = cols["loader_workers"][last].astype(np.float64)
-        old = rk["loader_cpu"][ranks]
-        fresh = np.isnan(old) | (rk["loader_workers"][ranks] != workers)
-        weight = 1.0 - 0.7**n  # each sample moves it 30 %
-        rk["loader_cpu"][ranks] = np.where(fresh, mean, old + weight * (mean - old))
-        rk["loader_workers"][ranks] = workers
-        rk["loader_rss"][ranks] = cols["loader_rss_bytes"][last]
+        workers = cols["loader_workers"].astype(np.float64)
+        cpu, ts, rss = cols["loader_cpu_pct"], cols.get("ts_ns"), cols["loader_rss_bytes"]
+        for i, r in enumerate(rank.tolist()):  # in time order; a reading a second per rank
+            rk["loader_rss"][r] = rss[i]
+            if rk["loader_workers"][r] != workers[i]:  # (NaN: the rank's first reading)
+                rk["loader_workers"][r] = workers[i]
+                rk["loader_cpu"][r] = np.nan
+                rk["loader_settled"][r] = 0
+                rk["loader_since"][r] = int(ts[i]) if ts is not None else 0
+                continue
+            old, n = rk["loader_cpu"][r], rk["loader_settled"][r]
+            rk["loader_cpu"][r] = cpu[i] if n == 0 or old != old else old + 0.3 * (cpu[i] - old)
+            rk["loader_settled"][r] = n + 1
 
     # -- job events --------------------------------------------------------------------------
     def info(self, event: JobInfo) -> None:

@@ -7,7 +7,10 @@ is **CPU-bound**, and so it is when the rank's own processes keep its whole CPU 
 while the workers get at least ``contended_util`` of a core each (on a full budget a worker
 cannot burn more than its share). Otherwise the workers wait — on storage, a network file
 system, a remote store: the loader is **I/O-bound**, and more workers than CPUs help. With no
-workers the loading runs in the training loop and there is no such signal.
+workers the loading runs in the training loop and there is no such signal. Nor is there one
+just after the workers changed: their CPU counts only from the second host reading of the new
+count on (`JobState`: a new worker's first reading covers its start), and until then the loader
+is not judged (``loader_settling``).
 
 `loader_evidence` gives the starvation diagnosis its loader facts (``loader_bound``: 1 I/O,
 2 CPU, 0 unknown) and the words for its summary; the data-wait rule acts on them.
@@ -56,6 +59,9 @@ def loader_evidence(job: JobState, ranks: np.ndarray, node: int) -> tuple[dict[s
         if total == total and total > 0:
             ev.update(sys_mem_used_bytes=used, sys_mem_total_bytes=total)
     bound, words = BOUND_UNKNOWN, ""
+    if workers == workers and workers >= 1 and cpu != cpu:
+        ev["loader_settling"] = 1.0
+        words = f"its {workers:.0f} loader worker(s) just started: judged on the next readings"
     if workers == workers and workers >= 1 and cpu == cpu:
         util = cpu / (100.0 * workers)
         own = (cpu + (proc if proc == proc else 0.0)) / 100.0

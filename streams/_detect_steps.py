@@ -362,17 +362,25 @@ def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> N
             },
             summary=f"{len(ranks)} rank(s) on {name} wait for input {100 * sh.max():.0f}% "
             "of each step" + (f"; {words}" if words else ""),
-            # said at once: a change of workers, of what bounds them, and while the loop loads
-            # its own batches, the share crossing twice the threshold (where the data rule
-            # acts by default: its first worker need not wait for the next update)
-            mark=f"{loader.get('loader_workers', -1):.0f}/{loader['loader_bound']:.0f}"
-            + (
-                f"/{int(max(sh.max(), window) >= 2 * p.share_threshold)}"
-                if not loader.get("loader_workers", 0) >= 1
-                else ""
-            ),
+            mark=_mark(st, key, loader, max(sh.max(), window) >= 2 * p.share_threshold),
         )
     _replace(job, "dataloader_starvation:", found)
+
+
+def _mark(st: dict[str, Any], key: str, loader: dict[str, float], high: bool) -> str:
+    """What makes a starvation diagnosis update at once: a change of workers together with
+    what bounds them (once the new workers are judged: while they settle, the mark stays),
+    and while the loop loads its own batches the share crossing twice the threshold (where the
+    data rule acts by default: its first worker need not wait for the next update)."""
+    marks = st.setdefault("marks", {})
+    workers = loader.get("loader_workers", -1)
+    if loader.get("loader_settling") and key in marks:
+        return str(marks[key])
+    mark = f"{workers:.0f}/{loader['loader_bound']:.0f}" + (
+        f"/{int(high)}" if not workers >= 1 else ""
+    )
+    marks[key] = mark
+    return mark
 
 
 def node_of(job: JobState, rank: int) -> list[str]:
