@@ -102,6 +102,9 @@ class LoadImbalanceParams:
 class DataloaderParams:
     enabled: bool = _flag()
     share_threshold: float = _p(0.15, 0.01, 0.99, "data-wait share of a starved step")
+    min_wait_ms: float = _p(
+        2.0, 0.0, 60000.0, "and its data wait at least this long (ms): less is not worth a worker"
+    )
     persist_steps: int = _p(3, 1, 1000, "consecutive starved steps to open")
     clear_steps: int = _p(4, 1, 1000, "consecutive fed steps to resolve")
     clear_s: float = _p(2.0, 0.0, 3600.0, "and fed this long (event time) to resolve")

@@ -19,7 +19,8 @@ What each one reads (data-parallel semantics: every rank shares the step time):
   a checkpoint saved by one rank is no straggler.
 * load_imbalance — ``1 − median / max`` compute per step stays high while the slowest rank
   rotates (no rank is persistently slow: that is a straggler).
-* dataloader_starvation — data wait / step time per rank, grouped by node.
+* dataloader_starvation — data wait / step time per rank, grouped by node; a step is starved
+  when that share and the wait itself (``min_wait_ms``) are both large enough.
 * comm_degradation — pure comm time per step: the shortest collective time over ranks (the
   last rank to arrive does not wait for anyone), against a baseline learned from the job's own
   first steps and tracked while healthy; waiting for a straggler or a starved node does not
@@ -317,7 +318,10 @@ def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> N
     st = job.det.setdefault("dataloader", {})
     share = d["share"]
     n, w = share.shape
-    flag = share >= p.share_threshold
+    # worth acting on: a share of the step, and time (a loader worker hands each batch over
+    # between processes, which costs about a millisecond itself: a step of 2 ms whose data
+    # wait is a third of it has nothing a worker could win back)
+    flag = (share >= p.share_threshold) & (nz(d["wait"]) >= p.min_wait_ms)
     active = _active(st, "active", w)[:w]
     if not flag.any() and not active.any():
         _replace(job, "dataloader_starvation:", {})

@@ -1,7 +1,8 @@
 """The starvation diagnosis on what a real single-process job sends: its steps (data wait and
 step time, its loader workers) and the node sampler's readings of its process and workers,
 about one a second. What bounds a loader is judged only on readings of the workers it runs
-now (a new worker's first reading covers its start and reads 0 %)."""
+now (a new worker's first reading covers its start and reads 0 %), and a data wait too short
+for a worker to win back is no starvation."""
 
 from __future__ import annotations
 
@@ -77,3 +78,15 @@ def test_an_io_bound_loader_is_judged_on_its_second_reading() -> None:
     judged = [d for d in after if d.evidence.get("loader_workers") == 1]
     assert judged[0].evidence["loader_bound"] == 1.0 and "I/O-bound" in judged[0].summary
     assert judged[0].evidence["loader_util"] > 0.05, "not the new worker's first 0 %"
+
+
+def test_a_tiny_data_wait_of_very_fast_steps_is_no_starvation() -> None:
+    # a Lightning run at ~400 steps/s: the batch from an in-memory dataset takes ~0.5 ms, a
+    # fifth of a 2.5 ms step; no worker could win that back
+    job = Job()
+    job.run(8, step_ms=2.5, wait_ms=0.55, workers=0, reads=[0.0])
+    assert job.starvation() == []
+    # the same share of a step that waits long enough to matter is one
+    job = Job()
+    job.run(3, step_ms=25.0, wait_ms=5.5, workers=0, reads=[0.0])
+    assert [d.state for d in job.starvation()][:1] == ["open"]
