@@ -7,22 +7,32 @@ bounds the loader (`perfloop.streams._detect_loader`: ``loader_bound``) decides 
 
 - **no workers** (the loop loads its own batches, no signal yet): as many as the
   data-pipeline model says hide the loading behind compute, at most the rank's CPU budget
-  less one (for the training loop);
+  less one (for the training loop); one while the budget is not known (the job's info has
+  not come yet: a first worker is safe, and the next step comes with its verdict);
 - **CPU-bound** (the workers compute): fitted to the CPUs the rank has — at most its budget
-  less one;
+  less one. A loader that became CPU-bound with more workers than that (I/O-bound workers
+  that grew until they filled the CPUs) stays as it is: a starvation never lowers workers;
 - **I/O-bound** (the workers wait on storage): more workers than CPUs help. It grows them
   one verified step at a time — at least one more, at most twice as many, as many as the
   model asks — within the job's own bound (``bounds.dataloader.num_workers`` of its job
   info) and a memory bound: the workers' resident memory per worker, times the workers, within
   ``mem_share`` of the host's available memory.
 
+It never recommends the value the job runs, nor fewer workers. The value the job runs is
+what its step reports say (`observe_workers`) or, once a verdict came, the value the verdict
+left (kept: the new one, rolled back: the old one): step reports older than that verdict,
+still on their way, do not override it. While a rank's workers just changed, their CPU is not
+judged yet (`perfloop.streams._detect_loader`): the rule waits for the diagnosis that judges
+the workers the job runs now.
+
 After a change it waits for its verdict (`Outcomes.last`: the job agent's ``kept`` or
-``rolled_back`` on ``perfloop.actuations``), not for the cooldown: a change kept with a gain
-of at least ``min_step_gain`` lets the next step go at once. It stops when a step is rolled
-back, gains less than that, or no bound leaves room, and says why: `drain_notes` hands the
-engine one note per stop for the funnel to put on the diagnosis (`Funnel.annotate`: "the last
-step 3 → 4 workers gained 1 % and was rolled back"). Without a verdict (a job in tier
-observe, a refused command) the cooldown applies, as before. Cooldowns are in event time.
+``rolled_back`` on ``perfloop.actuations``, each verdict used once), not for the cooldown: a
+change kept with a gain of at least ``min_step_gain`` lets the next step go at once. It stops
+when a step is rolled back, gains less than that, or no bound leaves room, and says why:
+`drain_notes` hands the engine one note per stop for the funnel to put on the diagnosis
+(`Funnel.annotate`: "the last step 3 → 4 workers gained 1 % and was rolled back"). Without a
+verdict (a job in tier observe, a refused command) the cooldown applies, as before. Cooldowns
+are in event time.
 """
 
 from __future__ import annotations
@@ -62,6 +72,8 @@ class _Loader:
     stop_at: int = -1  # the workers it stopped at
     noted: str = ""  # the last note handed out
     diag: Diagnosis | None = None  # the job's latest actionable starvation diagnosis
+    known_ns: int = 0  # the job's clock at the verdict that said what it runs (0: none)
+    judged: str = ""  # the command of the last verdict the rule acted on
 
 
 class DataWaitRule:
@@ -99,8 +111,12 @@ class DataWaitRule:
         self._notes: list[Note] = []
 
     # -- input -------------------------------------------------------------------------------
-    def observe_workers(self, job_id: str, num_workers: int) -> None:
+    def observe_workers(self, job_id: str, num_workers: int, ts_ns: int | None = None) -> None:
+        """The loader workers the job's steps report, as of its clock ``ts_ns``: a report
+        older than the verdict the rule last acted on is of the value before it."""
         j = self._jobs.setdefault(job_id, _Loader())
+        if ts_ns is not None and ts_ns <= j.known_ns:
+            return
         j.workers = num_workers
         if j.stop and num_workers != j.stop_at:  # someone changed them: judge afresh
             j.stop, j.stop_at = "", -1
@@ -173,6 +189,16 @@ class DataWaitRule:
                 continue
             if j.workers != ev.get("loader_workers", j.workers) and j.workers > 0:
                 continue  # its loader facts are of the workers before: wait for fresh ones
+            if (
+                j.workers > 0
+                and "loader_workers" in ev
+                and ev.get("loader_bound", 0.0)
+                not in (
+                    BOUND_IO,
+                    BOUND_CPU,
+                )
+            ):
+                continue  # the workers just changed: their CPU is judged on the next samples
             rec = self._next(d, j, share, now)
             if rec is not None:
                 recs.append(rec)
@@ -184,13 +210,23 @@ class DataWaitRule:
             return j.last_emit is None or now - j.last_emit >= self.cooldown_ns
         frm, to, when = j.planned
         v = self.outcomes.last(d.job_id, KNOB_NUM_WORKERS)
-        if v is None or v["value"] != to or v["ts_ns"] < when - 60 * NS:
+        if (
+            v is None
+            or v["value"] != to
+            or v["ts_ns"] < when - 60 * NS
+            or v.get("command", f"{to}@{v['ts_ns']}") == j.judged
+        ):
             return now - when >= self.cooldown_ns  # no verdict: the cooldown, as before
+        j.judged = v.get("command", f"{to}@{v['ts_ns']}")
+        j.known_ns = max(j.known_ns, int(v["ts_ns"]))
         gain = float(v["gain"])
         pct = f"{100 * gain:+.0f}%" if gain == gain else "an unknown share"
         if v["status"] == "rolled_back":
-            return self._stop(d, j, frm, f"the last step {frm} → {to} workers changed the step "
-                              f"time by {pct} and was rolled back", gain)  # fmt: skip
+            restored = v.get("restored")
+            j.workers = int(restored) if isinstance(restored, int | float) else frm
+            return self._stop(d, j, j.workers, f"the last step {frm} → {to} workers changed the "
+                              f"step time by {pct} and was rolled back", gain)  # fmt: skip
+        j.workers = to  # kept: the job runs it (its step reports may still be on their way)
         if not gain >= self.min_step_gain:
             return self._stop(d, j, to, f"the last step {frm} → {to} workers gained {pct}, "
                               f"less than {100 * self.min_step_gain:.0f}%", gain)  # fmt: skip
@@ -227,8 +263,15 @@ class DataWaitRule:
         bound = d.evidence.get("loader_bound", 0.0)
         s = min(share, 0.95)
         if current == 0 or bound not in (BOUND_IO, BOUND_CPU):
-            target = loader_workers_needed(s, current, max_workers=fit)
-            how = f"at most {fit}: the rank's {budget} CPU(s) less one" if budget else ""
+            first = 1 if current == 0 and not budget else fit  # a first worker is always safe
+            target = loader_workers_needed(s, current, max_workers=first)
+            how = (
+                f"at most {fit}: the rank's {budget} CPU(s) less one"
+                if budget
+                else "one: the rank's CPU budget is not known yet"
+                if current == 0
+                else ""
+            )
             if target <= current:
                 self._stop(d, j, current, f"{current} workers fill the rank's {budget} CPU(s) "
                            "less one for the training loop", held=True)  # fmt: skip
@@ -236,7 +279,7 @@ class DataWaitRule:
         elif bound == BOUND_CPU:
             target = min(loader_workers_needed(s, current, max_workers=fit), fit)
             how = f"CPU-bound: fitted to the rank's {budget} CPU(s) less one"
-            if target <= current:
+            if target <= current:  # (never fewer: a starvation does not lower workers)
                 why = (
                     f"the loader is CPU-bound at the rank's CPU budget ({current} workers "
                     f"and the training loop on {budget} CPU(s))"
@@ -252,6 +295,8 @@ class DataWaitRule:
                 self._stop(d, j, current, f"the loader is I/O-bound and {limit} holds it at "
                            f"{current} workers", held=True)  # fmt: skip
                 return None
+        if target <= current:
+            return None  # never the value the job runs, nor fewer workers
         if self.outcomes.discouraged(d.job_id, KNOB_NUM_WORKERS, current, target):
             return None
         gain, confidence, learned = self.outcomes.adjust(

@@ -377,7 +377,7 @@ class StreamEngine:
             if item.kind == "step":
                 cols = item.columns
                 workers = int(cols["num_workers"][-1])
-                self.rule.observe_workers(item.job_id, workers)
+                self.rule.observe_workers(item.job_id, workers, int(cols["ts_ns"][-1]))
                 self.threads.observe_steps(
                     item.job_id,
                     steps=len(cols["step_time_ms"]),

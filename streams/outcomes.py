@@ -12,8 +12,10 @@ the rules can prefer what worked for similar jobs:
   ``min_failures`` similar changes were rolled back and none was kept.
 
 A verdict is matched to its change by its command (read on ``perfloop.control``: the knob's
-value before and after); a verdict whose command this worker did not see is counted as a
-change of unknown direction ("set").
+value before and after; every rank's verdict on one command finds it); a verdict whose command
+this worker did not see is counted as a change of unknown direction ("set"). A rollback's
+``value`` is the value the agent restored, so `Outcomes.last` names the change by the value
+its command asked for.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Record:
         return self.kept + self.rolled_back
 
 
-def _direction(old: KnobValue | None, new: KnobValue) -> str:
+def _direction(old: KnobValue | None, new: KnobValue | None) -> str:
     if isinstance(old, bool) or isinstance(new, bool):
         return "on" if new else "off"
     if not isinstance(old, int | float) or not isinstance(new, int | float):
@@ -93,7 +95,7 @@ class Outcomes:
             del self._pending[next(iter(self._pending))]
 
     def _key(
-        self, job: str, knob: str, old: KnobValue | None, new: KnobValue
+        self, job: str, knob: str, old: KnobValue | None, new: KnobValue | None
     ) -> tuple[str, str, str]:
         return (knob, _direction(old, new), self._device.get(job, "cpu"))
 
@@ -101,9 +103,9 @@ class Outcomes:
         """Count one verdict; False for anything else (applied, rejected acks)."""
         if result.status not in ("kept", "rolled_back"):
             return False
-        old, new = self._pending.pop(result.command_id, (None, None))
-        if new is None:  # not seen: of unknown direction
-            old, new = None, result.value
+        old, new = self._pending.get(result.command_id, (None, None))
+        if new is None:  # not seen: of unknown direction (a rollback's value is the one restored)
+            old, new = None, result.value if result.status == "kept" else None
         rec = self.records[self._key(result.job_id, result.knob, old, new)]
         if result.status == "kept":
             rec.kept += 1
@@ -117,24 +119,27 @@ class Outcomes:
         return True
 
     def _verdict(self, result: ActuationResult, old: Any, new: Any, gain: float) -> None:
-        """Keep the job's latest verdict per knob; the ranks of one change agree on it: rolled
-        back if any rank rolled it back, its gain the least any rank measured."""
+        """Keep the job's latest verdict per knob; the ranks of one change (one command) agree
+        on it: rolled back if any rank rolled it back, its gain the least any rank measured."""
         key = (result.job_id, result.knob)
         cur = self._last.get(key)
-        if cur is None or cur["value"] != result.value:
-            cur = self._last[key] = {"value": result.value, "from": old, "status": "kept",
-                                     "gain": gain, "ts_ns": result.ts_ns, "ranks": 0}  # fmt: skip
+        if cur is None or cur.get("command") != result.command_id:
+            cur = self._last[key] = {"command": result.command_id, "value": new, "from": old,
+                                     "status": "kept", "restored": None, "gain": gain,
+                                     "ts_ns": result.ts_ns, "ranks": 0}  # fmt: skip
         if result.status == "rolled_back":
-            cur["status"] = "rolled_back"
+            cur["status"], cur["restored"] = "rolled_back", result.value
         if gain == gain:
             cur["gain"] = gain if cur["gain"] != cur["gain"] else min(cur["gain"], gain)
         cur["ts_ns"] = max(cur["ts_ns"], result.ts_ns)
         cur["ranks"] += 1
 
     def last(self, job: str, knob: str) -> dict[str, Any] | None:
-        """The verdict on the job's latest change of ``knob``: ``value`` (what it was changed
-        to), ``from`` (None when its command was not seen), ``status`` (kept or rolled_back),
-        ``gain`` (1 - after/before step time, NaN unknown), ``ts_ns``, ``ranks`` (verdicts)."""
+        """The verdict on the job's latest change of ``knob``: ``command`` (its id), ``value``
+        (what its command asked for; None for a rollback whose command was not seen),
+        ``from`` (None when its command was not seen), ``status`` (kept or rolled_back),
+        ``restored`` (the value a rollback restored), ``gain`` (1 - after/before step time,
+        NaN unknown), ``ts_ns`` (the newest verdict's, the job's clock), ``ranks`` (verdicts)."""
         return self._last.get((job, knob))
 
     def similar(self, job: str, knob: str, old: KnobValue | None, new: KnobValue) -> Record:

@@ -50,18 +50,21 @@ class Job:
         assert len(recs) <= 1
         return (int(recs[0].from_value), int(recs[0].to_value)) if recs else None
 
-    def verdict(self, t_s: float, frm: int, to: int, gain: float, status: str = "kept") -> None:
+    def verdict(self, t_s: float, frm: int, to: int, gain: float, status: str = "kept",
+                *, reported: bool = True) -> None:  # fmt: skip
+        """The agent's verdict (a rollback names the value it restored), and with
+        ``reported`` the job's step reports of the value it runs after it."""
         cmd = Command(ts_ns=int(t_s * NS), job_id="j", node="n0", rank=-1, seq=1,
                       knob=KNOB_NUM_WORKERS, from_value=frm, value=to,
                       expires_ts_ns=int((t_s + 60) * NS))  # fmt: skip
         self.outcomes.expect(cmd.event_id, frm, to)
         self.outcomes.observe(ActuationResult(
             ts_ns=int(t_s * NS), job_id="j", node="n0", rank=0, command_id=cmd.event_id,
-            status=status, knob=KNOB_NUM_WORKERS, value=to,
+            status=status, knob=KNOB_NUM_WORKERS, value=to if status == "kept" else frm,
             evidence={"before_ms": 100.0, "after_ms": 100.0 * (1 - gain)}))  # fmt: skip
-        if status == "kept":
-            self.workers = to
-            self.rule.observe_workers("j", to)
+        self.workers = to if status == "kept" else frm
+        if reported:
+            self.rule.observe_workers("j", self.workers, int((t_s + 0.1) * NS))
 
 
 def test_an_io_bound_loader_grows_past_the_cpus_while_each_step_helps() -> None:
@@ -156,3 +159,55 @@ def test_the_next_step_needs_no_new_diagnosis_only_its_verdict_and_fresh_loader_
     assert rule.drain_notes() == []
     (rec,) = rule.evaluate([_diag(13, workers=1.0)], now_ns=13 * NS, job="j")
     assert (rec.from_value, rec.to_value) == (1, 2), "I/O-bound: no cooldown after a kept step"
+
+
+def test_a_kept_step_is_not_asked_again_while_the_job_s_reports_catch_up() -> None:
+    # the verdict comes straight from the agent; the job's step reports of the new value come
+    # later, behind the reports of the steps before the change (a quick run: 0 → 1 was asked
+    # three more times after it was kept, and applied again)
+    job = Job(budget=2, bound=8)
+    rule = job.rule
+    (first,) = rule.evaluate([_diag(10, bound=0.0, workers=0.0)], now_ns=10 * NS, job="j")
+    assert (first.from_value, first.to_value) == (0, 1)
+    job.verdict(12, 0, 1, gain=0.4, reported=False)
+    for k in range(8):  # the engine asks at every tick of the job
+        assert rule.evaluate([], now_ns=12 * NS + k * NS // 4, job="j") == []
+    rule.observe_workers("j", 0, int(11.5 * NS))  # a report of a step before the change
+    stale = _diag(13, bound=0.0, workers=0.0)  # a diagnosis update of those steps
+    assert rule.evaluate([stale], now_ns=13 * NS, job="j") == []
+    assert rule.workers("j", 13 * NS) == 1
+    settling = _diag(14, bound=0.0, workers=1.0, loader_cpu=0.0)
+    settling.evidence["loader_settling"] = 1.0
+    assert rule.evaluate([settling], now_ns=14 * NS, job="j") == [], "its CPU is not judged yet"
+    (rec,) = rule.evaluate([_diag(15, workers=1.0)], now_ns=15 * NS, job="j")
+    assert (rec.from_value, rec.to_value) == (1, 2)
+    assert rule.evaluate([_diag(15.25, workers=1.0)], now_ns=int(15.25 * NS), job="j") == []
+
+
+def test_a_rollback_restores_the_value_before_and_stops() -> None:
+    job = Job(workers=2)
+    assert job.recommend(10) == (2, 4)
+    job.verdict(13, 2, 4, gain=-0.3, status="rolled_back", reported=False)
+    assert job.recommend(13.5) is None and job.recommend(60) is None, "not asked again"
+    assert job.rule.workers("j", 60 * NS) == 2
+    ((_, _, note, ev),) = job.rule.drain_notes()
+    assert "2 → 4 workers changed the step time by -30% and was rolled back" in note
+    assert ev["loader_stopped_at"] == 2
+
+
+def test_a_starvation_never_lowers_the_workers() -> None:
+    # I/O-bound workers grew to 3 on 2 CPUs until they filled them: the loader is now
+    # CPU-bound past the budget less one. It stays at 3, and the diagnosis says why.
+    job = Job(budget=2, workers=3)
+    assert job.recommend(10, bound=2.0, loader_cpu=120.0) is None
+    ((_, _, note, ev),) = job.rule.drain_notes()
+    assert "CPU-bound at the rank's CPU budget (3 workers" in note and ev["loader_stopped_at"] == 3
+    # nor when nothing says what bounds it (no host readings): the fit is below what it runs
+    assert job.recommend(20, bound=0.0) is None
+
+
+def test_a_first_worker_while_the_rank_s_budget_is_unknown() -> None:
+    rule = DataWaitRule(threshold=0.3, cooldown_s=30, max_workers=64)
+    rule.observe_workers("j", 0)
+    (rec,) = rule.evaluate([_diag(10, bound=0.0, workers=0.0, share=0.7)], now_ns=10 * NS)
+    assert (rec.from_value, rec.to_value) == (0, 1) and "not known yet" in rec.rationale
