@@ -183,7 +183,8 @@ class DetectConfig:
     Traceback (most recent call last):
     ...
     perfloop.exceptions.ConfigError: unknown setting detect.straggler.nope; valid: \
-clear_steps, enabled, persist_steps, score_threshold
+clear_steps, enabled, max_persist_s, median_steps, persist_s, persist_steps, score_threshold, \
+warmup_steps
     """
 
     funnel: FunnelParams = field(default_factory=FunnelParams)
