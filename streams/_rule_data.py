@@ -181,9 +181,12 @@ class DataWaitRule:
             ev = d.evidence
             share = max(float(ev.get("data_wait_share", d.step_share)),
                         float(ev.get("data_wait_share_window", 0.0)))  # fmt: skip
-            if share < self.threshold:
-                continue
             j = self._jobs[d.job_id]
+            if share < self.threshold:
+                if not j.stop:  # (a stop after a verdict says more)
+                    why = f"its data wait is under the {100 * self.threshold:.0f}% of the step"
+                    self._stop(d, j, j.workers, f"{why} this rule acts on", held=True)
+                continue
             now = d.ts_ns if now_ns is None else now_ns
             if j.stop or not self._may_go(d, j, now):
                 continue
@@ -304,6 +307,9 @@ class DataWaitRule:
             prior_pct=100 * expected_step_gain(s, current, target), confidence=d.confidence,
         )  # fmt: skip
         j.last_emit, j.planned = now, (current, target, now)
+        if j.noted:  # it acts again: what it said about stopping no longer holds
+            j.noted = ""
+            self._notes.append((d.job_id, d.bottleneck, "", {}))
         n = len(d.ranks)
         where = f"{n} ranks wait" if n > 1 else f"rank {d.ranks[0]} waits" if n else "the job waits"
         return Recommendation(

@@ -184,10 +184,16 @@ class Funnel:
 
     def annotate(self, job_id: str, bottleneck: str, note: str, evidence: dict[str, float]) -> None:
         """What a rule says about the job's ``bottleneck`` (why perfloop stops acting on it):
-        its diagnoses carry it in their evidence and summary, in an update at the next tick."""
+        its diagnoses carry it in their evidence and summary, in an update at the next tick.
+        An empty note withdraws it (perfloop acts on it again)."""
         job = self._jobs.get(job_id)
-        if job is not None:
-            job.det.setdefault("notes", {})[bottleneck] = {"note": note, "evidence": evidence}
+        if job is None:
+            return
+        notes = job.det.setdefault("notes", {})
+        if note:
+            notes[bottleneck] = {"note": note, "evidence": evidence}
+        else:
+            notes.pop(bottleneck, None)
 
     def has_ended(self, job_id: str) -> bool:
         """Whether the job has ended: its lifecycle said so (rank -1, or every rank)."""

@@ -211,3 +211,27 @@ def test_a_first_worker_while_the_rank_s_budget_is_unknown() -> None:
     rule.observe_workers("j", 0)
     (rec,) = rule.evaluate([_diag(10, bound=0.0, workers=0.0, share=0.7)], now_ns=10 * NS)
     assert (rec.from_value, rec.to_value) == (0, 1) and "not known yet" in rec.rationale
+
+
+def test_under_the_rule_s_share_it_says_so_and_withdraws_it_when_it_acts_again() -> None:
+    job = Job(workers=2)
+    assert job.recommend(10, share=0.2) is None
+    ((_, _, note, ev),) = job.rule.drain_notes()
+    assert note == "its data wait is under the 30% of the step this rule acts on"
+    assert ev["loader_stopped_at"] == 2
+    assert job.recommend(12, share=0.45) == (2, 4)
+    assert job.rule.drain_notes() == [("j", "dataloader_starvation", "", {})]
+    f = Funnel()
+    t0 = 1_700_000_000 * NS
+    for i in range(12):
+        t = t0 + (i + 1) * 100_000_000
+        cols = {"ts_ns": [t], "rank": [0], "step": [i], "step_time_ms": [100.0],
+                "data_wait_ms": [50.0]}  # fmt: skip
+        f.observe(decode_batch(encode_batch("step", cols, job_id="j", node="n0")), t)
+    [d for k in range(8) for d in f.tick(t0 + 2 * NS + k * NS // 4)]
+    f.annotate("j", "dataloader_starvation", note, ev)
+    (said,) = f.tick(t0 + 4 * NS)
+    assert said.summary.endswith(f"perfloop stops here: {note}")
+    f.annotate("j", "dataloader_starvation", "", {})
+    (again,) = f.tick(t0 + 5 * NS)
+    assert "perfloop stops here" not in again.summary and "loader_stopped" not in again.evidence
