@@ -350,6 +350,7 @@ class Recorder:
         self.handover_ns = handover_ns
         self._handed = 0
         self.background = False
+        self._draining = threading.Lock()
         self._outbox: collections.deque[tuple[list[Any], list[Any], list[Any]]] = (
             collections.deque()
         )
@@ -577,14 +578,16 @@ class Recorder:
             self._publish(batch)
 
     def drain(self) -> None:
-        """Publish what `handover` queued (thread-safe against the training thread)."""
+        """Publish what `handover` queued (thread-safe against the training thread, and one
+        drain at a time, so batches reach the emitter in the order they were queued)."""
         out = self._outbox
-        while out:
-            try:
-                batch = out.popleft()
-            except IndexError:
-                return
-            self._publish(batch)
+        with self._draining:
+            while out:
+                try:
+                    batch = out.popleft()
+                except IndexError:
+                    return
+                self._publish(batch)
 
     def _publish(self, batch: tuple[list[Any], list[Any], list[Any]]) -> None:
         steps, spans, colls = batch
