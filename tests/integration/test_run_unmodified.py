@@ -223,17 +223,20 @@ def test_torchrun_ranks_world_size_and_collectives(
     )
     assert info == expected_info
     steps = ranks[0][1]
+    grads = 4 * (64 * 128 + 128 + 128 * 4 + 4)  # the model's float32 gradients: one bucket
     expected_colls = [
-        (0, "all_reduce", steps, 4, 2),  # the logged loss: one float32 per step
-        (0, "barrier", 1, 0, 2),
-        (1, "all_reduce", steps, 4, 2),
-        (1, "barrier", 1, 0, 2),
+        (0, "all_reduce", 4, steps, 2),  # the logged loss: one float32 per step
+        (0, "all_reduce", grads, steps - 1, 2),  # DDP's, timed from the second step on
+        (0, "barrier", 0, 1, 2),
+        (1, "all_reduce", 4, steps, 2),
+        (1, "all_reduce", grads, steps - 1, 2),
+        (1, "barrier", 0, 1, 2),
     ]
     colls = _eventually(
         stack,
-        "SELECT rank, op, count(), min(size_bytes), max(group_size) FROM "
+        "SELECT rank, op, size_bytes, count(), max(group_size) FROM "
         "(SELECT * FROM collectives WHERE job_id = {j:String} LIMIT 1 BY event_id) "
-        "GROUP BY rank, op ORDER BY rank, op",
+        "GROUP BY rank, op, size_bytes ORDER BY rank, op, size_bytes",
         expected_colls,
         j=job,
     )

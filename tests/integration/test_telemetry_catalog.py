@@ -22,6 +22,7 @@ from perfloop.schemas import (
     JobInfo,
     JobLifecycle,
     ProducerStats,
+    RankProgress,
     encode_batch,
 )
 from perfloop.settings import StackSettings
@@ -68,6 +69,7 @@ def test_every_family_lands_in_its_table(stack: StackSettings) -> None:
         JobLifecycle(**common, rank=0, state="started"),
         CapabilityReport(**common, rank=-1, component="nvml", available=False, missing=["gpu"]),
         ProducerStats(**common, rank=0, producer_id="it", published=7, rates_hz={"gpu": 10.0}),
+        RankProgress(**common, rank=0, step=3, phase="comm", since_ns=t, step_start_ns=t),
         GroundTruth(**common, rank=-1, scenario="s", fault="hang", onset_ns=t, ranks=[1]),
     ):
         em.event(ev)
