@@ -106,6 +106,11 @@ class ProducerSettings(BaseServiceSettings):
     host_interval_ms: float = Field(1000.0, ge=10, le=600_000)
     overhead_budget_pct: float = Field(0.5, gt=0, le=100)
     adaptive_sampling: bool = True
+    ddp_comm_hook: bool = Field(
+        True,
+        description="Time DDP's gradient all-reduce (PyTorch's stock allreduce_hook on each "
+        "DistributedDataParallel without a hook of its own).",
+    )
     background_nice: int = Field(
         19,
         ge=0,

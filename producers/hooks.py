@@ -441,7 +441,10 @@ def _after_step(rec: StepRecord) -> None:
         s.session.boundary(rec)
         s.session.after_step(rec)
     if s.ddp.pending:  # after the first step: no hook of the script's can come after ours
-        s.ddp.hook_pending(_oops)
+        if getattr(s.settings, "ddp_comm_hook", True):
+            s.ddp.hook_pending(_oops)
+        else:
+            s.ddp.pending.clear()
     n = rec.step + 1
     want = n < s.discovery_steps or n % s.rediscover_every == 0
     if want != s.discovering and s.fdepth == 0:

@@ -149,6 +149,16 @@ def test_a_comm_hook_of_the_script_is_left_alone(traced: FakePublisher, group: N
     assert not traced.rows("collective"), "the hook communicated nothing"
 
 
+def test_no_timing_hook_when_the_setting_says_so(group: None) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    hooks._S.settings = hooks._S.settings.model_copy(update={"ddp_comm_hook": False})
+    ddp = DDP(_model())
+    _train(ddp, 3)
+    assert not getattr(ddp, "_perfloop_hooked", False) and not ddp._comm_hooks
+    assert not hooks._S.ddp.pending
+
+
 def test_async_collectives_are_timed_to_completion(traced: FakePublisher, group: None) -> None:
     def every_step(i: int) -> None:
         work = dist.all_reduce(torch.ones(1000), async_op=True)
