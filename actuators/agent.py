@@ -20,6 +20,11 @@ acked too (``kept`` or ``rolled_back``, with the evidence). The verdict is the a
 the training process: a job whose actuator is gone keeps verifying, and keeps its
 last-known-good values.
 
+The control consumer is quiet on purpose (`CONTROL_CONSUMER`): a fetch waits up to half a
+second at the end of the topic and the thread wakes four times a second, so an idle job pays
+a few broker requests a second, not forty, for commands that arrive a few a minute and are
+applied at a step boundary anyway.
+
 With ``announce``, every change applied, kept, rolled back or rejected is also one line on
 the process's stderr (`perfloop.actuators._notice`; ``PERFLOOP_QUIET=1`` turns it off in
 `perfloop run`), e.g. ``perfloop[rank 0]: applied dataloader.num_workers 0 → 1 at step 41
@@ -70,6 +75,11 @@ from perfloop.settings import BaseServiceSettings
 __all__ = ["ConfigHandler", "ConfigListener", "JobAgent", "KnobHandler", "apply_config"]
 
 log = logging.getLogger("perfloop.agent")
+
+CONTROL_CONSUMER = {"auto.offset.reset": "latest", "fetch.wait.max.ms": 500}
+"""How a job's control consumer fetches: new commands only, a long wait at the topic's end."""
+POLL_S = 0.25
+"""How long the consumer thread blocks in one poll (also how long `stop` may wait for it)."""
 
 KnobHandler = Callable[[KnobValue], None]
 ConfigHandler = Callable[[str, Any], tuple[Any, Any]]
@@ -141,7 +151,7 @@ class ConfigListener:
         self._consumer = consumer(
             settings,
             f"perfloop-config-{job_id}-{uuid.uuid4().hex[:8]}",
-            **{"auto.offset.reset": "latest"},
+            **CONTROL_CONSUMER,
         )
         self._stop = threading.Event()
         self._assigned = threading.Event()
@@ -168,7 +178,7 @@ class ConfigListener:
         try:
             tail(self._consumer, [Topics.CONTROL], self._stop, self._assigned)
             while not self._stop.is_set():
-                msg = self._consumer.poll(0.1)
+                msg = self._consumer.poll(POLL_S)
                 if msg is None:
                     continue
                 if msg.error():
@@ -257,7 +267,7 @@ class JobAgent:
         self._consumer = consumer(
             settings,
             f"perfloop-agent-{job_id}-{uuid.uuid4().hex[:8]}",
-            **{"auto.offset.reset": "latest"},
+            **CONTROL_CONSUMER,
         )
         self._producer: Any = producer(settings, **{"linger.ms": 0})
         # Commands that passed, with the monotonic time their expiry falls at.
@@ -294,7 +304,7 @@ class JobAgent:
         try:
             tail(self._consumer, [Topics.CONTROL], self._stop, self._assigned)
             while not self._stop.is_set():
-                msg = self._consumer.poll(0.1)
+                msg = self._consumer.poll(POLL_S)
                 if msg is None:
                     continue
                 if msg.error():

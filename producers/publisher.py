@@ -511,9 +511,12 @@ class Publisher:
                     closing, deadline = self._closing, self._close_deadline
                 if closing and (self._idle() or self._down or time.monotonic() >= deadline):
                     break  # no broker to wait for: what is left goes to the spool
-                busy = self._unacked or self._replay_next or self._held or closing
+                urgent = self._replay_next or self._held or closing
+                busy = urgent or self._unacked
                 self._dozing = not busy
-                self._wake.wait(0.01 if busy else 0.5)
+                # awaiting acks only (they come in tens of ms): look 20 times a second, not
+                # 100, for the thread's every wake takes the GIL from the training loop
+                self._wake.wait(0.01 if urgent else 0.05 if busy else 0.5)
                 self._dozing = True
                 self._wake.clear()
         except Exception:  # a bug here must not take the training job down: say it, go on

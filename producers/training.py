@@ -980,7 +980,7 @@ class Pipeline:
         wall = wall_ns or max(time.perf_counter_ns() - self.t0_ns, 1)
         return 100.0 * max(self.overhead_ns - since_ns, 0) / wall
 
-    def _work(self, stats_interval_s: float, drain_interval_s: float = 0.1) -> None:
+    def _work(self, stats_interval_s: float, drain_interval_s: float = 0.25) -> None:
         next_stats = time.monotonic() + stats_interval_s
         while not self._stop.wait(drain_interval_s):
             self.recorder.drain()
