@@ -12,7 +12,7 @@ they are unset, the embedded stack's loopback addresses (``PERFLOOP_KAFKA_PORT``
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -152,6 +152,11 @@ class StackSettings(BaseServiceSettings):
     start_timeout_s: float = Field(60.0, gt=0)
     stop_timeout_s: float = Field(15.0, gt=0)
     restart_backoff_s: float = Field(2.0, ge=0)
+    stack_priority: Literal["idle", "normal"] = Field(
+        "idle",
+        description="idle: the services run under SCHED_IDLE (Linux) and use only CPU time "
+        "the training job leaves idle; normal: like any other process.",
+    )
 
 
 class WarehouseServerSettings(BaseServiceSettings):

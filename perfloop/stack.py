@@ -5,6 +5,13 @@ warehouse server (embedded mode only), then the topics and migrations, then the 
 workers, the sink and the actuator service — and records them in ``$PERFLOOP_HOME/stack.json``.
 All of them run in the supervisor's own process group, so `down` stops exactly what `up`
 started and nothing else. Logs are ``$PERFLOOP_HOME/logs/<service>.log``.
+
+The embedded stack shares its machine with the training job it watches, and a job that keeps
+every CPU busy would pay for its own monitoring: with ``stack_priority`` "idle" (the default) the
+services run under Linux's ``SCHED_IDLE`` policy and use only CPU time nothing else wants.
+They keep up as long as the job leaves some CPU idle (a rank waiting on a collective, a
+loader waiting on storage); under a job that leaves none they fall behind, and catch up when
+it ends. ``PERFLOOP_STACK_PRIORITY=normal`` runs them like any other process.
 """
 
 from __future__ import annotations
@@ -44,6 +51,32 @@ __all__ = [
 
 STATE_FILE = "stack.json"
 SERVICES = ("streams", "sink", "actuator")
+
+
+def _at_priority(priority: str, start: Callable[[], subprocess.Popen[bytes]]) -> Any:
+    """``start()`` on a thread whose scheduling policy is ``SCHED_IDLE`` when ``priority`` is
+    "idle": a process it forks inherits the policy, and so does every thread of it, from its
+    first instruction (no window in which a service runs at normal priority). Where the
+    policy does not exist or may not be set, the process starts at normal priority."""
+    idle = getattr(os, "SCHED_IDLE", None)
+    if priority != "idle" or idle is None:
+        return start()
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, idle, os.sched_param(0))
+        try:
+            out["proc"] = start()
+        except BaseException as e:
+            out["error"] = e
+
+    t = threading.Thread(target=run, name="perfloop-spawn", daemon=True)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["proc"]
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -235,13 +268,16 @@ class Supervisor:
     def _spawn(self, child: _Child) -> None:
         log = open(child.log, "ab")  # noqa: SIM115 - handed to the child, closed below
         try:
-            child.proc = subprocess.Popen(
-                child.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self._env(),
-                cwd=self.home,
+            child.proc = _at_priority(
+                self.settings.stack_priority,
+                lambda: subprocess.Popen(
+                    child.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self._env(),
+                    cwd=self.home,
+                ),
             )
         except OSError as e:
             raise StackError(f"cannot start {child.name}: {e}") from e
