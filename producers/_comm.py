@@ -10,8 +10,9 @@ Two things live here, both used by `perfloop.producers.hooks`:
 - DDP's gradient all-reduce runs in C++ (the reducer) and never calls ``torch.distributed``
   from Python, so it is invisible to the collective hooks. After the first optimizer step of
   a process, every `DistributedDataParallel` without a communication hook of its own gets
-  PyTorch's stock ``allreduce_hook`` (the same averaging all-reduce, issued from Python, so
-  each bucket becomes one timed ``all_reduce``). A hook the script registers is left alone
+  `timed_allreduce_hook`'s: what PyTorch's stock ``allreduce_hook`` does (the same averaging
+  all-reduce, issued from Python), each bucket timed as one ``all_reduce`` in the callback
+  that hands it back. A hook the script registers is left alone
   (its own collectives are timed like any other); one registered after ours would fail
   ("can only be registered once"), which is why ours waits for the first step: PyTorch asks
   for hooks to be registered before the first backward.
@@ -31,7 +32,15 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["COLLECTIVES", "InFlight", "collective_op", "hook_ddp", "union"]
+__all__ = [
+    "COLLECTIVES",
+    "DdpWatch",
+    "InFlight",
+    "collective_op",
+    "hook_ddp",
+    "timed_allreduce_hook",
+    "union",
+]
 
 _now = time.perf_counter_ns
 
@@ -174,29 +183,36 @@ class InFlight:
             fut = work.get_future()
         except Exception:  # e.g. gloo's send/recv have no future
             return False
+        completed = self.begin(row)
+        try:
+            fut.add_done_callback(completed)
+        except Exception:
+            completed.cancel()  # type: ignore[attr-defined]
+            return False
+        return True
+
+    def begin(self, row: Done) -> Callable[[Any], None]:
+        """Note ``row``'s collective as in flight; the function returned notes it completed
+        (call it once, from any thread; it never raises; its ``cancel`` forgets it)."""
         with self._lock:
             self._seq += 1
             key = self._seq
             self._flying[key] = (row[0], row[1])
-        done = self._done
-        flying = self._flying
+        done, flying, lock = self._done, self._flying, self._lock
 
-        lock = self._lock
-
-        def completed(_fut: Any) -> None:
+        def completed(_fut: Any = None) -> None:
             # on the backend's thread: note and forget, never raise into it
             t1 = _now()
             with lock:
                 flying.pop(key, None)
             done.append((row[0], row[1], t1, *row[3:]))
 
-        try:
-            fut.add_done_callback(completed)
-        except Exception:
+        def cancel() -> None:
             with lock:
                 flying.pop(key, None)
-            return False
-        return True
+
+        completed.cancel = cancel  # type: ignore[attr-defined]
+        return completed
 
     def take(self) -> list[Done]:
         """The collectives completed since the last call (training thread)."""
@@ -233,30 +249,65 @@ class DdpWatch:
         """The script registered a hook: ours is not added."""
         self.pending.discard(ddp)
 
-    def hook_pending(self, on_error: Callable[[str, BaseException], None]) -> int:
-        """Give each pending module the stock all-reduce hook; return how many got it."""
+    def hook_pending(self, hook: Any, on_error: Callable[[str, BaseException], None]) -> int:
+        """Give each pending module ``hook`` (`timed_allreduce_hook`'s); return how many got
+        it."""
         n = 0
         for ddp in list(self.pending):
             self.pending.discard(ddp)
             try:
-                if hook_ddp(ddp):
+                if hook_ddp(ddp, hook):
                     n += 1
             except Exception as e:
                 on_error("adding the timing hook to DistributedDataParallel", e)
         return n
 
 
-def hook_ddp(ddp: Any) -> bool:
-    """Register PyTorch's ``allreduce_hook`` on ``ddp`` if nothing replaced its reducer's
-    all-reduce yet (no comm hook, no mixed-precision hook, no compiled python reducer)."""
+def hook_ddp(ddp: Any, hook: Any) -> bool:
+    """Register ``hook`` (`timed_allreduce_hook`'s) on ``ddp`` if nothing replaced its
+    reducer's all-reduce yet (no comm hook, no mixed-precision hook, no compiled python
+    reducer)."""
     if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "_use_python_reducer", False):
         return False
     if getattr(ddp, "mixed_precision", None) is not None:
         return False
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
     register = type(ddp).register_comm_hook
     register = getattr(register, "__perfloop_wrapped__", register)
-    register(ddp, ddp.process_group, allreduce_hook)
+    register(ddp, ddp.process_group, hook)
     ddp._perfloop_hooked = True
     return True
+
+
+def timed_allreduce_hook(
+    inflight: InFlight, describe: Callable[[Any], tuple[str, int, int]]
+) -> Callable[[Any, Any], Any]:
+    """A DDP comm hook that does what PyTorch's stock ``allreduce_hook`` does (divide the
+    bucket by the group's size, all-reduce it asynchronously, hand it back when done), with
+    the all-reduce timed from the call (the rank's arrival) to its completion in the one
+    callback that hands the bucket back: like the stock hook, one Python call on the
+    backend's thread per bucket. ``describe(group)`` gives (group name, group size, step)."""
+    import torch.distributed as dist
+
+    all_reduce = getattr(dist.all_reduce, "__perfloop_wrapped__", dist.all_reduce)
+
+    def allreduce(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP reads annotations
+        group = process_group if process_group is not None else dist.group.WORLD
+        tensor = bucket.buffer()
+        t0 = _now()
+        tensor.div_(group.size())  # first, as the stock hook does (no overflow in half types)
+        fut = all_reduce(tensor, group=group, async_op=True).get_future()
+        try:
+            gname, gsize, step = describe(group)
+            size = int(tensor.numel() * tensor.element_size())
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            completed = inflight.begin(("all_reduce", t0, 0, size, gname, gsize, dtype, step))
+        except Exception:  # never let the timing fail the all-reduce
+            return fut.then(lambda f: f.value()[0])
+
+        def done(f):  # type: ignore[no-untyped-def]
+            completed()
+            return f.value()[0]
+
+        return fut.then(done)
+
+    return allreduce

@@ -45,6 +45,7 @@ from perfloop.producers._comm import (
     InFlight,
     _payload,
     collective_op,
+    timed_allreduce_hook,
 )
 from perfloop.producers._cpu import cpu_budget
 from perfloop.producers._priority import in_background
@@ -364,6 +365,7 @@ class _State:
         self.torch: Any = None
         self.inflight = InFlight()  # async collectives, timed to their completion
         self.ddp = DdpWatch()
+        self.ddp_hook: Any = None  # the comm hook DDP modules get (`_ddp_hook`)
         # what the training thread is blocked in: (phase, op, since) for a fetch, a
         # synchronous collective or a checkpoint save (read by the progress reports)
         self.waiting: tuple[str, str, int] | None = None
@@ -442,7 +444,7 @@ def _after_step(rec: StepRecord) -> None:
         s.session.after_step(rec)
     if s.ddp.pending:  # after the first step: no hook of the script's can come after ours
         if getattr(s.settings, "ddp_comm_hook", True):
-            s.ddp.hook_pending(_oops)
+            s.ddp.hook_pending(_ddp_hook(), _oops)
         else:
             s.ddp.pending.clear()
     n = rec.step + 1
@@ -801,6 +803,20 @@ def _make_collective(orig: Any, op: str) -> Any:
 
     collective.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
     return collective
+
+
+def _ddp_hook() -> Any:
+    """The process's timing DDP comm hook (made once)."""
+    s = _S
+    if s.ddp_hook is None:
+
+        def describe(group: Any) -> tuple[str, int, int]:
+            tr = _traced()
+            step = tr.rec.step if tr is not None else s.pipe.recorder.step  # type: ignore[union-attr]
+            return (*_group_of(group), step)
+
+        s.ddp_hook = timed_allreduce_hook(s.inflight, describe)
+    return s.ddp_hook
 
 
 def _drain(tr: Tracer) -> None:
