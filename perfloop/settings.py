@@ -154,8 +154,9 @@ class StackSettings(BaseServiceSettings):
     restart_backoff_s: float = Field(2.0, ge=0)
     stack_priority: Literal["idle", "normal"] = Field(
         "idle",
-        description="idle: the services run under SCHED_IDLE (Linux) and use only CPU time "
-        "the training job leaves idle; normal: like any other process.",
+        description="idle: the warehouse and the sink run under SCHED_IDLE (Linux) and use "
+        "only CPU time the training job leaves idle (the loop keeps the ordinary policy); "
+        "normal: every service like any other process.",
     )
 
 

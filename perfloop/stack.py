@@ -7,11 +7,13 @@ All of them run in the supervisor's own process group, so `down` stops exactly w
 started and nothing else. Logs are ``$PERFLOOP_HOME/logs/<service>.log``.
 
 The embedded stack shares its machine with the training job it watches, and a job that keeps
-every CPU busy would pay for its own monitoring: with ``stack_priority`` "idle" (the default) the
-services run under Linux's ``SCHED_IDLE`` policy and use only CPU time nothing else wants.
-They keep up as long as the job leaves some CPU idle (a rank waiting on a collective, a
-loader waiting on storage); under a job that leaves none they fall behind, and catch up when
-it ends. ``PERFLOOP_STACK_PRIORITY=normal`` runs them like any other process.
+every CPU busy would pay for its own monitoring. With ``stack_priority`` "idle" (the default)
+the services that keep history — the warehouse and the sink, about half of what the stack
+spends on a job's telemetry — run under Linux's ``SCHED_IDLE`` policy and use only CPU time
+nothing else wants: under a job that leaves no CPU idle they fall behind, and catch up when
+it pauses or ends. The loop itself (the broker, the stream workers, the actuator) keeps the
+ordinary policy, so diagnoses and changes never wait for the job to leave a CPU idle.
+``PERFLOOP_STACK_PRIORITY=normal`` runs every service like any other process.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ __all__ = [
 
 STATE_FILE = "stack.json"
 SERVICES = ("streams", "sink", "actuator")
+IDLE_SERVICES = frozenset({"warehouse", "sink"})
+"""What runs under ``SCHED_IDLE`` with ``stack_priority`` "idle": history, not the loop."""
 
 
 def _at_priority(priority: str, start: Callable[[], subprocess.Popen[bytes]]) -> Any:
@@ -269,7 +273,7 @@ class Supervisor:
         log = open(child.log, "ab")  # noqa: SIM115 - handed to the child, closed below
         try:
             child.proc = _at_priority(
-                self.settings.stack_priority,
+                self.settings.stack_priority if child.name in IDLE_SERVICES else "normal",
                 lambda: subprocess.Popen(
                     child.argv,
                     stdin=subprocess.DEVNULL,

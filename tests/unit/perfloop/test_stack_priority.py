@@ -1,17 +1,19 @@
-"""The embedded services' scheduling policy: ``SCHED_IDLE`` by default (they use only CPU
-time the training job leaves), the ordinary one with ``stack_priority`` "normal"; and a
-service's threads inherit it."""
+"""The embedded services' scheduling policy: by default the warehouse and the sink run under
+``SCHED_IDLE`` (they use only CPU time the training job leaves) and the loop (broker, stream
+workers, actuator) under the ordinary one; with ``stack_priority`` "normal" every service
+does; a service's threads inherit its policy."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from perfloop.settings import StackSettings
-from perfloop.stack import _at_priority
+from perfloop.stack import SERVICES, Supervisor, _at_priority, _Child
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling only")
 
@@ -53,3 +55,30 @@ def test_a_start_that_fails_raises_in_the_caller() -> None:
 def test_a_bad_priority_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="stack_priority"):
         StackSettings(stack_priority="realtime")  # type: ignore[arg-type]
+
+
+def _supervised(tmp: Path, priority: str) -> dict[str, list[int]]:
+    tmp = tmp / priority
+    (tmp / "home").mkdir(parents=True)
+    sup = Supervisor(StackSettings(home=tmp / "home", stack_priority=priority))  # type: ignore[arg-type]
+    seen = {}
+    for name in ("broker", "warehouse", *SERVICES):
+        child = _Child(name=name, argv=[sys.executable, "-c", _PROBE], ready=None, log=tmp / name)
+        sup._spawn(child)
+        assert child.proc is not None
+        child.proc.wait(timeout=30)
+        seen[name] = [int(x) for x in (tmp / name).read_text().split()]
+    return seen
+
+
+def test_the_history_services_yield_and_the_loop_does_not(tmp_path: Path) -> None:
+    mine = os.sched_getscheduler(0)
+    idle = os.SCHED_IDLE
+    assert _supervised(tmp_path, "idle") == {
+        "broker": [mine, mine],
+        "warehouse": [idle, idle],
+        "streams": [mine, mine],
+        "sink": [idle, idle],
+        "actuator": [mine, mine],
+    }
+    assert set(map(tuple, _supervised(tmp_path, "normal").values())) == {(mine, mine)}
