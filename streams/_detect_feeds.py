@@ -148,11 +148,19 @@ class Feeds:
         cpu, ts, rss = cols["loader_cpu_pct"], cols.get("ts_ns"), cols["loader_rss_bytes"]
         for i, r in enumerate(rank.tolist()):  # in time order; a reading a second per rank
             rk["loader_rss"][r] = rss[i]
-            if rk["loader_workers"][r] != workers[i]:  # (NaN: the rank's first reading)
+            before = rk["loader_workers"][r]
+            if before != workers[i]:  # (NaN: the rank's first reading)
                 rk["loader_workers"][r] = workers[i]
                 rk["loader_cpu"][r] = np.nan
                 rk["loader_settled"][r] = 0
                 rk["loader_since"][r] = int(ts[i]) if ts is not None else 0
+                if workers[i] > 0 and workers[i] != rk["loader_ran"][r]:
+                    # workers started, or a count the rank has not run: its memory moves (a
+                    # loader that restarts its workers each epoch, 2 → 0 → 2, is no change)
+                    if before == before:
+                        since = int(rk["loader_since"][r])
+                        rk["changed_ns"][r] = max(int(rk["changed_ns"][r]), since)
+                    rk["loader_ran"][r] = workers[i]
                 continue
             old, n = rk["loader_cpu"][r], rk["loader_settled"][r]
             rk["loader_cpu"][r] = cpu[i] if n == 0 or old != old else old + 0.3 * (cpu[i] - old)
@@ -174,6 +182,13 @@ class Feeds:
             budget = max(1.0, cpus // max(1, event.local_world_size)) if cpus else np.nan
         rk["budget"][r] = budget
         rk["by_script"][r] = int("torch.num_threads.by_script" in extra)
+        # the values of the knobs perfloop may change (those with bounds): the job agent
+        # publishes its info again after each change, so a new value is when the rank changed
+        knobs = "|".join(f"{k}={extra.get(k[7:], '')}" for k in sorted(extra) if k[:7] == "bounds.")
+        seen = self.det.setdefault("knobs", {})
+        if seen.get(str(r), knobs) != knobs:
+            rk["changed_ns"][r] = max(int(rk["changed_ns"][r]), event.ts_ns)
+        seen[str(r)] = knobs
 
     def progress(self, event: RankProgress) -> None:
         """Where a rank is inside a step that has gone on for long."""
