@@ -149,11 +149,14 @@ class MemoryParams:
     clear_steps: int = _p(4, 1, 1000, "steps without growth to resolve")
     clear_s: float = _p(3.0, 0.0, 3600.0, "and this long without growth (event time)")
     warmup_steps: int = _p(50, 0, 100000, "a CPU job's first steps (its RSS settles) say nothing")
-    rss_points: int = _p(6, 3, 32, "one-second RSS points a CPU job's leak is judged on")
-    rss_up_share: float = _p(0.75, 0.0, 1.0, "share of those intervals RSS must rise in")
+    rss_points: int = _p(5, 3, 32, "fewest one-second RSS points a CPU job's leak is judged on")
+    rss_up_share: float = _p(0.6, 0.0, 1.0, "share of their seconds RSS must rise in")
     rss_min_growth_bytes_per_s: float = _p(
-        float(10 << 20), 1.0, 1e15, "least RSS growth a second over them (bytes)"
+        float(2 << 20), 1.0, 1e15, "least RSS growth a second over them (bytes; Theil-Sen)"
     )
+    rss_min_rise_bytes: float = _p(float(32 << 20), 1.0, 1e15, "least RSS rise over them (bytes)")
+    rss_noise_factor: float = _p(4.0, 0.0, 100.0, "rise ≥ this x the points' scatter")
+    rss_settle_s: float = _p(5.0, 0.0, 3600.0, "RSS points count this long after a start or change")
 
 
 @dataclass(frozen=True)
