@@ -77,8 +77,11 @@ class StragglerParams:
     score_threshold: float = _p(
         0.12, 0.01, 0.99, "a slow step: lateness over the on-time ranks, share of the step"
     )
-    median_steps: int = _p(5, 1, 100, "steps whose median lateness counts (noise is brief)")
+    median_steps: int = _p(15, 1, 100, "steps whose median lateness counts: noise and contention")
     persist_s: float = _p(1.0, 0.0, 3600.0, _PERSIST)
+    level_persist_s: float = _p(
+        2.0, 0.0, 3600.0, "and this long for each score_threshold the latest rank is late (s)"
+    )
     max_persist_s: float = _p(6.0, 0.0, 3600.0, _MAX_PERSIST)
     persist_steps: int = _p(3, 1, 1000, "consecutive slow steps to open")
     clear_steps: int = _p(4, 1, 1000, "consecutive normal steps to resolve")
@@ -186,8 +189,8 @@ class DetectConfig:
     Traceback (most recent call last):
     ...
     perfloop.exceptions.ConfigError: unknown setting detect.straggler.nope; valid: \
-clear_steps, enabled, max_persist_s, median_steps, persist_s, persist_steps, score_threshold, \
-warmup_steps
+clear_steps, enabled, level_persist_s, max_persist_s, median_steps, persist_s, persist_steps, \
+score_threshold, warmup_steps
     """
 
     funnel: FunnelParams = field(default_factory=FunnelParams)

@@ -9,10 +9,11 @@ its own before a diagnosis opened and, when the detector gives one, how strong t
 typically is in the job's steps (``level``: e.g. how late the latest rank is, every step,
 against the threshold ``scale``; the median over the job's first `NOISE_STEPS` steps after
 its warm-up). A condition opens once it has held for
-``clip(max(2 × that run, persist_s × level / scale), persist_s, max_persist_s)`` of event
-time and ``persist_steps`` steps (and the job has completed ``warmup_steps`` steps: a job's
-first steps are its noisiest; before `MIN_NOISE_STEPS` levels are known, ``max_persist_s``
-applies); it resolves after ``clear_steps`` steps without it.
+``clip(max(2 × that run, level_s × level / scale), persist_s, max_persist_s)`` of event time
+(``level_s``: ``persist_s`` unless the detector says otherwise) and ``persist_steps`` steps
+(and the job has completed ``warmup_steps`` steps: a job's first steps are its noisiest;
+before `MIN_NOISE_STEPS` levels are known, ``max_persist_s`` applies); it resolves after
+``clear_steps`` steps without it.
 
 State is a dict of numpy arrays and numbers in the detector's own ``job.det`` entry, so the
 funnel's snapshots carry it.
@@ -57,6 +58,7 @@ class Persistence:
         clear_steps: int,
         warmup_steps: int,
         scale: float = 0.0,
+        level_s: float | None = None,
     ) -> None:
         self.st = state
         self.scale = scale
@@ -68,6 +70,7 @@ class Persistence:
         state.setdefault("levels", [])
         self.width = width
         self.min_ns = int(persist_s * NS)
+        self.level_ns = int((persist_s if level_s is None else level_s) * NS)
         self.max_ns = int(max(persist_s, max_persist_s) * NS)
         self.persist_steps, self.clear_steps = persist_steps, clear_steps
         self.warmup_steps = warmup_steps
@@ -95,7 +98,7 @@ class Persistence:
             levels = self.st["levels"]
             if len(levels) < MIN_NOISE_STEPS:
                 return self.max_ns
-            need = max(need, self.min_ns * float(np.median(levels)) / self.scale)
+            need = max(need, self.level_ns * float(np.median(levels)) / self.scale)
         return int(np.clip(need, self.min_ns, self.max_ns))
 
     def update(

@@ -8,6 +8,17 @@ step, has a median over the last ``median_steps`` steps of at least ``score_thre
 straggler is a rank slow for longer than the job's own noise (`Persistence`: on a busy
 machine any rank falls behind for a second now and then; a straggler stays behind).
 
+The median is over the rank's last ``median_steps`` steps however many a batch brings (the
+detectors' window may hold fewer), and long enough that a rank slowed by CPU contention stays
+slow in it: a process that shares its CPU with another runs whole time slices on time and
+then waits a whole slice, so a third or so of its steps are on time, scattered; over a handful
+of steps the median flickers, each flicker ends the slow run, and the runs that ended teach
+`Persistence` that the job's noise is as long as they were. The long median holds a healthy
+rank's slow seconds as well (another process landing on its CPU for a while), so on a noisy
+job a slow run must last ``level_persist_s`` for each ``score_threshold`` the latest rank is
+typically late by (a quiet job: ``persist_s``). A slow run counts from its first slow step
+(the median lags it), and only from the end of the warm-up (``warmup_steps``).
+
 Its evidence: the score (``1 − median/compute``), its compute and the median, the step time,
 its lateness (ms the others wait for it a step), how many steps in a row it was slow, and its
 process CPU against the other ranks' (a rank whose process gets less CPU than the others
@@ -22,7 +33,7 @@ import numpy as np
 
 from perfloop.streams._detect_persist import Persistence
 from perfloop.streams._detect_state import Finding, JobState
-from perfloop.streams._detect_steps import _replace, _start, nanmean, nanmedian, node_of, nz
+from perfloop.streams._detect_steps import _replace, _start, nanmean, nanmedian, node_of
 
 __all__ = ["straggler_detector"]
 
@@ -32,8 +43,9 @@ def straggler_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarra
     excess, step_ms = d["excess"], d["step_ms"]
     n, w = excess.shape
     share = excess / np.where(step_ms > 0, step_ms, np.nan)[:, None]
+    state = job.det.setdefault("straggler", {})
     pers = Persistence(
-        job.det.setdefault("straggler", {}),
+        state,
         width=w,
         persist_s=p.persist_s,
         max_persist_s=p.max_persist_s,
@@ -41,16 +53,33 @@ def straggler_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarra
         clear_steps=p.clear_steps,
         warmup_steps=p.warmup_steps,
         scale=p.score_threshold,
+        level_s=p.level_persist_s,
     )
     if int(np.sum(~np.isnan(d["comp"][-1]))) < 2:
         pers.stop()
     else:
-        for i in np.flatnonzero(new):
-            m = nanmedian(share[max(0, i - p.median_steps + 1) : i + 1], 0)
-            start = nz(_start(win, i, slice(None))).astype(np.int64)
+        rows = np.flatnonzero(new)
+        k, thr = p.median_steps, p.score_threshold
+        begun = win["end"][rows] - np.nan_to_num(win["st"][rows] * 1e6).astype(np.int64)
+        past_share, past_begun = _history(state, w)
+        shares = np.concatenate([past_share, share[rows]])
+        begun = np.concatenate([past_begun, begun])
+        for j, i in enumerate(rows):
+            upto = len(past_share) + j + 1
+            last = slice(max(0, upto - k), upto)
+            slow = nanmedian(shares[last], 0) >= thr
+            # a job's first steps are its noisiest: a slow run starts counting after them
+            seen = pers.st["seen"]
+            slow &= seen >= p.warmup_steps
+            if seen == p.warmup_steps:
+                state["warm_ns"] = int(np.max(begun[upto - 1]))
+            start = _run_start(shares[last] >= thr, begun[last])
+            start = np.maximum(start, state.get("warm_ns", 0))
             end = int(np.nanmax(win["end"][i]))
             spread = float(np.nanmax(share[i])) if np.isfinite(share[i]).any() else np.nan
-            pers.update(m >= p.score_threshold, start=start, end=end, level=spread)
+            pers.update(slow, start=start, end=end, level=spread)
+        keep = max(0, len(shares) - k + 1) if k > 1 else len(shares)
+        state["history"], state["history_begun"] = shares[keep:], begun[keep:]
     active = pers.active
     if not active.any():
         _replace(job, "straggler:", {})
@@ -87,6 +116,31 @@ def straggler_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarra
             f"the others wait {late:.0f} ms a step for it" + _cpu_note(job, int(r)),
         )
     _replace(job, "straggler:", found)
+
+
+def _history(state: dict[str, Any], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The shares and starts of the steps before this batch's (up to ``median_steps - 1``),
+    per rank: a batch may bring more steps than the detectors' window holds before its first."""
+    share, begun = state.get("history"), state.get("history_begun")
+    if share is None or begun is None:
+        return np.zeros((0, width)), np.zeros((0, width), dtype=np.int64)
+    extra = ((0, 0), (0, max(0, width - share.shape[1])))
+    share = np.pad(share, extra, constant_values=np.nan)
+    return share[:, :width], np.pad(begun, extra)[:, :width]
+
+
+def _run_start(slow: np.ndarray, begun: np.ndarray) -> np.ndarray:
+    """Per rank, when its slow steps of ``slow`` (steps x ranks) began: the start of the first
+    slow step from which on at least half the steps are slow (the median lags the onset).
+
+    >>> slow = np.array([[1, 0, 0, 0, 0, 1, 0, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1, 0]], bool).T
+    >>> _run_start(slow, np.arange(9)[:, None] * np.array([[10, 100]])).tolist()
+    [50, 200]
+    """
+    n = len(slow)
+    after = np.cumsum(slow[::-1], axis=0)[::-1]  # slow steps from each one on
+    ok = slow & (2 * after >= np.arange(n, 0, -1)[:, None])
+    return begun[np.argmax(ok, axis=0), np.arange(slow.shape[1])]
 
 
 def _cpu_evidence(job: JobState, rank: int) -> dict[str, float]:

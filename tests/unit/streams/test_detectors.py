@@ -221,7 +221,7 @@ def test_healthy_job_raises_no_fault() -> None:
 
 def test_straggler_opens_on_the_slow_rank_with_its_score_and_resolves() -> None:
     job = Synth()
-    job.steps(20)
+    job.steps(90)  # the warm-up, and the steps the job's noise is learned from
     onset = job.t
     job.steps(40, compute=lambda s: [90, 90, 135, 90])
     diags = job.feed(f := Funnel())
@@ -236,6 +236,39 @@ def test_straggler_opens_on_the_slow_rank_with_its_score_and_resolves() -> None:
     later = job.feed(f)
     (r,) = [x for x in later if x.state == "resolved"]
     assert r.diagnosis_id == d.diagnosis_id
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_a_rank_that_shares_its_cpu_is_named_though_on_time_in_some_steps(seed: int) -> None:
+    """CPU contention: the rank runs on time for a few steps (a time slice of its own), then
+    waits a few (the other process's): a third of its steps are on time, in scattered blocks,
+    while any rank falls behind now and then. It is the straggler, and only it."""
+    rng = np.random.default_rng(seed)
+    blocks = {"left": 0, "slow": False}
+
+    def noise() -> np.ndarray:
+        c = np.full(4, 90.0)
+        if rng.random() < 0.3:
+            c[rng.integers(4)] *= rng.uniform(1.1, 1.5)
+        return c
+
+    def contended(_: int) -> np.ndarray:
+        c = noise()
+        if not blocks["left"]:
+            blocks["slow"] = not blocks["slow"]
+            blocks["left"] = int(rng.integers(4, 14) if blocks["slow"] else rng.integers(3, 8))
+        blocks["left"] -= 1
+        if blocks["slow"]:
+            c[2] = 90.0 * rng.uniform(1.3, 2.0)
+        return c
+
+    job = Synth()
+    job.steps(80, compute=lambda _: noise())
+    onset = job.t
+    job.steps(200, compute=contended)
+    found = opened(job.feed(Funnel()), "straggler")
+    assert found and {tuple(d.ranks) for d in found} == {(2,)}
+    assert found[0].ts_ns - onset < 10 * S
 
 
 def test_straggler_without_spans_reads_compute_from_collectives() -> None:
