@@ -55,6 +55,7 @@ _RANK: dict[str, tuple[Any, Any]] = {
     "loader_rss": (np.float64, np.nan),
     "loader_settled": (np.int64, 0),  # readings of the current worker count, its first left out
     "loader_since": (np.int64, 0),  # the first reading of the current worker count
+    "num_workers": (np.float64, np.nan),  # the loader's workers, as the rank's steps say
     "loader_ran": (np.float64, np.nan),  # the latest worker count above 0
     "changed_ns": (np.int64, 0),  # when a knob of the rank last changed (job info, workers)
     # job info: intra-op threads, the CPUs the rank may use, whether the script set threads

@@ -217,6 +217,8 @@ class JobState(Feeds):
         r["mem"][slot, rank] = pick(mem)
         r["peak"][slot, rank] = pick(cols["mem_peak_bytes"])
         self.rank["node"][rank] = node
+        if "num_workers" in cols:
+            self.rank["num_workers"][rank] = pick(cols["num_workers"])
         self.last_step_ns = max(self.last_step_ns, self._newest)
 
     def _span(self, node: int, cols: dict[str, np.ndarray]) -> None:

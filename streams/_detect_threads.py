@@ -3,7 +3,9 @@
 Each rank's job info says its intra-op threads (``torch.num_threads``) and its CPU budget
 (``cpu_budget``: its affinity and its container's quota, shared among the launcher's local
 ranks; an older producer's affinity or node CPUs over its local ranks). Its host samples say
-how much CPU its loader workers burn (``loader_cpu_pct``, 100 = one core). A rank is
+how much CPU its loader workers burn (``loader_cpu_pct``, 100 = one core), counting no more
+workers than its steps say the loader runs (``num_workers``: the sampler sees every child
+process of the rank, and a process the script started beside its loader is none). A rank is
 oversubscribed when its threads plus the cores its loader workers keep busy exceed its budget
 while compute is a large share of its step (at least ``min_compute_share``: the threads are
 what the step waits for). Loader workers that wait on storage burn little CPU and count for
@@ -38,7 +40,10 @@ def thread_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
     if not known.any():
         _replace(job, "thread_oversubscription:", {})
         return
-    workers = np.nan_to_num(rk["loader_workers"][:w])
+    # the loader runs the workers its steps say (the host sees every child process of the rank:
+    # a tool or a compiler the script started is no loader worker)
+    seen, said = rk["loader_workers"][:w], rk["num_workers"][:w]
+    workers = np.nan_to_num(np.where(said >= 0, np.minimum(seen, said), seen))
     cores = np.where(np.isnan(rk["loader_cpu"][:w]), workers, rk["loader_cpu"][:w] / 100.0)
     load = threads + np.minimum(cores, workers)
     k = min(len(d["st"]), 3)

@@ -118,7 +118,8 @@ def test_the_rule_s_state_survives_a_snapshot() -> None:
 
 # -- the diagnosis ------------------------------------------------------------------------------
 def _job(threads: int, budget: int, *, workers: int = 0, loader_cpu: float = 0.0,
-         wait_ms: float = 5.0, steps: int = 30, ranks: int = 1) -> list[Diagnosis]:  # fmt: skip
+         wait_ms: float = 5.0, steps: int = 30, ranks: int = 1,
+         children: int | None = None) -> list[Diagnosis]:  # fmt: skip
     f = Funnel()
     t0 = 1_700_000_000 * NS
     for r in range(ranks):
@@ -130,7 +131,8 @@ def _job(threads: int, budget: int, *, workers: int = 0, loader_cpu: float = 0.0
                 "num_workers": [workers] * ranks}  # fmt: skip
         f.observe(decode_batch(encode_batch("step", cols, job_id="j", node="n0")), t)
         host = {"ts_ns": [t] * ranks, "rank": list(range(ranks)),
-                "loader_workers": [workers] * ranks, "loader_cpu_pct": [loader_cpu] * ranks,
+                "loader_workers": [workers if children is None else children] * ranks,
+                "loader_cpu_pct": [loader_cpu] * ranks,
                 "proc_cpu_pct": [100.0] * ranks, "sys_cpu_pct": [100.0] * ranks}  # fmt: skip
         f.observe(decode_batch(encode_batch("host", host, job_id="j", node="n0")), t)
     out = []
@@ -162,3 +164,12 @@ def test_what_is_not_thread_oversubscription(
 ) -> None:
     found = _job(threads, budget, workers=workers, loader_cpu=loader_cpu, wait_ms=wait_ms)
     assert not [d for d in found if d.bottleneck == "thread_oversubscription"]
+
+
+def test_a_process_the_script_started_beside_its_loader_is_no_loader_worker() -> None:
+    """The host sampler sees every child of a rank; a CPU burner one rank started (the real
+    bench's contention straggler) is not a loader worker of its loader without workers."""
+    found = _job(1, 1, workers=0, children=1, loader_cpu=95.0)
+    assert not [d for d in found if d.bottleneck == "thread_oversubscription"]
+    (d,) = _job(1, 1, workers=1, children=2, loader_cpu=190.0)
+    assert d.evidence["loader_workers"] == 1, "as many workers as its steps say"
