@@ -13,7 +13,9 @@ its warm-up). A condition opens once it has held for
 (``level_s``: ``persist_s`` unless the detector says otherwise) and ``persist_steps`` steps
 (and the job has completed ``warmup_steps`` steps: a job's first steps are its noisiest;
 before `MIN_NOISE_STEPS` levels are known, ``max_persist_s`` applies); it resolves after
-``clear_steps`` steps without it.
+``clear_steps`` steps without it. A detector whose condition flickers while it lasts may let a
+run go on through ``bridge_steps`` steps without it: the run counts from its first step, and
+ends (teaching the noise) only after more steps without it.
 
 State is a dict of numpy arrays and numbers in the detector's own ``job.det`` entry, so the
 funnel's snapshots carry it.
@@ -27,6 +29,11 @@ funnel's snapshots carry it.
 [False, False, False, True, True, True]
 >>> st["noise_ns"]  # the first run lasted 1 s: now 2 s are needed
 1000000000
+>>> p = Persistence({}, width=1, persist_s=2.0, max_persist_s=5.0, persist_steps=2,
+...                 clear_steps=2, warmup_steps=0, bridge_steps=1)
+>>> [bool(p.update(np.array([c]), start=(t + 1) * NS, end=(t + 2) * NS)[0])
+...  for t, c in enumerate([True, False, True, True, False, False])]
+[False, False, True, True, True, False]
 """
 
 from __future__ import annotations
@@ -59,10 +66,11 @@ class Persistence:
         warmup_steps: int,
         scale: float = 0.0,
         level_s: float | None = None,
+        bridge_steps: int = 0,
     ) -> None:
         self.st = state
         self.scale = scale
-        for key in ("since", "steps", "off"):
+        for key in ("since", "steps", "off", "held"):
             self._column(key, width, np.int64)
         self._column("active", width, bool)
         state.setdefault("noise_ns", 0)
@@ -73,6 +81,7 @@ class Persistence:
         self.level_ns = int((persist_s if level_s is None else level_s) * NS)
         self.max_ns = int(max(persist_s, max_persist_s) * NS)
         self.persist_steps, self.clear_steps = persist_steps, clear_steps
+        self.bridge_steps = bridge_steps
         self.warmup_steps = warmup_steps
 
     def _column(self, key: str, n: int, dtype: Any) -> None:
@@ -108,20 +117,23 @@ class Persistence:
         and ``end``, and the condition's strength in it (``level``); returns which columns
         are active."""
         st, w = self.st, self.width
-        since, steps, off, active = (st[k][:w] for k in ("since", "steps", "off", "active"))
+        since, steps, off, active, held = (
+            st[k][:w] for k in ("since", "steps", "off", "active", "held")
+        )
         st["seen"] += 1
         warm = st["seen"] > self.warmup_steps
         if warm and level == level and len(st["levels"]) < NOISE_STEPS:
             st["levels"].append(float(level))
-        broke = (since > 0) & ~cond & ~active
-        if broke.any():  # a run that ended on its own (at the previous step): the job's noise
-            last = int(st.get("last_end", end))
-            st["noise_ns"] = max(int(st["noise_ns"]), int((last - since[broke]).max()))
-        st["last_end"] = end
-        since[:] = np.where(cond, np.where(since > 0, since, start), 0)
-        steps[:] = np.where(cond, steps + 1, 0)
         off[:] = np.where(cond, 0, off + 1)
-        lasting = (since > 0) & (end - since >= self.need_ns) & (steps >= self.persist_steps)
+        ended = (since > 0) & (off > self.bridge_steps)
+        broke = ended & ~active
+        if broke.any():  # a run that ended on its own (it last held at ``held``): the noise
+            st["noise_ns"] = max(int(st["noise_ns"]), int((held[broke] - since[broke]).max()))
+        since[:] = np.where(cond & (since == 0), start, np.where(ended, 0, since))
+        steps[:] = np.where(cond, steps + 1, np.where(ended, 0, steps))
+        held[:] = np.where(cond, end, held)
+        lasting = cond & (since > 0) & (end - since >= self.need_ns)
+        lasting &= steps >= self.persist_steps
         active[:] = ((active | (lasting & warm)) & ~(active & (off >= self.clear_steps))) & (
             warm | active
         )
@@ -129,6 +141,6 @@ class Persistence:
 
     def stop(self) -> None:
         """Nothing holds any more (too few ranks to compare, the detector off)."""
-        for k in ("since", "steps", "off"):
+        for k in ("since", "steps", "off", "held"):
             self.st[k][: self.width] = 0
         self.st["active"][: self.width] = False

@@ -13,9 +13,11 @@ detectors' window may hold fewer), and long enough that a rank slowed by CPU con
 slow in it: a process that shares its CPU with another runs whole time slices on time and
 then waits a whole slice, so a third or so of its steps are on time, scattered; over a handful
 of steps the median flickers, each flicker ends the slow run, and the runs that ended teach
-`Persistence` that the job's noise is as long as they were. The long median holds a healthy
-rank's slow seconds as well (another process landing on its CPU for a while), so on a noisy
-job a slow run must last ``level_persist_s`` for each ``score_threshold`` the latest rank is
+`Persistence` that the job's noise is as long as they were. Even over 15 steps the median of a
+contended rank dips for a step or two now and then: a slow run goes on through as many normal
+steps as resolve an open straggler (``clear_steps``). The long median holds a healthy rank's
+slow seconds as well (another process landing on its CPU for a while), so on a noisy job a
+slow run must last ``level_persist_s`` for each ``score_threshold`` the latest rank is
 typically late by (a quiet job: ``persist_s``). A slow run counts from its first slow step
 (the median lags it), and only from the end of the warm-up (``warmup_steps``).
 
@@ -54,6 +56,7 @@ def straggler_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarra
         warmup_steps=p.warmup_steps,
         scale=p.score_threshold,
         level_s=p.level_persist_s,
+        bridge_steps=p.clear_steps,
     )
     if int(np.sum(~np.isnan(d["comp"][-1]))) < 2:
         pers.stop()
