@@ -348,15 +348,26 @@ def _drain(eff: Any, pending: list[Any]) -> None:
 
 
 def _refill(eff: Any) -> None:
-    """Send ``eff``'s workers indices up to its prefetch depth again (after a rolled-back drain)."""
+    """Send ``eff``'s workers indices up to its prefetch depth again (after a rolled-back drain).
+
+    The depth counts what torch counts: batches the workers still owe (``_tasks_outstanding``)
+    and batches received ahead of their turn and held in ``_task_info`` (each of which sends
+    an index when it is delivered). Counting only the first would send too many, and torch
+    raises "Number of outstanding tasks exceeded maximum allowed tasks" a few batches later.
+    """
     if eff._shutdown:
         return
     depth = eff._prefetch_factor * eff._num_workers
-    while eff._tasks_outstanding < depth:
+    while eff._tasks_outstanding + _held(eff) < depth:
         sent = eff._send_idx
         eff._try_put_index()
         if eff._send_idx == sent:
             return
+
+
+def _held(eff: Any) -> int:
+    """Batches ``eff`` received ahead of their turn (``_task_info`` entries holding data)."""
+    return sum(1 for info in eff._task_info.values() if len(info) == 2)
 
 
 def _build(loader: Any, eff: Any, remaining: Any, target: dict[str, Any]) -> Any:

@@ -7,6 +7,7 @@ and the epoch after it must give the same indices in the same order.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,11 +25,20 @@ pytestmark = pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as 
 
 
 class Indices(Dataset[torch.Tensor]):
-    """Sample ``i`` is ``tensor(i)``; sample ``fail_at`` raises when loaded."""
+    """Sample ``i`` is ``tensor(i)``; sample ``fail_at`` raises when loaded; the samples in
+    ``slow`` take ``delay_s`` each to load."""
 
-    def __init__(self, n: int = N, fail_at: int | None = None) -> None:
+    def __init__(
+        self,
+        n: int = N,
+        fail_at: int | None = None,
+        slow: frozenset[int] = frozenset(),
+        delay_s: float = 0.0,
+    ) -> None:
         self.n = n
         self.fail_at = fail_at
+        self.slow = slow
+        self.delay_s = delay_s
 
     def __len__(self) -> int:
         return self.n
@@ -36,6 +46,8 @@ class Indices(Dataset[torch.Tensor]):
     def __getitem__(self, i: int) -> torch.Tensor:
         if i == self.fail_at:
             raise ValueError(f"bad sample {i}")
+        if i in self.slow:
+            time.sleep(self.delay_s)
         return torch.tensor(i)
 
 
@@ -354,4 +366,35 @@ def test_a_failure_while_draining_leaves_everything_as_it_was() -> None:
     assert rebuild_iterator(it, loader, num_workers=1) == {"num_workers": 2}
     assert not live_workers(it) and len(live_workers(inner(it))) == 1
     seen += take(it)
+    assert seen == expected
+
+
+def test_a_failure_while_draining_after_a_batch_came_ahead_of_its_turn_keeps_the_depth() -> None:
+    """Batch 3 (worker 1) loads slowly, so the drain first receives a later batch of worker 0,
+    which torch holds until batch 3 arrives; then the receive fails. Refilling the old workers must
+    count the held batch: torch sends an index when it delivers it, and one index too many makes
+    torch raise "Number of outstanding tasks exceeded maximum allowed tasks" batches later."""
+    expected = unchanged(1)[0]
+    loader = make_loader(2, dataset=Indices(slow=frozenset(expected[3]), delay_s=0.4))
+    it: Any = iter(loader)
+    seen = take(it, 3)
+    real_get = it._get_data
+    calls = 0
+
+    def flaky_get() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("DataLoader timed out after 1 seconds")
+        return real_get()
+
+    it._get_data = flaky_get
+    with pytest.raises(ConfigError, match=r"receiving the batches in flight failed.*timed out"):
+        rebuild_iterator(it, loader, num_workers=1)
+    del it._get_data
+    held = [idx for idx, info in it._task_info.items() if len(info) == 2]
+    assert held and min(held) > 3, "worker 0's batches must have come first and be held"
+    depth = it._prefetch_factor * it._num_workers
+    assert it._tasks_outstanding + len(held) == depth
+    seen += take(it)  # every later batch, each refill within torch's limit
     assert seen == expected
