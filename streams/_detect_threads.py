@@ -9,7 +9,10 @@ process of the rank, and a process the script started beside its loader is none)
 oversubscribed when its threads plus the cores its loader workers keep busy exceed its budget
 while compute is a large share of its step (at least ``min_compute_share``: the threads are
 what the step waits for). Loader workers that wait on storage burn little CPU and count for
-what they burn; without host samples each worker counts as a core.
+what they burn; without host samples each worker counts as a core. Workers that just started
+(the sampler has not measured them yet) leave the rank unjudged until their next readings:
+a new worker is not a busy core, and perfloop's own loader change must not read as
+oversubscription.
 
 Parallel ops then wait for descheduled threads: the step slows by about the share of compute
 the extra threads cost, ``compute share × (1 − budget / (threads + loader cores))``, which is
@@ -44,15 +47,19 @@ def thread_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
     # a tool or a compiler the script started is no loader worker)
     seen, said = rk["loader_workers"][:w], rk["num_workers"][:w]
     workers = np.nan_to_num(np.where(said >= 0, np.minimum(seen, said), seen))
-    cores = np.where(np.isnan(rk["loader_cpu"][:w]), workers, rk["loader_cpu"][:w] / 100.0)
+    unmeasured = np.isnan(rk["loader_cpu"][:w])
+    cores = np.where(unmeasured, workers, rk["loader_cpu"][:w] / 100.0)
     load = threads + np.minimum(cores, workers)
+    # workers the host sampler sees but has not measured yet (they just started: perfloop or
+    # the script changed their count) are judged on their next readings, not as full cores
+    settling = unmeasured & (workers >= 1) & ~np.isnan(rk["proc_cpu"][:w])
     k = min(len(d["st"]), 3)
     with np.errstate(all="ignore"):
         busy = d["comp"][-k:] / d["st"][-k:]
         compute = nanmean(np.where(np.isnan(busy), 1.0 - d["share"][-k:], busy), axis=0)
     over = known & (load > budget + 0.5) & (compute >= p.min_compute_share)
-    run = _count(st, "on", w, over, new)
-    off = _count(st, "off", w, ~over, new)
+    run = _count(st, "on", w, over & ~settling, new, hold=settling)
+    off = _count(st, "off", w, ~over & ~settling, new, hold=settling)
     active = st.setdefault("active", np.zeros(0, dtype=bool))
     if len(active) < w:
         active = st["active"] = np.concatenate([active, np.zeros(w - len(active), bool)])
@@ -93,12 +100,15 @@ def thread_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
     _replace(job, "thread_oversubscription:", found)
 
 
-def _count(st: dict[str, Any], key: str, w: int, cond: np.ndarray, new: np.ndarray) -> Any:
-    """Consecutive new steps each rank had ``cond`` (the condition of the latest state)."""
+def _count(
+    st: dict[str, Any], key: str, w: int, cond: np.ndarray, new: np.ndarray, *, hold: Any = False
+) -> Any:
+    """Consecutive new steps each rank had ``cond`` (the condition of the latest state); a rank
+    in ``hold`` keeps its count (neither condition can be judged now)."""
     a = st.get(key)
     if a is None or len(a) < w:
         old = a if a is not None else np.zeros(0, dtype=np.int64)
         a = st[key] = np.concatenate([old, np.zeros(w - len(old), dtype=np.int64)])
     steps = int(new.sum())
-    a[:w] = np.where(cond, a[:w] + steps, 0)
+    a[:w] = np.where(hold, a[:w], np.where(cond, a[:w] + steps, 0))
     return a[:w]

@@ -173,3 +173,36 @@ def test_a_process_the_script_started_beside_its_loader_is_no_loader_worker() ->
     assert not [d for d in found if d.bottleneck == "thread_oversubscription"]
     (d,) = _job(1, 1, workers=1, children=2, loader_cpu=190.0)
     assert d.evidence["loader_workers"] == 1, "as many workers as its steps say"
+
+
+def _regrown(loader_cpu: float) -> list[Diagnosis]:
+    """1 thread on 2 CPUs, no workers for 3 s, then 3 workers (as perfloop's loader rule grows
+    them) that the host sampler, reading once a second, first sees at 0 % (their start) and
+    then measures at ``loader_cpu``. Steps every 100 ms; every tick's open findings."""
+    f = Funnel()
+    t0 = 1_700_000_000 * NS
+    f.observe_event(_info(0, threads=1, budget=2, by_script=True), t0)
+    opened: list[Diagnosis] = []
+    for i in range(60):
+        t = t0 + (i + 1) * 100_000_000
+        workers = 0 if i < 30 else 3
+        cols = {"ts_ns": [t], "rank": [0], "step": [i], "step_time_ms": [100.0],
+                "data_wait_ms": [5.0], "num_workers": [workers]}  # fmt: skip
+        f.observe(decode_batch(encode_batch("step", cols, job_id="j", node="n0")), t)
+        if i % 10 == 9:  # the sampler's second
+            cpu = 0.0 if i < 40 else loader_cpu  # the first reading of new workers covers start
+            host = {"ts_ns": [t], "rank": [0], "loader_workers": [workers],
+                    "loader_cpu_pct": [cpu], "proc_cpu_pct": [100.0],
+                    "sys_cpu_pct": [100.0]}  # fmt: skip
+            f.observe(decode_batch(encode_batch("host", host, job_id="j", node="n0")), t)
+        opened += [d for d in f.tick(t) if d.state == "open"]
+    return [d for d in opened if d.bottleneck == "thread_oversubscription"]
+
+
+def test_workers_that_just_started_are_judged_on_their_next_readings_not_as_full_cores() -> None:
+    """A new worker is not yet measured: counting each as a busy core read perfloop's own
+    loader change as oversubscription (1 thread + 3 "cores" on 2 CPUs) on the real bench."""
+    assert _regrown(loader_cpu=45.0) == [], "workers waiting on storage: no oversubscription"
+    found = _regrown(loader_cpu=290.0)
+    assert found, "3 busy workers beside 1 thread on 2 CPUs are oversubscription"
+    assert found[0].evidence["loader_cores"] == pytest.approx(2.9, abs=0.01)
