@@ -11,8 +11,11 @@ every CPU busy would pay for its own monitoring. With ``stack_priority`` "idle" 
 the services that keep history — the warehouse and the sink, about half of what the stack
 spends on a job's telemetry — run under Linux's ``SCHED_IDLE`` policy and use only CPU time
 nothing else wants: under a job that leaves no CPU idle they fall behind, and catch up when
-it pauses or ends. The loop itself (the broker, the stream workers, the actuator) keeps the
-ordinary policy, so diagnoses and changes never wait for the job to leave a CPU idle.
+it pauses or ends. The loop itself (the broker, the stream workers, the actuator) runs under
+``SCHED_BATCH``: its fair share of the CPUs as any process, so diagnoses and changes never
+wait for the job to leave a CPU idle, but a service that wakes up (a batch of telemetry came)
+waits for the running training thread's slice to end, or for it to block, instead of
+preempting it; on a job whose ranks meet at every step, one preempted rank holds up all.
 ``PERFLOOP_STACK_PRIORITY=normal`` runs every service like any other process.
 """
 
@@ -54,22 +57,32 @@ __all__ = [
 STATE_FILE = "stack.json"
 SERVICES = ("streams", "sink", "actuator")
 IDLE_SERVICES = frozenset({"warehouse", "sink"})
-"""What runs under ``SCHED_IDLE`` with ``stack_priority`` "idle": history, not the loop."""
+"""What runs under ``SCHED_IDLE`` with ``stack_priority`` "idle": history, not the loop (which
+runs under ``SCHED_BATCH``)."""
+
+
+def _policy_for(name: str, stack_priority: str) -> str:
+    """The policy service ``name`` starts under: "idle", "batch" or "normal"."""
+    if stack_priority != "idle":
+        return "normal"
+    return "idle" if name in IDLE_SERVICES else "batch"
 
 
 def _at_priority(priority: str, start: Callable[[], subprocess.Popen[bytes]]) -> Any:
     """``start()`` on a thread whose scheduling policy is ``SCHED_IDLE`` when ``priority`` is
-    "idle": a process it forks inherits the policy, and so does every thread of it, from its
-    first instruction (no window in which a service runs at normal priority). Where the
-    policy does not exist or may not be set, the process starts at normal priority."""
-    idle = getattr(os, "SCHED_IDLE", None)
-    if priority != "idle" or idle is None:
+    "idle" and ``SCHED_BATCH`` when it is "batch": a process it forks inherits the policy, and
+    so does every thread of it, from its first instruction (no window in which a service runs
+    under the ordinary policy). Where the policy does not exist or may not be set, the
+    process starts under the ordinary one."""
+    policy = {"idle": "SCHED_IDLE", "batch": "SCHED_BATCH"}.get(priority)
+    chosen = getattr(os, policy, None) if policy else None
+    if chosen is None:
         return start()
     out: dict[str, Any] = {}
 
     def run() -> None:
         with contextlib.suppress(OSError):
-            os.sched_setscheduler(0, idle, os.sched_param(0))
+            os.sched_setscheduler(0, chosen, os.sched_param(0))
         try:
             out["proc"] = start()
         except BaseException as e:
@@ -273,7 +286,7 @@ class Supervisor:
         log = open(child.log, "ab")  # noqa: SIM115 - handed to the child, closed below
         try:
             child.proc = _at_priority(
-                self.settings.stack_priority if child.name in IDLE_SERVICES else "normal",
+                _policy_for(child.name, self.settings.stack_priority),
                 lambda: subprocess.Popen(
                     child.argv,
                     stdin=subprocess.DEVNULL,

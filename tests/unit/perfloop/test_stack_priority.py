@@ -1,7 +1,8 @@
 """The embedded services' scheduling policy: by default the warehouse and the sink run under
 ``SCHED_IDLE`` (they use only CPU time the training job leaves) and the loop (broker, stream
-workers, actuator) under the ordinary one; with ``stack_priority`` "normal" every service
-does; a service's threads inherit its policy."""
+workers, actuator) under ``SCHED_BATCH`` (a fair share, no wakeup preemption of a training
+thread); with ``stack_priority`` "normal" every service runs under the ordinary policy; a
+service's threads inherit its policy."""
 
 from __future__ import annotations
 
@@ -47,6 +48,11 @@ def test_normal_priority_leaves_the_policy_alone() -> None:
     assert _policies("normal") == [mine, mine]
 
 
+def test_batch_priority_runs_the_service_and_its_threads_under_sched_batch() -> None:
+    assert _policies("batch") == [os.SCHED_BATCH, os.SCHED_BATCH]
+    assert os.sched_getscheduler(0) != os.SCHED_BATCH, "the supervisor's own thread is unchanged"
+
+
 def test_a_start_that_fails_raises_in_the_caller() -> None:
     with pytest.raises(FileNotFoundError):
         _at_priority("idle", lambda: subprocess.Popen(["/nonexistent/perfloop-service"]))
@@ -71,14 +77,14 @@ def _supervised(tmp: Path, priority: str) -> dict[str, list[int]]:
     return seen
 
 
-def test_the_history_services_yield_and_the_loop_does_not(tmp_path: Path) -> None:
+def test_the_history_services_yield_and_the_loop_never_preempts(tmp_path: Path) -> None:
     mine = os.sched_getscheduler(0)
-    idle = os.SCHED_IDLE
+    idle, batch = os.SCHED_IDLE, os.SCHED_BATCH
     assert _supervised(tmp_path, "idle") == {
-        "broker": [mine, mine],
+        "broker": [batch, batch],
         "warehouse": [idle, idle],
-        "streams": [mine, mine],
+        "streams": [batch, batch],
         "sink": [idle, idle],
-        "actuator": [mine, mine],
+        "actuator": [batch, batch],
     }
     assert set(map(tuple, _supervised(tmp_path, "normal").values())) == {(mine, mine)}
