@@ -104,7 +104,12 @@ class ActuatorService:
         )
         self._stop = threading.Event()
         self._consumer = consumer(
-            settings, settings.group_id, **{"session.timeout.ms": settings.session_timeout_ms}
+            settings,
+            settings.group_id,
+            **{
+                "session.timeout.ms": settings.session_timeout_ms,
+                "fetch.wait.max.ms": settings.fetch_max_wait_ms,
+            },
         )
         self._producer = producer(settings)
         self.issued = 0

@@ -155,8 +155,9 @@ class StackSettings(BaseServiceSettings):
     stack_priority: Literal["idle", "normal"] = Field(
         "idle",
         description="idle: the warehouse and the sink run under SCHED_IDLE (Linux) and use "
-        "only CPU time the training job leaves idle (the loop keeps the ordinary policy); "
-        "normal: every service like any other process.",
+        "only CPU time the training job leaves idle, and the loop (broker, streams, actuator) "
+        "under SCHED_BATCH (its fair share, but it never preempts a training thread when it "
+        "wakes up); normal: every service like any other process.",
     )
 
 
@@ -232,12 +233,13 @@ class SinkSettings(BaseServiceSettings):
     dedup_window_messages: int = Field(200_000, gt=0)
     session_timeout_ms: int = Field(6000, ge=1000)
     fetch_min_bytes: int = Field(1 << 20, ge=1)
-    fetch_max_wait_ms: int = Field(200, ge=1, le=10_000)
+    fetch_max_wait_ms: int = Field(500, ge=1, le=10_000)
     """A fetch returns once ``fetch_min_bytes`` are waiting or after ``fetch_max_wait_ms``.
     The sink reads every topic, so while input flows some partition always has new records
-    and a fetch would return at once: ~5 fetches a second instead of dozens. Each costs the
+    and a fetch would return at once: ~2 fetches a second instead of dozens. Each costs the
     embedded broker time in proportion to what the partitions hold (`perfloop.broker`); the
-    sink's fetches were most of the broker's CPU in a soak."""
+    sink's fetches were most of the broker's CPU in a soak, and at 200 ms the idle sink still
+    fetched ~8 times a second."""
     telemetry_in_rounds: bool = True
     """Read the telemetry topics in rounds, one per flush, each partition paused once read to
     its end (`perfloop.streams.sink`), instead of fetching them continuously: the embedded
@@ -266,6 +268,12 @@ class ActuatorSettings(BaseServiceSettings):
     approval_ttl_s: float = Field(900.0, gt=0)
     """An approval acts only on a recommendation younger than this."""
     session_timeout_ms: int = Field(6000, ge=1000)
+    fetch_max_wait_ms: int = Field(500, ge=1, le=1000)
+    """How long a fetch of read-to-the-end partitions may wait for input. The embedded broker
+    answers such a fetch after about half of it whether or not input came (`perfloop.broker`),
+    so this bounds how long a recommendation waits to be read (~250 ms, against the seconds a
+    diagnosis takes) and how often the idle actuator wakes the broker: at 50 ms it fetched
+    ~20 times a second, and the broker, sharing the job's CPUs, took ~5 % of a core idle."""
     straggler_hook: str = ""
     """The action hook run for a straggler's node (``cluster.drain_node``, as the job's tier
     allows): a command template, e.g. ``scontrol update nodename={node} state=drain
