@@ -51,8 +51,10 @@ def thread_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
     cores = np.where(unmeasured, workers, rk["loader_cpu"][:w] / 100.0)
     load = threads + np.minimum(cores, workers)
     # workers the host sampler sees but has not measured yet (they just started: perfloop or
-    # the script changed their count) are judged on their next readings, not as full cores
+    # the script changed their count) are judged on their next readings, not as full cores;
+    # threads past the budget on their own need no reading of the workers
     settling = unmeasured & (workers >= 1) & ~np.isnan(rk["proc_cpu"][:w])
+    settling &= ~(threads > budget + 0.5)
     k = min(len(d["st"]), 3)
     with np.errstate(all="ignore"):
         busy = d["comp"][-k:] / d["st"][-k:]
