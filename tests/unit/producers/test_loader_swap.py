@@ -339,25 +339,33 @@ def test_workers_that_cannot_start_leave_everything_as_it_was(
     assert len(seen) == N // BATCH
 
 
-def test_a_failure_while_draining_leaves_everything_as_it_was() -> None:
-    expected = unchanged(1)[0]
-    loader = make_loader(2)
-    it: Any = iter(loader)
-    seen = take(it, 3)
+def _change_failing_at_the_second_receive(it: Any, loader: DataLoader[Any]) -> None:
+    """Change ``it`` to 1 worker while its drain's first receive gets a batch and its second
+    fails as a timed-out worker would; the change must be refused as a `ConfigError`."""
     real_get = it._get_data
     calls = 0
 
     def flaky_get() -> Any:
         nonlocal calls
         calls += 1
-        if calls == 2:  # the first in-flight batch arrives, then the receive fails
+        if calls == 2:
             raise RuntimeError("DataLoader timed out after 1 seconds")
         return real_get()
 
     it._get_data = flaky_get
-    with pytest.raises(ConfigError, match=r"receiving the batches in flight failed.*timed out"):
-        rebuild_iterator(it, loader, num_workers=1)
-    del it._get_data
+    try:
+        with pytest.raises(ConfigError, match=r"receiving the batches in flight failed.*timed out"):
+            rebuild_iterator(it, loader, num_workers=1)
+    finally:
+        del it._get_data
+
+
+def test_a_failure_while_draining_leaves_everything_as_it_was() -> None:
+    expected = unchanged(1)[0]
+    loader = make_loader(2)
+    it: Any = iter(loader)
+    seen = take(it, 3)
+    _change_failing_at_the_second_receive(it, loader)
     assert loader_settings(loader)["num_workers"] == 2
     assert len(live_workers(it)) == 2
     seen += take(it, 3)  # the batch received before the failure, then the refilled workers'
@@ -378,20 +386,7 @@ def test_a_failure_while_draining_after_a_batch_came_ahead_of_its_turn_keeps_the
     loader = make_loader(2, dataset=Indices(slow=frozenset(expected[3]), delay_s=0.4))
     it: Any = iter(loader)
     seen = take(it, 3)
-    real_get = it._get_data
-    calls = 0
-
-    def flaky_get() -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 2:
-            raise RuntimeError("DataLoader timed out after 1 seconds")
-        return real_get()
-
-    it._get_data = flaky_get
-    with pytest.raises(ConfigError, match=r"receiving the batches in flight failed.*timed out"):
-        rebuild_iterator(it, loader, num_workers=1)
-    del it._get_data
+    _change_failing_at_the_second_receive(it, loader)
     held = [idx for idx, info in it._task_info.items() if len(info) == 2]
     assert held and min(held) > 3, "worker 0's batches must have come first and be held"
     depth = it._prefetch_factor * it._num_workers
