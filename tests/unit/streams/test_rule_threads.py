@@ -175,28 +175,38 @@ def test_a_process_the_script_started_beside_its_loader_is_no_loader_worker() ->
     assert d.evidence["loader_workers"] == 1, "as many workers as its steps say"
 
 
-def _regrown(loader_cpu: float) -> list[Diagnosis]:
-    """1 thread on 2 CPUs, no workers for 3 s, then 3 workers (as perfloop's loader rule grows
-    them) that the host sampler, reading once a second, first sees at 0 % (their start) and
-    then measures at ``loader_cpu``. Steps every 100 ms; every tick's open findings."""
+def _feed(threads: int, workers_at: Any, cpu_at: Any, first: int = 9) -> list[Diagnosis]:
+    """One rank of ``threads`` on 2 CPUs, steps every 100 ms for 6 s, a host reading each
+    second (the sampler's; the first with step ``first``) with ``workers_at(i)`` loader
+    workers at ``cpu_at(i)`` % CPU; every tick's open `thread_oversubscription` findings."""
     f = Funnel()
     t0 = 1_700_000_000 * NS
-    f.observe_event(_info(0, threads=1, budget=2, by_script=True), t0)
+    f.observe_event(_info(0, threads=threads, budget=2, by_script=True), t0)
     opened: list[Diagnosis] = []
     for i in range(60):
         t = t0 + (i + 1) * 100_000_000
-        workers = 0 if i < 30 else 3
+        workers = workers_at(i)
         cols = {"ts_ns": [t], "rank": [0], "step": [i], "step_time_ms": [100.0],
                 "data_wait_ms": [5.0], "num_workers": [workers]}  # fmt: skip
         f.observe(decode_batch(encode_batch("step", cols, job_id="j", node="n0")), t)
-        if i % 10 == 9:  # the sampler's second
-            cpu = 0.0 if i < 40 else loader_cpu  # the first reading of new workers covers start
+        if i % 10 == first:  # the sampler's second
             host = {"ts_ns": [t], "rank": [0], "loader_workers": [workers],
-                    "loader_cpu_pct": [cpu], "proc_cpu_pct": [100.0],
+                    "loader_cpu_pct": [cpu_at(i)], "proc_cpu_pct": [100.0],
                     "sys_cpu_pct": [100.0]}  # fmt: skip
             f.observe(decode_batch(encode_batch("host", host, job_id="j", node="n0")), t)
         opened += [d for d in f.tick(t) if d.state == "open"]
     return [d for d in opened if d.bottleneck == "thread_oversubscription"]
+
+
+def _regrown(loader_cpu: float) -> list[Diagnosis]:
+    """1 thread, no workers for 3 s, then 3 workers (as perfloop's loader rule grows them)
+    that the host sampler first sees at 0 % (their start) and then measures at
+    ``loader_cpu``."""
+    return _feed(
+        1,
+        workers_at=lambda i: 0 if i < 30 else 3,
+        cpu_at=lambda i: 0.0 if i < 40 else loader_cpu,  # a new worker's first reading: 0
+    )
 
 
 def test_workers_that_just_started_are_judged_on_their_next_readings_not_as_full_cores() -> None:
@@ -206,3 +216,17 @@ def test_workers_that_just_started_are_judged_on_their_next_readings_not_as_full
     found = _regrown(loader_cpu=290.0)
     assert found, "3 busy workers beside 1 thread on 2 CPUs are oversubscription"
     assert found[0].evidence["loader_cores"] == pytest.approx(2.9, abs=0.01)
+
+
+def test_threads_past_the_budget_on_their_own_need_no_reading_of_the_workers() -> None:
+    """A loader whose worker count changes at every host reading is never measured; the
+    wait for its workers' next readings must not hide 16 threads on 2 CPUs."""
+
+    def workers_at(i: int) -> int:  # read from the first step on, a new count each reading
+        return 1 + (i // 10) % 2
+
+    found = _feed(16, workers_at, cpu_at=lambda i: 0.0, first=0)
+    assert found and found[0].evidence["num_threads"] == 16
+    assert _feed(2, workers_at, cpu_at=lambda i: 0.0, first=0) == [], (
+        "2 threads on 2 CPUs and workers not measured yet: nothing to judge"
+    )
