@@ -88,7 +88,12 @@ class ProducerSettings(BaseServiceSettings):
     node: str | None = Field(None, min_length=1, max_length=255)
     # transport
     linger_ms: float = Field(20.0, ge=0, le=10_000)
-    publish_interval_ms: float = Field(250.0, gt=0, description="Batches leave this often.")
+    publish_interval_ms: float = Field(1000.0, gt=0, description="Batches leave this often.")
+    """Each batch costs the broker, the stream worker and the sink a fixed price whatever it
+    holds, and on a node the job keeps busy that price is taken from the job: a healthy
+    2-rank DDP job on 2 CPUs ran at 0.898x of its plain speed under ``perfloop run`` with
+    250 ms and 0.922x with 1000 ms (`bench/README.md`). A diagnosis waits up to this much
+    longer for its samples."""
     queue_max_messages: int = Field(10_000, gt=0, description="In-memory bound before spooling.")
     message_timeout_ms: int = Field(15_000, ge=1000, description="Then a message is spooled.")
     spool_dir: Path | None = None
