@@ -724,3 +724,20 @@ MIGRATIONS = (
         tuning=True,
     ),
 )
+
+
+# -- migration 14: the room a process has under a memory limit of its own ------------------------
+MIGRATIONS = (
+    *MIGRATIONS,
+    Migration(
+        14,
+        "host_samples: the room each process has under its address-space or cgroup memory limit",
+        (
+            _add_columns(
+                "host_samples",
+                """    mem_room_bytes UInt64,
+    mem_room_limit LowCardinality(String)""",
+            ),
+        ),
+    ),
+)

@@ -3,9 +3,11 @@
 `HostSampler.sample()` returns one row per watched process (keys are `HostSample` fields):
 system CPU and iowait (share of the whole machine since the previous sample), 1-minute load,
 memory, disk and network throughput (bytes/s since the previous sample; loopback excluded),
-the process's CPU (percent of one core), RSS and threads, and its descendants — the data-loader
-workers a PyTorch ``DataLoader`` forks — as a count, summed CPU and summed RSS. With no process
-to watch it returns one node-level row (``pid`` 0, ``rank`` -1).
+the process's CPU (percent of one core), RSS and threads, the room it has under a memory limit
+of its own (`perfloop.producers._memroom`: its address-space limit or its cgroup's), and its
+descendants — the data-loader workers a PyTorch ``DataLoader`` forks — as a count, summed CPU
+and summed RSS. With no process to watch it returns one node-level row (``pid`` 0, ``rank``
+-1).
 
 A watched process's rank is the one given, else the ``RANK`` its launcher put in its
 environment (torchrun, ``perfloop run``), else -1. A process that exits is dropped and logged
@@ -20,9 +22,12 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import psutil
+
+from perfloop.producers._memroom import cgroup_dirs, memory_room
 
 __all__ = ["HOST_SIGNALS", "HostSampler", "rank_of"]
 
@@ -95,6 +100,7 @@ class HostSampler:
         self._checked: set[int] = set()  # descendants already checked for a launcher's RANK
         self._proc_cpu: dict[int, tuple[float, float]] = {}  # pid -> (cpu seconds, at)
         self._children: dict[int, psutil.Process] = {}
+        self._cgroups: dict[int, list[tuple[Any, bool]]] = {}  # pid -> its memory cgroups
         self._proc_children = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
         self._cpu_prev: Any = None
         self._sys_cpu = (0.0, 0.0)
@@ -187,6 +193,10 @@ class HostSampler:
             "proc_rss_bytes": int(mem.rss),
             "proc_threads": int(threads),
         }
+        dirs = self._cgroups.get(pid)
+        if dirs is None:
+            dirs = self._cgroups[pid] = cgroup_dirs(Path(f"/proc/{pid}"))
+        row["mem_room_bytes"], row["mem_room_limit"] = memory_room(pid, int(mem.vms), dirs)
         n, cpu, rss = 0, 0.0, 0
         for kid in kids:
             kp = self._children.get(kid)
@@ -286,6 +296,7 @@ class HostSampler:
             except psutil.Error:
                 del self._procs[pid]
                 self._proc_cpu.pop(pid, None)
+                self._cgroups.pop(pid, None)
                 log.warning("watched process %d exited; it is no longer sampled", pid)
                 continue
             row.update(system)

@@ -124,12 +124,15 @@ _HOST_BOUNDS = _bounds(
 
 
 def _clean(row: Mapping[str, Any], bounds: list[tuple[str, float, float, bool]]) -> dict[str, Any]:
-    """Schema-valid values: clamped to the field's bounds, ints as int; NaN and infinities
-    are left out (the field keeps its default)."""
+    """Schema-valid values: clamped to the field's bounds, ints as int, strings as they are;
+    NaN and infinities are left out (the field keeps its default)."""
     out: dict[str, Any] = {}
     for name, lo, hi, is_int in bounds:
         v = row.get(name)
         if v is None:
+            continue
+        if type(v) is str:
+            out[name] = v
             continue
         if is_int and type(v) is int:
             out[name] = v if lo <= v <= hi else int(max(lo, min(hi, v)))
@@ -153,7 +156,8 @@ def _columns(
         if all(name in c for c in cleaned):
             out[name] = [c[name] for c in cleaned]
         elif any(name in c for c in cleaned):
-            zero = 0 if is_int else 0.0
+            some = next(c[name] for c in cleaned if name in c)
+            zero = "" if type(some) is str else 0 if is_int else 0.0
             out[name] = [c.get(name, zero) for c in cleaned]
     return out
 

@@ -122,6 +122,9 @@ class HostSample(Event):
     """
 
     KIND: ClassVar[str] = "host"
+    SCHEMA_VERSION: ClassVar[int] = 2
+    MIN_SCHEMA_VERSION: ClassVar[int] = 1
+    schema_version: int = Field(2, ge=1)
 
     pid: int = Field(0, ge=0)
     proc_cpu_pct: float = Field(0.0, ge=0, allow_inf_nan=False)
@@ -139,6 +142,13 @@ class HostSample(Event):
     loader_workers: int = Field(0, ge=0)
     loader_cpu_pct: float = Field(0.0, ge=0, allow_inf_nan=False)
     loader_rss_bytes: int = Field(0, ge=0)
+    mem_room_bytes: int = Field(0, ge=0)
+    """(v2) How much more memory the process may take before a limit of its own stops it: its
+    address-space limit less its virtual size, or its cgroup's memory limit less the
+    cgroup's usage, whichever is less (``mem_room_limit`` says which)."""
+    mem_room_limit: str = Field("", max_length=32)
+    """(v2) ``address_space``, ``cgroup``, or empty: no such limit (the host's memory is the
+    bound)."""
 
 
 class StepEvent(Event):

@@ -4,6 +4,8 @@ capability report (no GPU on this machine) and the sampler's own stats land in t
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -28,12 +30,23 @@ def test_sample_lands_host_rows_and_capabilities(
     stack: StackSettings, stack_env_vars: dict[str, str]
 ) -> None:
     job = f"sample-{uuid.uuid4().hex[:8]}"
-    out = perfloop_cli(
-        "sample", "--job-id", job, "--node", "it-node", "--duration", "3",
-        "--pid", str(os.getpid()),
-        env=stack_env_vars,
-        timeout=60,
+    # a second watched process caps its own address space, as a script may (``ulimit -v``)
+    capped = subprocess.Popen(
+        [sys.executable, "-c", "import resource, time; resource.setrlimit(resource.RLIMIT_AS, "
+         f"({3 << 30}, resource.RLIM_INFINITY)); print('ready', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
+    try:
+        assert capped.stdout is not None and capped.stdout.readline().strip() == "ready"
+        out = perfloop_cli(
+            "sample", "--job-id", job, "--node", "it-node", "--duration", "3",
+            "--pid", str(os.getpid()), "--pid", str(capped.pid),
+            env=stack_env_vars,
+            timeout=60,
+        )  # fmt: skip
+    finally:
+        capped.kill()
+        capped.wait()
     assert out.returncode == 0, out.stderr
     nvml_lines = [line for line in out.stderr.splitlines() if "nvml" in line.lower()]
     gpu_available = "GPU: unavailable" not in out.stdout
@@ -51,9 +64,18 @@ def test_sample_lands_host_rows_and_capabilities(
         30,
         "host samples in the warehouse",
     )
-    assert len(host) >= 2  # 1 s interval over 3 s
-    assert {r[1] for r in host} == {os.getpid()}
+    assert len(host) >= 4  # 1 s interval over 3 s, two processes
+    assert {r[1] for r in host} == {os.getpid(), capped.pid}
     assert all(r[2] > 0 and r[3] > 0 for r in host)
+    room = _rows(
+        stack,
+        "SELECT mem_room_limit, min(mem_room_bytes) FROM host_samples "
+        "WHERE job_id = {job:String} AND pid = {pid:UInt32} GROUP BY mem_room_limit",
+        job=job,
+        pid=capped.pid,
+    )
+    assert [r[0] for r in room] == ["address_space"], room
+    assert 0 < room[0][1] < 3 << 30, "the cap less the process's peak virtual size"
 
     def both_reports() -> list[tuple] | None:
         rows = _rows(

@@ -7,12 +7,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
 import psutil
 import pytest
 
+from perfloop.producers._memroom import cgroup_dirs, cgroup_memory_room, peak_virtual_size
 from perfloop.producers.host import HostSampler, rank_of
 from perfloop.schemas.telemetry import HostSample
 
@@ -222,3 +224,49 @@ def test_ranks_started_by_a_launcher_are_watched_as_ranks_with_their_own_workers
             p.kill()
         launcher.kill()
         launcher.wait()
+
+
+def test_a_process_s_address_space_limit_is_its_memory_room_and_bad_cgroup_files_are_none(
+    tmp_path: Path,
+) -> None:
+    """A script that caps its own address space (``ulimit -v``, ``RLIMIT_AS``) runs out of it
+    long before the host: its host row carries the cap less its virtual size. A process
+    without such a cap has no room of its own (the host bounds it)."""
+    cap = 3 << 30
+    code = (
+        "import resource, sys; "
+        f"resource.setrlimit(resource.RLIMIT_AS, ({cap}, resource.RLIM_INFINITY)); "
+        "print('ready', flush=True); sys.stdin.read()"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        (row,) = HostSampler({p.pid: 0}).sample()
+        peak = peak_virtual_size(p.pid)  # a failed allocation happens at a peak
+        assert peak is not None and peak >= psutil.Process(p.pid).memory_info().vms
+        assert row["mem_room_limit"] == "address_space"
+        assert row["mem_room_bytes"] == pytest.approx(cap - peak, abs=8 << 20)
+        HostSample(ts_ns=1, job_id="j", node="n", **row)  # schema-valid
+    finally:
+        p.kill()
+        p.wait()
+    (me,) = HostSampler({os.getpid(): 0}).sample()
+    if psutil.Process().rlimit(psutil.RLIMIT_AS)[0] == psutil.RLIM_INFINITY:
+        assert me["mem_room_limit"] in ("", "cgroup")
+    # cgroup files that say nothing usable are no limit; a v1 limit counts its inactive cache
+    root, proc = tmp_path / "cg", tmp_path / "proc"
+    (root / "memory/slurm/job7").mkdir(parents=True)
+    proc.mkdir()
+    (proc / "cgroup").write_text("9:cpu:/\n4:memory:/slurm/job7\n0::/\nbroken line\n")
+    (root / "memory/memory.limit_in_bytes").write_text("9223372036854771712\n")  # none
+    (root / "memory/slurm/memory.limit_in_bytes").write_text("garbage\n")
+    job = root / "memory/slurm/job7"
+    (job / "memory.limit_in_bytes").write_text(str(4 << 30))
+    (job / "memory.usage_in_bytes").write_text(str(3 << 30))
+    (job / "memory.stat").write_text(f"cache 1\ntotal_inactive_file {1 << 30}\n")
+    dirs = cgroup_dirs(proc, root)
+    assert dirs[0] == (job, True) and all(v1 for _, v1 in dirs[:3])
+    assert cgroup_memory_room(dirs) == 2 << 30
+    (job / "memory.usage_in_bytes").unlink()
+    assert cgroup_memory_room(dirs) is None, "a limit without its usage is no room to count"
