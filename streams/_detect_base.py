@@ -58,6 +58,11 @@ _RANK: dict[str, tuple[Any, Any]] = {
     "num_workers": (np.float64, np.nan),  # the loader's workers, as the rank's steps say
     "loader_ran": (np.float64, np.nan),  # the latest worker count above 0
     "changed_ns": (np.int64, 0),  # when a knob of the rank last changed (job info, workers)
+    # host samples: room under a memory limit of the rank's own, the RSS it was read at, and
+    # which limit (1 address space, 2 cgroup; 0: none, the host's memory is the bound)
+    "mem_room": (np.float64, np.nan),
+    "mem_room_rss": (np.float64, np.nan),
+    "mem_room_limit": (np.int8, 0),
     # job info: intra-op threads, the CPUs the rank may use, whether the script set threads
     "threads": (np.float64, np.nan),
     "budget": (np.float64, np.nan),

@@ -29,7 +29,12 @@ _LOADER_COLUMNS = (
     "loader_workers",
     "loader_cpu_pct",
     "loader_rss_bytes",
+    "proc_rss_bytes",
+    "mem_room_bytes",
+    "mem_room_limit",
 )
+MEM_LIMITS = ("", "address_space", "cgroup")
+"""`HostSample.mem_room_limit` values, by the code a rank's ``mem_room_limit`` holds."""
 _PROGRESS = {p: i for i, p in enumerate(PROGRESS_PHASES)}
 
 
@@ -144,6 +149,11 @@ class Feeds:
         a second one comes the workers' CPU is unknown (NaN)."""
         rk = self.rank
         rk["proc_cpu"][rank] = cols["proc_cpu_pct"]
+        limit = np.array([MEM_LIMITS.index(v) if v in MEM_LIMITS else 0 for v in
+                          cols["mem_room_limit"]], dtype=np.int8)  # fmt: skip
+        rk["mem_room_limit"][rank] = limit
+        rk["mem_room"][rank] = np.where(limit > 0, cols["mem_room_bytes"], np.nan)
+        rk["mem_room_rss"][rank] = cols["proc_rss_bytes"]
         workers = cols["loader_workers"].astype(np.float64)
         cpu, ts, rss = cols["loader_cpu_pct"], cols.get("ts_ns"), cols["loader_rss_bytes"]
         for i, r in enumerate(rank.tolist()):  # in time order; a reading a second per rank

@@ -29,7 +29,9 @@ So a 30 MB/s leak is found ~5 s after it starts, 5 MB/s in ~8 s on a quiet alloc
 a noisy one. It opens only while RSS still rises (the slope over the latest 2 × ``rss_points``
 points is at least ``rss_min_growth_bytes_per_s``: a leak that stopped is not news), and
 resolves once the slope over the run it was found on, or those points if more, falls under a
-quarter of that. Time to OOM is against the host's memory.
+quarter of that. Time to OOM is the room left at this rate under the tightest bound the
+rank's host samples show: its own address-space limit or its cgroup's memory limit (the room
+read with the latest sample, less what RSS rose since), else the host's available memory.
 """
 
 from __future__ import annotations
@@ -76,8 +78,7 @@ def rss_leak_detector(job: JobState, p: Any, win: dict) -> None:
     found = {}
     for r in np.flatnonzero(a["active"]):
         rate, rss = float(a["rate"][r]), float(a["m"][r, -1])
-        total = _host_total(job, int(r))
-        headroom = max(0.0, total - rss) if total > 0 else np.nan
+        headroom, bound = _room(job, int(r), rss)
         tto = headroom / rate if rate > 0 and headroom == headroom else np.nan
         ev = {
             "growth_bytes_per_s": round(rate, 1),
@@ -101,7 +102,7 @@ def rss_leak_detector(job: JobState, p: Any, win: dict) -> None:
             step=int(win["step"][-1]),
             evidence=ev,
             summary=f"rank {r}'s memory (RSS) grows {rate / 2**20:.1f} MiB a second"
-            + (f"; out of the host's memory in about {tto:.0f} s" if tto == tto else ""),
+            + (f"; out of {bound} in about {tto:.0f} s" if tto == tto else ""),
         )
     _replace(job, "memory_leak:", found)
 
@@ -253,7 +254,24 @@ def _take(arr: np.ndarray, w: int, fill: Any) -> np.ndarray:
     return out
 
 
-def _host_total(job: JobState, rank: int) -> float:
-    n = int(job.rank["node"][rank]) if rank < len(job.rank["node"]) else -1
-    total = float(job.node["mem_total"][n]) if 0 <= n < len(job.node["mem_total"]) else 0.0
-    return total if total == total else 0.0
+_BOUNDS = {1: "its address-space limit", 2: "its cgroup's memory limit"}
+
+
+def _room(job: JobState, rank: int, rss: float) -> tuple[float, str]:
+    """The memory rank ``rank`` (RSS ``rss`` now) has left, and what bounds it: a limit of its
+    own (the room its latest host sample read, less what RSS rose since), else the host's
+    available memory (its total less RSS when the host sample says no more)."""
+    rk = job.rank
+    if rank < len(rk["mem_room_limit"]) and rk["mem_room_limit"][rank] in _BOUNDS:
+        room, at = float(rk["mem_room"][rank]), float(rk["mem_room_rss"][rank])
+        if room == room:
+            rose = max(0.0, rss - at) if at == at else 0.0
+            return max(0.0, room - rose), _BOUNDS[int(rk["mem_room_limit"][rank])]
+    n = int(rk["node"][rank]) if rank < len(rk["node"]) else -1
+    if not 0 <= n < len(job.node["mem_total"]):
+        return np.nan, ""
+    total, used = float(job.node["mem_total"][n]), float(job.node["mem_used"][n])
+    if not total > 0:
+        return np.nan, ""
+    room = total - used if used == used and used > 0 else total - rss
+    return max(0.0, room), "the host's memory"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -75,7 +76,10 @@ class Job:
         else:
             host = {"ts_ns": [t], "rank": [0], "pid": [42], "loader_workers": [what["workers"]],
                     "loader_cpu_pct": [50.0], "proc_cpu_pct": [90.0], "sys_cpu_pct": [80.0],
-                    "loader_rss_bytes": [0], "sys_mem_total_bytes": [64 << 30]}  # fmt: skip
+                    "loader_rss_bytes": [0], "sys_mem_total_bytes": [64 << 30],
+                    "proc_rss_bytes": [int(what.get("rss", 0))],
+                    "mem_room_bytes": [int(what.get("room", 0))],
+                    "mem_room_limit": [what.get("limit", "")]}  # fmt: skip
             self.f.observe(decode_batch(encode_batch("host", host, job_id="j", node="n0")), t)
 
 
@@ -113,6 +117,28 @@ def test_a_leak_in_the_rss_of_a_cpu_job_is_one_and_its_oom_too() -> None:
     assert d.ranks == [0] and d.evidence["growth_bytes_per_s"] > 50 * MIB
     assert d.onset_ns >= T0 + 70 * 100_000_000, "not the warm-up (within a 1 s RSS point)"
     assert [x.ranks for x in _opened(diags, "oom")] == [[0]]
+
+
+@pytest.mark.parametrize(
+    ("limit", "named"),
+    [("address_space", "its address-space limit"), ("cgroup", "its cgroup's memory limit")],
+)
+def test_time_to_oom_is_against_the_tightest_limit_the_process_has(limit: str, named: str) -> None:
+    """A process capped at 2 GiB (its address space, or its container) runs out of it long
+    before its 64 GiB host: the room its host samples read, less what RSS rose since, over
+    the leak's rate. Each reading's room is the cap less the RSS then and 300 MiB the process
+    maps without touching (VmSize above RSS)."""
+    rss = _leaking(20, 15.0, lambda s: 0.0)
+    cap = 2 << 30
+    reads = [(float(k), {"workers": 0, "rss": rss(k), "room": cap - rss(k) - 300 * MIB,
+                         "limit": limit}) for k in range(1, 30)]  # fmt: skip
+    (d,) = _opened(Job().run(30, rss, tuple(reads)))[:1]
+    left = cap - 300 * MIB - d.evidence["rss_bytes"]
+    assert d.evidence["headroom_bytes"] == pytest.approx(left, rel=0.05, abs=30 * MB)
+    assert d.evidence["time_to_oom_s"] == pytest.approx(left / (20 * MB), rel=0.25)
+    assert f"out of {named} in about" in d.summary
+    (h,) = _opened(Job().run(30, rss, tuple((k, {"workers": 0}) for k in range(1, 30))))[:1]
+    assert "out of the host's memory" in h.summary and h.evidence["time_to_oom_s"] > 2000
 
 
 def test_the_warm_up_and_a_settled_rss_are_no_leak() -> None:
