@@ -59,6 +59,9 @@ Definitions (per scenario, over all its runs under perfloop, observe and auto al
   to the next change) do.
 - **recommendations for an ended job**: recommendations for the job arriving more than 10 s
   after its command exited.
+- **time to OOM** (scenarios that end out of memory; reported, no target): the first matching
+  diagnosis's ``time_to_oom_s`` against the time from its arrival to the end of the rank's
+  last step.
 
 Targets (issue 21), each printed PASS or FAIL: precision and recall ≥ 0.9 and median latency
 ≤ 10 s per fault scenario; 0 false diagnoses per healthy scenario; auto / plain ≥ 2× (I/O
@@ -431,6 +434,7 @@ def opened(run: Run, events: list[tuple[int, int, Any]], record: dict[str, Any])
                 "arrival_ns": arrival,
                 "published_ns": kts,
                 "summary": ev.summary,
+                "evidence": dict(ev.evidence),
             }
     for d in record.get("diagnoses", []):
         if d["id"] not in seen:
@@ -456,6 +460,7 @@ def judge(run: Run, scen: Scenario, diags: list[dict[str, Any]], load: HostLoad)
     truth_ranks = set(t.get("ranks") or [])
     onset = t.get("onset_ns")
     first: int | None = None
+    first_d: dict[str, Any] | None = None
     for d in counted:
         when = d["arrival_ns"] or d["ts_ns"]
         right = (
@@ -469,11 +474,16 @@ def judge(run: Run, scen: Scenario, diags: list[dict[str, Any]], load: HostLoad)
         if right:
             out["matches"] += 1
             if d["arrival_ns"] is not None and (first is None or d["arrival_ns"] < first):
-                first = d["arrival_ns"]
+                first, first_d = d["arrival_ns"], d
         else:
             out["false"].append(f"{d['bottleneck']}{sorted(rank_set(d, world))}")
     if first is not None and onset is not None:
         out["latency_s"] = (first - onset) / NS
+    tto = (first_d or {}).get("evidence", {}).get("time_to_oom_s")
+    if first is not None and tto is not None and t.get("end_ns"):
+        # the first diagnosis's time to OOM against when the rank's last step ended (its
+        # next allocation failed)
+        out["oom_predicted_s"], out["oom_actual_s"] = tto, (t["end_ns"] - first) / NS
     return out
 
 
@@ -578,6 +588,9 @@ def score(
         s["recall_n"] = [sum(j["matches"] > 0 for j in began), len(began)]
         lat = [j["latency_s"] for j in began if j["latency_s"] is not None]
         s["latency_s_median"], s["latencies_s"] = _median(lat), [round(x, 2) for x in lat]
+        oom = [(j["oom_predicted_s"], j["oom_actual_s"]) for j in began if "oom_predicted_s" in j]
+        if oom:
+            s["time_to_oom_s"] = [[round(p, 1), round(a, 1)] for p, a in oom]
         s["false_kinds"] = dict(Counter(f for j in began for f in j["false"]))
     rates = {
         v: [r.rate_2nd_half for r in runs if r.variant == v and r.rate_2nd_half]
@@ -695,6 +708,11 @@ def report(scores: dict[str, dict[str, Any]], lines: list[tuple]) -> str:
             )
             if s["false_kinds"]:
                 out.append(f"   not matching: {s['false_kinds']}")
+            if s.get("time_to_oom_s"):
+                out.append(
+                    "   time to OOM at the first diagnosis, [predicted, came] s: "
+                    f"{s['time_to_oom_s']}"
+                )
         med = s["steps_per_s_2nd_half_median"]
         line = "   steps/s (2nd half, median): " + ", ".join(f"{v} {_f(x)}" for v, x in med.items())
         for v in ("observe", "auto"):
