@@ -88,12 +88,14 @@ class ProducerSettings(BaseServiceSettings):
     node: str | None = Field(None, min_length=1, max_length=255)
     # transport
     linger_ms: float = Field(20.0, ge=0, le=10_000)
-    publish_interval_ms: float = Field(1000.0, gt=0, description="Batches leave this often.")
+    publish_interval_ms: float = Field(250.0, gt=0, description="Batches leave this often.")
     """Each batch costs the broker, the stream worker and the sink a fixed price whatever it
-    holds, and on a node the job keeps busy that price is taken from the job: a healthy
-    2-rank DDP job on 2 CPUs ran at 0.898x of its plain speed under ``perfloop run`` with
-    250 ms and 0.922x with 1000 ms (`bench/README.md`). A diagnosis waits up to this much
-    longer for its samples."""
+    holds (a healthy 2-rank DDP job on 2 CPUs ran at 0.898x of its plain speed under
+    ``perfloop run`` at 250 ms, 0.922x at 1000 ms: `bench/README.md`). But the stream worker
+    judges a step once every rank's rows of it are in, and keeps a rank's last 64 steps
+    (`perfloop.streams._detect_base.STEPS`), a step older than 32 behind the newest being
+    given up: a rank whose batch comes an interval after another's must not be more than 32
+    steps behind, so at 250 ms a multi-rank job up to ~128 steps a second is seen whole."""
     queue_max_messages: int = Field(10_000, gt=0, description="In-memory bound before spooling.")
     message_timeout_ms: int = Field(15_000, ge=1000, description="Then a message is spooled.")
     spool_dir: Path | None = None
