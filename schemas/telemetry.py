@@ -144,8 +144,9 @@ class HostSample(Event):
     loader_rss_bytes: int = Field(0, ge=0)
     mem_room_bytes: int = Field(0, ge=0)
     """(v2) How much more memory the process may take before a limit of its own stops it: its
-    address-space limit less its virtual size, or its cgroup's memory limit less the
-    cgroup's usage, whichever is less (``mem_room_limit`` says which)."""
+    address-space limit less its peak virtual size, or its cgroup's memory limit less the
+    cgroup's usage (less its inactive page cache), whichever is less (``mem_room_limit``
+    says which)."""
     mem_room_limit: str = Field("", max_length=32)
     """(v2) ``address_space``, ``cgroup``, or empty: no such limit (the host's memory is the
     bound)."""
