@@ -20,7 +20,7 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["CpuBudget", "cgroup_cpu_limit", "cpu_budget"]
+__all__ = ["CpuBudget", "cgroup_cpu_limit", "cgroup_dirs", "cpu_budget"]
 
 
 class CpuBudget(tuple[int, str]):
@@ -68,6 +68,39 @@ def _read(path: Path) -> str | None:
         return None
 
 
+_V1_MOUNTS = {"cpu": ("cpu,cpuacct",)}
+"""Where a v1 controller may be mounted besides its own name and the line's controllers."""
+
+
+def cgroup_dirs(proc: Path, root: Path, controller: str) -> list[tuple[Path, bool]]:
+    """The directories of ``controller`` (``cpu``, ``memory``) for the process at ``proc``
+    (``/proc/<pid>``, or ``/proc/self``) and its cgroup's ancestors, each with whether it is
+    cgroup v1, innermost first; those that do not exist (another mount namespace) are left
+    out."""
+    lines = _read(proc / "cgroup")
+    out: list[tuple[Path, bool]] = []
+    for line in (lines or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        rel = rel.lstrip("/")
+        if controllers == "":  # cgroup v2: one hierarchy
+            base, v1 = root, False
+        elif controller in controllers.split(","):  # v1: the controller's own hierarchy
+            names = (controllers, controller, *_V1_MOUNTS.get(controller, ()))
+            bases = [root / n for n in names if (root / n).is_dir()]
+            if not bases:
+                continue
+            base, v1 = bases[0], True
+        else:
+            continue
+        for d in [base / rel] + [base / p for p in _parents(rel)]:
+            if d.is_dir():
+                out.append((d, v1))
+    return out
+
+
 def cgroup_cpu_limit(
     root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self")
 ) -> float | None:
@@ -81,35 +114,16 @@ def cgroup_cpu_limit(
     >>> cgroup_cpu_limit(d / "cg", d / "p")
     1.5
     """
-    lines = _read(proc / "cgroup")
-    if lines is None:
-        return None
     best: float | None = None
-    for line in lines.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, rel = parts
-        rel = rel.lstrip("/")
-        if controllers == "":  # cgroup v2: cpu.max along the path
-            base = root
-            candidates = [base / rel] + [base / p for p in _parents(rel)]
-            for c in candidates:
-                text = _read(c / "cpu.max")
-                limit = _quota_v2(text) if text else None
-                if limit is not None and (best is None or limit < best):
-                    best = limit
-        elif "cpu" in controllers.split(","):
-            for name in (controllers, "cpu", "cpu,cpuacct"):
-                base = root / name
-                if not base.is_dir():
-                    continue
-                for c in [base / rel] + [base / p for p in _parents(rel)]:
-                    q, p = _read(c / "cpu.cfs_quota_us"), _read(c / "cpu.cfs_period_us")
-                    limit = _quota_v1(q, p) if q and p else None
-                    if limit is not None and (best is None or limit < best):
-                        best = limit
-                break
+    for d, v1 in cgroup_dirs(proc, root, "cpu"):
+        if v1:
+            q, p = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+            limit = _quota_v1(q, p) if q and p else None
+        else:
+            text = _read(d / "cpu.max")
+            limit = _quota_v2(text) if text else None
+        if limit is not None and (best is None or limit < best):
+            best = limit
     return best
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import resource
 from pathlib import Path
 
-from perfloop.producers._cpu import _parents, _read
+from perfloop.producers._cpu import _read
+from perfloop.producers._cpu import cgroup_dirs as _cgroup_dirs
 
 __all__ = [
     "address_space_limit",
@@ -55,26 +56,9 @@ def _inactive_file(stat: str | None, v1: bool) -> int:
 
 def cgroup_dirs(proc: Path, root: Path = Path("/sys/fs/cgroup")) -> list[tuple[Path, bool]]:
     """The memory-controller directories of the process at ``proc`` (``/proc/<pid>``) and of
-    its cgroup's ancestors, each with whether it is cgroup v1, innermost first; those that
-    do not exist (another mount namespace) are left out."""
-    lines = _read(proc / "cgroup")
-    out: list[tuple[Path, bool]] = []
-    for line in (lines or "").splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, rel = parts
-        rel = rel.lstrip("/")
-        if controllers == "":
-            base, v1 = root, False
-        elif "memory" in controllers.split(","):
-            base, v1 = root / "memory", True
-        else:
-            continue
-        for d in [base / rel] + [base / p for p in _parents(rel)]:
-            if d.is_dir():
-                out.append((d, v1))
-    return out
+    its cgroup's ancestors, each with whether it is cgroup v1, innermost first
+    (`perfloop.producers._cpu.cgroup_dirs`)."""
+    return _cgroup_dirs(proc, root, "memory")
 
 
 def cgroup_memory_room(dirs: list[tuple[Path, bool]]) -> int | None:
