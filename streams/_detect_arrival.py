@@ -60,6 +60,13 @@ class ArrivalRing:
         )
         self.count = np.concatenate([self.count, np.zeros((steps, extra), np.int32)], axis=1)
 
+    def moved(self, rows: np.ndarray, to: np.ndarray, steps: int) -> ArrivalRing:
+        """A ring of ``steps`` slots holding these ``rows`` at slots ``to``."""
+        ring = ArrivalRing(steps)
+        ring.grow(self.ranks)
+        ring.wait[to], ring.count[to] = self.wait[rows], self.count[rows]
+        return ring
+
     def reset(self, rows: np.ndarray) -> None:
         """Ring slots taken by a new step."""
         self.wait[rows] = np.nan

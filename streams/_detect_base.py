@@ -11,6 +11,7 @@ import numpy as np
 __all__ = [
     "COMPUTE_CLASSES",
     "COMPUTE_PHASES",
+    "MAX_STEPS",
     "MEMORY_CLASSES",
     "NS",
     "POWER_BITS",
@@ -19,9 +20,12 @@ __all__ = [
     "THERMAL_BITS",
     "Finding",
     "episodes_update",
+    "ring_depth",
 ]
 
-STEPS = 64  # steps kept per rank (the ring)
+STEPS = 64  # steps kept per rank (the ring) at the least
+MAX_STEPS = 512  # ... and at the most
+RING_CELLS = 16384  # steps x ranks a ring may hold beyond STEPS a rank (~160 bytes each)
 NS = 1_000_000_000
 
 THERMAL_BITS = 0x20 | 0x40  # NVML SwThermalSlowdown | HwThermalSlowdown
@@ -124,6 +128,18 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def ring_depth(world: int) -> int:
+    """Steps the ring keeps for a job of ``world`` ranks: `RING_CELLS` shared out, a power of
+    two from `STEPS` to `MAX_STEPS`. A step is given up when it is half the ring behind the
+    newest, and a rank's batch comes up to a publish interval after another's: a small job
+    stepping fast (a 2-rank job at 200 steps a second sends 200 steps a batch at 1 s) needs
+    the depth; a large one steps slower and would pay for it in every rank."""
+    depth = MAX_STEPS
+    while depth > STEPS and depth * max(world, 1) > RING_CELLS:
+        depth //= 2
+    return depth
 
 
 def alloc(spec: dict[str, tuple[Any, Any]], shape: tuple[int, ...]) -> dict[str, np.ndarray]:

@@ -3,9 +3,10 @@
 `JobState` takes decoded telemetry batches (vectorised: a handful of numpy operations per
 batch) into compact, bounded arrays:
 
-* a ring of the last `STEPS` steps x ranks (step time, data wait, compute and comm from
-  depth-0 phase spans, comm nested in them, checkpoint and eval time, collective time, GPU
-  busy from kernel summaries, memory) and each collective's wait (`ArrivalRing`);
+* a ring of the last steps x ranks (`ring_depth` of the job's world: 64 to 512 steps; step
+  time, data wait, compute and comm from depth-0 phase spans, comm nested in them, checkpoint
+  and eval time, collective time, GPU busy from kernel summaries, memory) and each
+  collective's wait (`ArrivalRing`);
 * per GPU (node, device): the latest clock, temperature, utilisation, memory, error counters,
   its clock baseline and throttle episodes (`episodes_update`);
 * per node: CPU, IO wait and memory, with a CPU-saturation episode;
@@ -44,6 +45,7 @@ from perfloop.streams._detect_base import (
     alloc,
     episodes_update,
     grow,
+    ring_depth,
 )
 from perfloop.streams._detect_feeds import Feeds
 from perfloop.streams._spans import comm_inside_compute
@@ -72,11 +74,12 @@ class JobState(Feeds):
         self.gpu_mem_bytes = 0.0
         self.gpus = 0  # GPUs per rank, from job info
         self.nodes: list[str] = []
-        self.ring = alloc(_RING, (STEPS, 0))
-        self.arrival = ArrivalRing(STEPS)  # waits at each collective of a step, per rank
-        self.step_no = np.full(STEPS, -1, dtype=np.int64)
-        self.done = np.zeros(STEPS, dtype=bool)  # evaluated, or dropped as incomplete
-        self.usable = np.zeros(STEPS, dtype=bool)  # complete and evaluated
+        depth = ring_depth(0)
+        self.ring = alloc(_RING, (depth, 0))
+        self.arrival = ArrivalRing(depth)  # waits at each collective of a step, per rank
+        self.step_no = np.full(depth, -1, dtype=np.int64)
+        self.done = np.zeros(depth, dtype=bool)  # evaluated, or dropped as incomplete
+        self.usable = np.zeros(depth, dtype=bool)  # complete and evaluated
         self.rank = alloc(_RANK, (0,))
         self.dev = alloc(_DEV, (0,))
         self.dev_lookup: dict[int, np.ndarray] = {}  # node index → device → slot
@@ -121,11 +124,33 @@ class JobState(Feeds):
     def world(self) -> int:
         return int(self.ring["st"].shape[1])
 
+    @property
+    def depth(self) -> int:
+        """Steps the ring keeps (a step half of it behind the newest is given up)."""
+        return len(self.step_no)
+
     def _ensure_ranks(self, n: int) -> None:
         if n > self.world:
             grow(self.ring, _RING, n, 1)
             grow(self.rank, _RANK, n, 0)
             self.arrival.grow(n)
+            if ring_depth(n) < self.depth:
+                self._resize(ring_depth(n))
+
+    def _resize(self, depth: int) -> None:
+        """A ring of ``depth`` steps holding the newest steps of this one (more ranks came)."""
+        keep = np.flatnonzero((self.step_no >= 0) & (self.step_no > self.newest_step - depth))
+        to = self.step_no[keep] % depth  # consecutive steps: one slot each
+        ring = alloc(_RING, (depth, self.world))
+        for k, a in self.ring.items():
+            ring[k][to] = a[keep]
+        self.ring = ring
+        self.arrival = self.arrival.moved(keep, to, depth)
+        for k, fill in (("step_no", -1), ("done", False), ("usable", False)):
+            old = getattr(self, k)
+            new = np.full(depth, fill, dtype=old.dtype)
+            new[to] = old[keep]
+            setattr(self, k, new)
 
     def node_index(self, node: str) -> int:
         try:
@@ -139,9 +164,9 @@ class JobState(Feeds):
     def _slots(self, step: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Ring slot of each sample's step, and which samples are recent enough to keep
         (None: all of them)."""
-        newest = max(self.newest_step, int(step.max()))
-        ok = None if int(step.min()) > newest - STEPS else step > newest - STEPS
-        slot = step % STEPS
+        newest, depth = max(self.newest_step, int(step.max())), self.depth
+        ok = None if int(step.min()) > newest - depth else step > newest - depth
+        slot = step % depth
         stale = self.step_no[slot] != step
         if ok is not None:
             stale &= ok
@@ -288,7 +313,8 @@ class JobState(Feeds):
         if not pending.any() or not self.world:
             return 0
         rows = np.flatnonzero(pending)
-        need = self.rank["last_step"] > self.newest_step - STEPS // 2  # ranks that report
+        half = self.newest_step - self.depth // 2
+        need = self.rank["last_step"] > half  # ranks that report
         r = self.ring
         ok = ~np.isnan(r["st"][rows][:, need])
         if self.flags["spans"]:
@@ -296,7 +322,7 @@ class JobState(Feeds):
         if self.flags["coll"]:
             ok &= r["n_coll"][rows][:, need] > 0
         complete = ok.all(axis=1)
-        old = self.step_no[rows] <= self.newest_step - STEPS // 2
+        old = self.step_no[rows] <= half
         self.done[rows[complete | old]] = True
         self.usable[rows[complete]] = True
         return int(complete.sum())
@@ -305,7 +331,7 @@ class JobState(Feeds):
         """The last ``n`` complete steps in step order: each ring array as (steps, ranks)."""
         rows = np.flatnonzero(self.usable)
         rows = rows[np.argsort(self.step_no[rows], kind="stable")][-n:]
-        need = self.rank["last_step"] > self.newest_step - STEPS // 2
+        need = self.rank["last_step"] > self.newest_step - self.depth // 2
         out = {k: v[rows] for k, v in self.ring.items()}
         out["step"] = self.step_no[rows]
         out["slot"] = rows
@@ -358,19 +384,20 @@ class JobState(Feeds):
             setattr(job, k, {n: a.copy() for n, a in doc[k].items()})
         job.nodes = list(doc["nodes"])
         for arrs, spec, shape in (  # arrays newer than the snapshot start empty
-            (job.ring, _RING, (STEPS, len(job.ring["st"][0]))),
+            (job.ring, _RING, job.ring["st"].shape),
             (job.rank, _RANK, (len(job.rank["node"]),)),
             (job.node, _NODE, (len(job.nodes),)),
         ):
             for k, (dt, fill) in spec.items():
                 arrs.setdefault(k, np.full(shape, fill, dtype=dt))
         job.step_no, job.done, job.usable = (doc[k].copy() for k in ("step_no", "done", "usable"))
+        depth = len(job.step_no)  # (64 in snapshots before the depth followed the world)
         job.dev_lookup = {int(n): a.copy() for n, a in doc["dev_lookup"].items()}
         job.flags = dict(doc["flags"])
         job.kernel_busy = dict(doc["kernel_busy"])
         job.gpu_stats = doc["gpu_stats"].copy()
         job.findings = {k: Finding(**f) for k, f in doc["findings"].items()}
-        job.arrival = ArrivalRing.from_state(doc.get("arrival"), STEPS, job.world)
+        job.arrival = ArrivalRing.from_state(doc.get("arrival"), depth, job.world)
         job.det = _copy(doc["det"])
         return job
 
