@@ -25,6 +25,7 @@ __all__ = [
 
 STEPS = 64  # steps kept per rank (the ring) at the least
 MAX_STEPS = 512  # ... and at the most
+WAIT_S = 2.0  # a step (and a rank's report of it) is waited for this long of the job's steps
 RING_CELLS = 16384  # steps x ranks a ring may hold beyond STEPS a rank (~160 bytes each)
 NS = 1_000_000_000
 
@@ -132,10 +133,11 @@ class Finding:
 
 def ring_depth(world: int) -> int:
     """Steps the ring keeps for a job of ``world`` ranks: `RING_CELLS` shared out, a power of
-    two from `STEPS` to `MAX_STEPS`. A step is given up when it is half the ring behind the
-    newest, and a rank's batch comes up to a publish interval after another's: a small job
-    stepping fast (a 2-rank job at 200 steps a second sends 200 steps a batch at 1 s) needs
-    the depth; a large one steps slower and would pay for it in every rank."""
+    two from `STEPS` to `MAX_STEPS`. A step is waited for `WAIT_S` of the job's steps behind
+    the newest (at least half of `STEPS`, at most half the ring), and a rank's batch comes up
+    to a publish interval after another's: a small job stepping fast (a 2-rank job at 200
+    steps a second has 400 steps in 2 s) needs the depth; a large one steps slower and would
+    pay for it in every rank."""
     depth = MAX_STEPS
     while depth > STEPS and depth * max(world, 1) > RING_CELLS:
         depth //= 2

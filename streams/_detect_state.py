@@ -41,6 +41,7 @@ from perfloop.streams._detect_base import (
     SLOWDOWN_BITS,
     STEPS,
     THERMAL_BITS,
+    WAIT_S,
     Finding,
     alloc,
     episodes_update,
@@ -98,6 +99,7 @@ class JobState(Feeds):
         self._newest = 0  # newest event time of the batch being folded in
         self.newest_step = -1
         self.last_eval_step = -1
+        self.step_ms = 0.0  # the job's recent step time (0: none yet), for `horizon`
         self.watermark_ns = 0
         self.last_step_ns = 0
         self.lag_ns = -1.0
@@ -126,8 +128,16 @@ class JobState(Feeds):
 
     @property
     def depth(self) -> int:
-        """Steps the ring keeps (a step half of it behind the newest is given up)."""
+        """Steps the ring keeps (at most half of it behind the newest is waited for)."""
         return len(self.step_no)
+
+    def horizon(self) -> int:
+        """How many steps behind the newest a step, and a rank that reports steps, are waited
+        for: `WAIT_S` of the job's steps (its ranks' batches come a publish interval apart),
+        at least half of `STEPS`, at most half the ring. Beyond it an incomplete step is given
+        up and a silent rank no longer holds the others' steps back."""
+        n = int(WAIT_S * 1000.0 / self.step_ms) if self.step_ms > 0 else 0
+        return min(self.depth // 2, max(STEPS // 2, n))
 
     def _ensure_ranks(self, n: int) -> None:
         if n > self.world:
@@ -227,7 +237,12 @@ class JobState(Feeds):
         def pick(a: np.ndarray) -> np.ndarray:
             return a if ok is None else a[ok]
 
-        r["st"][slot, rank] = pick(cols["step_time_ms"])
+        st = pick(cols["step_time_ms"])
+        r["st"][slot, rank] = st
+        if len(st):
+            ms = float(np.median(st))
+            if ms > 0:
+                self.step_ms = ms if self.step_ms <= 0 else self.step_ms + 0.2 * (ms - self.step_ms)
         r["wait"][slot, rank] = pick(cols["data_wait_ms"])
         r["end"][slot, rank] = pick(cols["ts_ns"])
         # the CUDA allocator's figures; 0: not reported (a CPU job: its process's RSS)
@@ -313,7 +328,7 @@ class JobState(Feeds):
         if not pending.any() or not self.world:
             return 0
         rows = np.flatnonzero(pending)
-        half = self.newest_step - self.depth // 2
+        half = self.newest_step - self.horizon()
         need = self.rank["last_step"] > half  # ranks that report
         r = self.ring
         ok = ~np.isnan(r["st"][rows][:, need])
@@ -331,7 +346,7 @@ class JobState(Feeds):
         """The last ``n`` complete steps in step order: each ring array as (steps, ranks)."""
         rows = np.flatnonzero(self.usable)
         rows = rows[np.argsort(self.step_no[rows], kind="stable")][-n:]
-        need = self.rank["last_step"] > self.newest_step - self.depth // 2
+        need = self.rank["last_step"] > self.newest_step - self.horizon()
         out = {k: v[rows] for k, v in self.ring.items()}
         out["step"] = self.step_no[rows]
         out["slot"] = rows
@@ -347,6 +362,7 @@ class JobState(Feeds):
         "gpus",
         "newest_step",
         "last_eval_step",
+        "step_ms",
         "watermark_ns",
         "last_step_ns",
         "lag_ns",

@@ -1,11 +1,14 @@
 """The detectors' step ring (`JobState`): how many steps it keeps follows the job's world, so
 a small job stepping fast loses no step while its ranks' batches come a publish interval
-apart, and a large job keeps 64 steps a rank as before. A step is given up (never judged)
-only when it is half the ring behind the newest."""
+apart, and a large job keeps 64 steps a rank as before. A step, and a rank that reports steps,
+are waited for 2 s of the job's steps behind the newest (at least 32 steps, at most half the
+ring): then an incomplete step is given up (never judged) and a silent rank no longer holds
+the others' steps back."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from perfloop.streams._detect_base import MAX_STEPS, STEPS, ring_depth
 from perfloop.streams._detect_state import JobState
@@ -47,19 +50,24 @@ def test_a_fast_two_rank_job_whose_batches_come_a_second_apart_loses_no_step() -
         _steps(job, 1, 200 * second, 200, rate=200.0, step_ms=5.0)
         complete += job.complete_steps()
     assert complete == 600
+    assert job.horizon() == 256  # 2 s of 5 ms steps is 400: half the ring
     assert len(job.window(16)["step"]) == 16
 
 
-def test_a_rank_that_stopped_is_waited_for_until_it_is_half_the_ring_behind() -> None:
+@pytest.mark.parametrize(("step_ms", "waited"), [(10.0, 200), (1000.0, 32)])
+def test_a_rank_that_stopped_is_waited_for_2_s_of_steps(step_ms: float, waited: int) -> None:
+    """10 ms steps: 200 steps; 1 s steps: 32 (not 256: a silent rank would hold the others'
+    steps back for minutes)."""
     job = JobState("j")
-    _steps(job, 0, 0, 10, rate=100.0, step_ms=10.0)
-    _steps(job, 1, 0, 5, rate=100.0, step_ms=10.0)
+    rate = 1000.0 / step_ms
+    _steps(job, 0, 0, 10, rate=rate, step_ms=step_ms)
+    _steps(job, 1, 0, 5, rate=rate, step_ms=step_ms)
     assert job.complete_steps() == 5
-    _steps(job, 0, 10, 190, rate=100.0, step_ms=10.0)  # rank 1 sends nothing more
-    assert job.complete_steps() == 0  # its steps may still come
-    _steps(job, 0, 200, 210, rate=100.0, step_ms=10.0)
-    assert 409 - job.depth // 2 >= 4  # rank 1 is half the ring behind: no longer waited for
-    assert job.complete_steps() == 405
+    assert job.horizon() == waited
+    _steps(job, 0, 10, waited - 6, rate=rate, step_ms=step_ms)  # rank 1 sends nothing more
+    assert job.complete_steps() == 0  # rank 1 is 4 + waited - 1 behind: its steps may come
+    _steps(job, 0, waited + 4, 1, rate=rate, step_ms=step_ms)
+    assert job.complete_steps() == waited  # now it is not waited for: 5 .. waited + 4
 
 
 def test_the_ring_keeps_its_newest_steps_when_ranks_come() -> None:
