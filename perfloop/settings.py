@@ -90,12 +90,15 @@ class ProducerSettings(BaseServiceSettings):
     linger_ms: float = Field(20.0, ge=0, le=10_000)
     publish_interval_ms: float = Field(250.0, gt=0, description="Batches leave this often.")
     """Each batch costs the broker, the stream worker and the sink a fixed price whatever it
-    holds (a healthy 2-rank DDP job on 2 CPUs ran at 0.898x of its plain speed under
-    ``perfloop run`` at 250 ms, 0.922x at 1000 ms: `bench/README.md`). But the stream worker
-    judges a step once every rank's rows of it are in, and keeps a rank's last 64 steps
-    (`perfloop.streams._detect_base.STEPS`), a step older than 32 behind the newest being
-    given up: a rank whose batch comes an interval after another's must not be more than 32
-    steps behind, so at 250 ms a multi-rank job up to ~128 steps a second is seen whole."""
+    holds: at 1000 ms the stream worker took ~35 % less CPU beside a healthy 2-rank DDP job,
+    but the job ran no faster (0.899x against 0.909x of its plain speed at 250 ms, six
+    alternating triplets: `bench/README.md`), and what is seen would wait up to 0.75 s more.
+    The stream worker judges a step once every rank's rows of it are in, and waits for a step
+    2 s of the job's steps behind the newest (`perfloop.streams._detect_state.JobState.
+    horizon`: at least 32 steps, at most half its ring, 512 steps up to 32 ranks and 64 from
+    256): a rank whose batch comes an interval after another's must be within that, so at 250
+    ms a job of up to 32 ranks is seen whole up to ~1000 steps a second, one of 256 ranks or
+    more up to ~128."""
     queue_max_messages: int = Field(10_000, gt=0, description="In-memory bound before spooling.")
     message_timeout_ms: int = Field(15_000, ge=1000, description="Then a message is spooled.")
     spool_dir: Path | None = None
@@ -225,7 +228,14 @@ class SinkSettings(BaseServiceSettings):
     """The warehouse sink: batches every topic into the warehouse."""
 
     group_id: str = "perfloop-sink"
-    flush_interval_s: float = Field(1.0, gt=0)
+    flush_interval_s: float = Field(5.0, gt=0)
+    """How long telemetry rows (steps, spans, collectives, host and GPU samples) wait for more
+    before they are inserted. Each insert costs the warehouse a fixed price (~5 ms of CPU in
+    the embedded one) and each round of reading costs the broker: at 1 s the embedded stack
+    took ~0.25 CPU s more per 11 s of a healthy 2-rank job than at 5 s, and the job ran at
+    0.903x of its plain speed against 0.910x (six alternating triplets, `bench/README.md`).
+    Detection does not wait for it (the stream worker reads the topics); SQL over the raw
+    telemetry sees it this much later."""
     fast_flush_interval_s: float = Field(0.2, gt=0)
     """How long closed windows, diagnoses and other rows someone waits for may wait for more
     before they are inserted on their own (telemetry waits ``flush_interval_s``)."""
