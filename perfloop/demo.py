@@ -26,8 +26,8 @@ from perfloop.producers.publisher import Publisher
 from perfloop.producers.scenarios import Fault
 from perfloop.producers.simulator import SimConfig, SimulatedJob, StepReport
 from perfloop.schemas import ActuationResult, Command, Recommendation, SchemaError, decode_event
-from perfloop.settings import StackSettings
-from perfloop.warehouse import client
+from perfloop.settings import SinkSettings, StackSettings
+from perfloop.warehouse import client, wait_settled
 
 __all__ = ["DemoResult", "run_demo", "verify_in_warehouse"]
 
@@ -277,7 +277,14 @@ def verify_in_warehouse(
             if n:
                 break
             time.sleep(0.5)
-        time.sleep(1.5)  # one more sink flush for the last steps and windows
+        # the job's last steps land with the sink's next telemetry flush
+        wait_settled(
+            ch,
+            "SELECT count() FROM steps WHERE job_id = {job:String}",
+            {"job": res.job_id},
+            quiet_s=SinkSettings().flush_interval_s + 1.0,
+            timeout_s=max(0.0, deadline - time.monotonic()) + SinkSettings().flush_interval_s,
+        )
         applied = res.applied_step or 0
         # "before" means steps under the fault, so start the comparison at the fault.
         fault_step = ch.query(

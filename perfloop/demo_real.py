@@ -35,8 +35,8 @@ from perfloop.schemas import (
     SchemaError,
     decode_event,
 )
-from perfloop.settings import StackSettings
-from perfloop.warehouse import client
+from perfloop.settings import SinkSettings, StackSettings
+from perfloop.warehouse import client, wait_settled
 
 __all__ = ["RealRun", "run_real_job", "steps_per_s"]
 
@@ -242,6 +242,20 @@ def measure(settings: StackSettings, run: RealRun, *, timeout_s: float = 30.0) -
             if rows and rows[-1][0] > last + 10:
                 break
             time.sleep(1.0)
+        # the job's last steps land with the sink's next telemetry flush
+        n = wait_settled(
+            ch,
+            "SELECT count() FROM steps WHERE job_id = {job:String} AND rank = 0",
+            {"job": run.job_id},
+            quiet_s=SinkSettings().flush_interval_s + 1.0,
+            timeout_s=max(0.0, deadline - time.monotonic()) + SinkSettings().flush_interval_s,
+        )
+        if n != len(rows):
+            rows = ch.query(
+                "SELECT step, toUnixTimestamp64Nano(ts) AS t, step_time_ms FROM steps "
+                "WHERE job_id = {job:String} AND rank = 0 ORDER BY step",
+                parameters={"job": run.job_id},
+            ).result_rows
     finally:
         ch.close()
     if not rows:

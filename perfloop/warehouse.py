@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import logging
 import re
+import time
+from typing import Any
 from urllib.parse import urlparse
 
 import clickhouse_connect
@@ -15,7 +17,7 @@ from perfloop.catalog import MIGRATIONS, Migration
 from perfloop.exceptions import WarehouseError
 from perfloop.settings import BaseServiceSettings
 
-__all__ = ["client", "migrate", "unix_ns"]
+__all__ = ["client", "migrate", "unix_ns", "wait_settled"]
 
 log = logging.getLogger(__name__)
 
@@ -115,3 +117,34 @@ def unix_ns(ts: datetime.datetime) -> int:
     if ts.tzinfo is None:
         ts = ts.replace(tzinfo=datetime.UTC)
     return int(ts.timestamp() * 1_000_000) * 1000
+
+
+def wait_settled(
+    ch: Client,
+    sql: str,
+    parameters: dict[str, Any],
+    *,
+    quiet_s: float,
+    timeout_s: float,
+    poll_s: float = 0.5,
+) -> Any:
+    """Run ``sql`` (one value, e.g. a count of a job's rows) until it is non-zero and has not
+    changed for ``quiet_s`` (more than a sink flush: every row sent has landed), or until
+    ``timeout_s``; return its last value.
+
+    The sink inserts telemetry every ``flush_interval_s`` (5 s), so a job's last rows land up
+    to that long after it ended: a reader that wants them all waits for the count to settle.
+    """
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    since = time.monotonic()
+    while True:
+        value = ch.query(sql, parameters=parameters).result_rows[0][0]
+        now = time.monotonic()
+        if value != last:
+            last, since = value, now
+        elif value and now - since >= quiet_s:
+            return value
+        if now >= deadline:
+            return value
+        time.sleep(poll_s)
