@@ -278,12 +278,13 @@ def verify_in_warehouse(
                 break
             time.sleep(0.5)
         # the job's last steps land with the sink's next telemetry flush
+        flush_s = SinkSettings().flush_interval_s
         wait_settled(
             ch,
             "SELECT count() FROM steps WHERE job_id = {job:String}",
             {"job": res.job_id},
-            quiet_s=SinkSettings().flush_interval_s + 1.0,
-            timeout_s=max(0.0, deadline - time.monotonic()) + SinkSettings().flush_interval_s,
+            quiet_s=flush_s + 1.0,
+            timeout_s=max(0.0, deadline - time.monotonic()) + flush_s,
         )
         applied = res.applied_step or 0
         # "before" means steps under the fault, so start the comparison at the fault.

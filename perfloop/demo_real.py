@@ -223,6 +223,12 @@ def run_real_job(
     return run
 
 
+RANK0_STEPS = (
+    "SELECT step, toUnixTimestamp64Nano(ts) AS t, step_time_ms FROM steps "
+    "WHERE job_id = {job:String} AND rank = 0 ORDER BY step"
+)
+
+
 def measure(settings: StackSettings, run: RealRun, *, timeout_s: float = 30.0) -> None:
     """Read the job's rank-0 steps from the warehouse: ``before`` the first applied change
     (without the first 5 steps: start-up) and ``after`` the last verdict (without the
@@ -232,30 +238,23 @@ def measure(settings: StackSettings, run: RealRun, *, timeout_s: float = 30.0) -
         deadline = time.monotonic() + timeout_s
         rows: list[tuple[int, int, float]] = []
         while time.monotonic() < deadline:
-            rows = ch.query(
-                "SELECT step, toUnixTimestamp64Nano(ts) AS t, step_time_ms FROM steps "
-                "WHERE job_id = {job:String} AND rank = 0 ORDER BY step",
-                parameters={"job": run.job_id},
-            ).result_rows
+            rows = ch.query(RANK0_STEPS, parameters={"job": run.job_id}).result_rows
             done = [a for a in run.acks if a.status in ("kept", "rolled_back")]
             last = max((a.step for a in done), default=-1)
             if rows and rows[-1][0] > last + 10:
                 break
             time.sleep(1.0)
         # the job's last steps land with the sink's next telemetry flush
+        flush_s = SinkSettings().flush_interval_s
         n = wait_settled(
             ch,
             "SELECT count() FROM steps WHERE job_id = {job:String} AND rank = 0",
             {"job": run.job_id},
-            quiet_s=SinkSettings().flush_interval_s + 1.0,
-            timeout_s=max(0.0, deadline - time.monotonic()) + SinkSettings().flush_interval_s,
+            quiet_s=flush_s + 1.0,
+            timeout_s=max(0.0, deadline - time.monotonic()) + flush_s,
         )
         if n != len(rows):
-            rows = ch.query(
-                "SELECT step, toUnixTimestamp64Nano(ts) AS t, step_time_ms FROM steps "
-                "WHERE job_id = {job:String} AND rank = 0 ORDER BY step",
-                parameters={"job": run.job_id},
-            ).result_rows
+            rows = ch.query(RANK0_STEPS, parameters={"job": run.job_id}).result_rows
     finally:
         ch.close()
     if not rows:
