@@ -3,20 +3,32 @@
 `Supervisor` starts, watches and restarts perfloop's processes — the Tansu broker and the chDB
 warehouse server (embedded mode only), then the topics and migrations, then the stream
 workers, the sink and the actuator service — and records them in ``$PERFLOOP_HOME/stack.json``.
-All of them run in the supervisor's own process group, so `down` stops exactly what `up`
-started and nothing else. Logs are ``$PERFLOOP_HOME/logs/<service>.log``.
+`down` stops exactly what `up` started and nothing else: the supervisor's process group and
+the services it recorded. Logs are ``$PERFLOOP_HOME/logs/<service>.log``.
 
 The embedded stack shares its machine with the training job it watches, and a job that keeps
 every CPU busy would pay for its own monitoring. With ``stack_priority`` "idle" (the default)
-the services that keep history — the warehouse and the sink, about half of what the stack
-spends on a job's telemetry — run under Linux's ``SCHED_IDLE`` policy and use only CPU time
-nothing else wants: under a job that leaves no CPU idle they fall behind, and catch up when
-it pauses or ends. The loop itself (the broker, the stream workers, the actuator) runs under
-``SCHED_BATCH``: its fair share of the CPUs as any process, so diagnoses and changes never
-wait for the job to leave a CPU idle, but a service that wakes up (a batch of telemetry came)
-waits for the running training thread's slice to end, or for it to block, instead of
-preempting it; on a job whose ranks meet at every step, one preempted rank holds up all.
-``PERFLOOP_STACK_PRIORITY=normal`` runs every service like any other process.
+the stack yields to the job in two ways (Linux):
+
+- Every service runs in a session of its own, and the supervisor sets that session's
+  scheduling group to nice 19 (``/proc/<pid>/autogroup``). Linux's autogroups (on in most
+  distributions) make a group of each session and share a CPU between groups first, by
+  their weights, whatever the threads inside have asked for; ``torchrun`` starts each rank
+  in a session of its own. A service in a group at nice 0 meets a rank as an equal: two busy
+  loops in sessions of their own on 2 CPUs ran at ~73 % of their speed while a third loop,
+  under ``SCHED_IDLE`` but in a third session, ran; with that session's group at nice 19 they
+  kept ~98 %. At nice 19 a service weighs 15 against a rank's 1024, and still has every CPU
+  the job leaves idle.
+- Inside that group, the services that keep history (the warehouse and the sink) run under
+  ``SCHED_IDLE`` and the loop (broker, stream workers, actuator) under ``SCHED_BATCH``: a
+  service that wakes up (a batch of telemetry came) waits for the running thread's slice to
+  end, or for it to block, instead of preempting it; on a job whose ranks meet at every step,
+  one preempted rank holds up all. Where there are no autogroups these policies are what
+  orders the stack behind the job.
+
+Measured on a healthy 2-rank DDP job that keeps two CPUs ~85 % busy, the loop still diagnosed
+within seconds (bench/README.md). ``PERFLOOP_STACK_PRIORITY=normal`` runs every service like
+any other process, in the supervisor's session.
 """
 
 from __future__ import annotations
@@ -61,6 +73,10 @@ IDLE_SERVICES = frozenset({"warehouse", "sink"})
 runs under ``SCHED_BATCH``)."""
 
 
+AUTOGROUP_NICE = 19
+"""The nice value of each service's scheduling group with ``stack_priority`` "idle"."""
+
+
 def _policy_for(name: str, stack_priority: str) -> str:
     """The policy service ``name`` starts under: "idle", "batch" or "normal"."""
     if stack_priority != "idle":
@@ -94,6 +110,30 @@ def _at_priority(priority: str, start: Callable[[], subprocess.Popen[bytes]]) ->
     if "error" in out:
         raise out["error"]
     return out["proc"]
+
+
+def _set_autogroup_nice(pid: int, nice: int, timeout_s: float = 2.0) -> bool:
+    """Set the nice value of the scheduling group of process ``pid``'s session (Linux
+    autogroups). An unprivileged process may do it once per 100 ms on the whole machine
+    (EAGAIN otherwise): retried for ``timeout_s``. False where it could not be set (no
+    autogroups, or the process is gone); the service then runs as it would have without."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fd = os.open(f"/proc/{pid}/autogroup", os.O_WRONLY)
+        except OSError:
+            return False
+        try:
+            os.write(fd, str(nice).encode())
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        time.sleep(0.02)
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -284,9 +324,10 @@ class Supervisor:
 
     def _spawn(self, child: _Child) -> None:
         log = open(child.log, "ab")  # noqa: SIM115 - handed to the child, closed below
+        policy = _policy_for(child.name, self.settings.stack_priority)
         try:
             child.proc = _at_priority(
-                _policy_for(child.name, self.settings.stack_priority),
+                policy,
                 lambda: subprocess.Popen(
                     child.argv,
                     stdin=subprocess.DEVNULL,
@@ -294,12 +335,15 @@ class Supervisor:
                     stderr=subprocess.STDOUT,
                     env=self._env(),
                     cwd=self.home,
+                    start_new_session=policy != "normal",  # a scheduling group of its own
                 ),
             )
         except OSError as e:
             raise StackError(f"cannot start {child.name}: {e}") from e
         finally:
             log.close()
+        if policy != "normal":
+            _set_autogroup_nice(child.proc.pid, AUTOGROUP_NICE)
         child.started_at = time.time()
         child.state = "starting"
 

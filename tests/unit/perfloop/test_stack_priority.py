@@ -2,7 +2,9 @@
 ``SCHED_IDLE`` (they use only CPU time the training job leaves) and the loop (broker, stream
 workers, actuator) under ``SCHED_BATCH`` (a fair share, no wakeup preemption of a training
 thread); with ``stack_priority`` "normal" every service runs under the ordinary policy; a
-service's threads inherit its policy."""
+service's threads inherit its policy. With "idle" each service also runs in a session of its
+own whose scheduling group (Linux autogroup) has nice 19, since a policy orders threads only
+inside one group and ``torchrun`` puts each rank in a session (a group) of its own."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from perfloop.settings import StackSettings
-from perfloop.stack import SERVICES, Supervisor, _at_priority, _Child
+from perfloop.stack import AUTOGROUP_NICE, SERVICES, Supervisor, _at_priority, _Child
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling only")
 
@@ -88,3 +90,52 @@ def test_the_history_services_yield_and_the_loop_never_preempts(tmp_path: Path) 
         "actuator": [batch, batch],
     }
     assert set(map(tuple, _supervised(tmp_path, "normal").values())) == {(mine, mine)}
+
+
+_HAS_AUTOGROUPS = Path("/proc/self/autogroup").exists()
+# waits (30 s at most) until the test has looked at it from outside, then says its session
+_WAIT_PROBE = (
+    "import os, sys, time\n"
+    "t = time.monotonic()\n"
+    "while not os.path.exists(sys.argv[1]) and time.monotonic() - t < 30: time.sleep(0.01)\n"
+    "print(os.getsid(0))\n"
+)
+
+
+def _groups(tmp: Path, priority: str) -> dict[str, tuple[bool, str]]:
+    """Per service: whether it leads a session of its own, and its autogroup line."""
+    tmp = tmp / priority
+    (tmp / "home").mkdir(parents=True)
+    sup = Supervisor(StackSettings(home=tmp / "home", stack_priority=priority))  # type: ignore[arg-type]
+    seen = {}
+    for name in ("broker", "warehouse", *SERVICES):
+        flag = tmp / f"{name}.seen"
+        argv = [sys.executable, "-c", _WAIT_PROBE, str(flag)]
+        child = _Child(name=name, argv=argv, ready=None, log=tmp / name)
+        sup._spawn(child)
+        assert child.proc is not None
+        group = Path(f"/proc/{child.proc.pid}/autogroup").read_text().strip()
+        flag.touch()
+        child.proc.wait(timeout=30)
+        own_session = int((tmp / name).read_text()) == child.proc.pid
+        seen[name] = (own_session, group)
+    return seen
+
+
+@pytest.mark.skipif(not _HAS_AUTOGROUPS, reason="no autogroups in this kernel")
+def test_each_service_has_a_scheduling_group_of_its_own_at_nice_19(tmp_path: Path) -> None:
+    mine = Path("/proc/self/autogroup").read_text()
+    seen = _groups(tmp_path, "idle")
+    assert all(own for own, _ in seen.values()), seen
+    assert {group.split()[-1] for _, group in seen.values()} == {str(AUTOGROUP_NICE)}
+    groups = {group.split()[0] for _, group in seen.values()}
+    assert len(groups) == len(seen), "one group each"
+    assert mine.split()[0] not in groups
+    assert Path("/proc/self/autogroup").read_text() == mine, "the supervisor's group unchanged"
+
+
+@pytest.mark.skipif(not _HAS_AUTOGROUPS, reason="no autogroups in this kernel")
+def test_normal_priority_keeps_the_services_in_the_supervisors_group(tmp_path: Path) -> None:
+    mine = Path("/proc/self/autogroup").read_text().strip()
+    seen = _groups(tmp_path, "normal")
+    assert seen == {name: (False, mine) for name in seen}
