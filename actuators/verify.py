@@ -17,7 +17,10 @@ verdict, at the first look (``verify_steps`` after):
 - otherwise — slower by the median, not yet significantly — the change is judged on more
   steps: the next look compares ``verify_steps`` more steps after it with as many more before
   it (the same number on both sides, so neither median is the noisier one), up to
-  ``max_verify_steps`` (3 × ``verify_steps``). It is rolled back as soon as the slowdown is
+  ``max_verify_steps`` (3 × ``verify_steps``). The older steps join the baseline only when they
+  ran at the level of the newest ``verify_steps`` (not significantly more than 3 % apart):
+  steps from before the fault that prompted the change are not the state it was made for, and
+  a cure judged against them looks like harm. It is rolled back as soon as the slowdown is
   significant, kept as soon as the median is within ``min_effect``, and rolled back at the
   last look if it stayed slower than that: a change is kept only when the evidence says it
   did not hurt.
@@ -156,10 +159,24 @@ class ChangeVerifier:
             self._next_look = min(self._next_look + self.verify_steps, self.max_verify_steps)
         return self.verdict
 
+    def _baseline(self, n: int) -> list[float]:
+        """The ``n`` newest steps before the change (at least ``verify_steps``), unless the older
+        of them ran at another level than the newest ``verify_steps`` (a fault's onset, a
+        finished warm-up): then those newest only, the state the change was made for."""
+        recent = self.before[-self.verify_steps :]
+        wider = self.before[-max(n, self.verify_steps) :]
+        older = wider[: len(wider) - len(recent)]
+        if len(older) < MIN_BASELINE:
+            return wider
+        shift = float(np.median(recent)) / float(np.median(older))
+        if abs(shift - 1) > self.min_effect and mann_whitney_p(older, recent) < self.alpha:
+            return recent
+        return wider
+
     def _judge(self, *, final: bool) -> Verdict | None:
         self.looks += 1
         n = len(self.after)
-        before = self.before[-n:] if n else []
+        before = self._baseline(n)
         if len(before) < MIN_BASELINE or n < 3:
             return Verdict(
                 "kept",

@@ -75,9 +75,9 @@ def kept_by_significance_alone(name: str, effect: float) -> float:
     ("name", "effect", "at_least"),
     [
         ("steady", 0.75, 0.98),  # measured 1.00
-        ("steady", 0.90, 0.95),  # 1.00
-        ("drifting", 0.75, 0.9),  # 0.98
-        ("contended", 0.75, 0.8),  # 0.86
+        ("steady", 0.90, 0.95),  # 0.99
+        ("drifting", 0.75, 0.9),  # 0.97
+        ("contended", 0.75, 0.8),  # 0.87
     ],
 )
 def test_a_helpful_change_is_kept(name: str, effect: float, at_least: float) -> None:
@@ -86,7 +86,7 @@ def test_a_helpful_change_is_kept(name: str, effect: float, at_least: float) -> 
 
 @pytest.mark.parametrize(
     ("name", "at_least"),
-    [("steady", 0.75), ("drifting", 0.6), ("contended", 0.6)],  # measured 0.83, 0.68, 0.69
+    [("steady", 0.75), ("drifting", 0.6), ("contended", 0.6)],  # measured 0.80, 0.68, 0.66
 )
 def test_most_neutral_changes_are_kept(name: str, at_least: float) -> None:
     """A neutral change rolled back costs nothing; still, most are kept."""
@@ -101,7 +101,7 @@ def test_most_neutral_changes_are_kept(name: str, at_least: float) -> None:
         ("steady", 1.5, 1.0),  # 1.00
         ("drifting", 1.3, 0.75),  # 0.82
         ("drifting", 1.5, 0.88),  # 0.93
-        ("contended", 1.5, 0.75),  # 0.81
+        ("contended", 1.5, 0.75),  # 0.82
     ],
 )
 def test_a_harmful_change_is_rolled_back(name: str, effect: float, at_least: float) -> None:
@@ -125,7 +125,9 @@ def test_every_verdict_says_what_it_was_judged_on(name: str, effect: float) -> N
     vs = verdicts(name, effect)
     for v in vs:
         ev = v.evidence
-        assert ev["n_before"] == ev["n_after"] in (VERIFY, 2 * VERIFY, 3 * VERIFY)
+        assert ev["n_after"] in (VERIFY, 2 * VERIFY, 3 * VERIFY)
+        # as many steps before as after, or the newest VERIFY when the older ran at another level
+        assert ev["n_before"] in (ev["n_after"], VERIFY)
         assert ev["extended"] == (ev["n_after"] > VERIFY) and ev["settle_steps"] == SETTLE
         assert f"{int(ev['n_before'])} steps before, {int(ev['n_after'])} after" in v.reason
         assert f"p = {ev['p_value']:.2g}" in v.reason
