@@ -18,7 +18,9 @@ the stack yields to the job in two ways (Linux):
   loops in sessions of their own on 2 CPUs ran at ~73 % of their speed while a third loop,
   under ``SCHED_IDLE`` but in a third session, ran; with that session's group at nice 19 they
   kept ~98 %. At nice 19 a service weighs 15 against a rank's 1024, and still has every CPU
-  the job leaves idle.
+  the job leaves idle. A stream worker that falls behind its input more than a second (a job
+  that leaves no CPU idle) raises its group and the broker's to nice 10 until it has kept up
+  for 30 s (`perfloop._autogroup.CatchUp`): late diagnoses are no use to the job.
 - Inside that group, the services that keep history (the warehouse and the sink) run under
   ``SCHED_IDLE`` and the loop (broker, stream workers, actuator) under ``SCHED_BATCH``: a
   service that wakes up (a batch of telemetry came) waits for the running thread's slice to
@@ -49,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from perfloop._autogroup import set_autogroup_nice
 from perfloop.broker import RETENTION_NOTE, broker_argv
 from perfloop.exceptions import PerfloopError, StackError, WarehouseError
 from perfloop.kafka import ensure_topics, ping
@@ -110,30 +113,6 @@ def _at_priority(priority: str, start: Callable[[], subprocess.Popen[bytes]]) ->
     if "error" in out:
         raise out["error"]
     return out["proc"]
-
-
-def _set_autogroup_nice(pid: int, nice: int, timeout_s: float = 2.0) -> bool:
-    """Set the nice value of the scheduling group of process ``pid``'s session (Linux
-    autogroups). An unprivileged process may do it once per 100 ms on the whole machine
-    (EAGAIN otherwise): retried for ``timeout_s``. False where it could not be set (no
-    autogroups, or the process is gone); the service then runs as it would have without."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            fd = os.open(f"/proc/{pid}/autogroup", os.O_WRONLY)
-        except OSError:
-            return False
-        try:
-            os.write(fd, str(nice).encode())
-            return True
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-        time.sleep(0.02)
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -325,6 +304,13 @@ class Supervisor:
     def _spawn(self, child: _Child) -> None:
         log = open(child.log, "ab")  # noqa: SIM115 - handed to the child, closed below
         policy = _policy_for(child.name, self.settings.stack_priority)
+        env = self._env()
+        if policy != "normal" and child.name == "streams":
+            # it raises its group, and the broker's, while it is behind (`perfloop._autogroup`)
+            env["PERFLOOP_GROUP_NICE"] = str(AUTOGROUP_NICE)
+            broker = next((c for c in self._children if c.name == "broker" and c.proc), None)
+            if broker is not None and broker.proc is not None:
+                env["PERFLOOP_BROKER_PID"] = str(broker.proc.pid)
         try:
             child.proc = _at_priority(
                 policy,
@@ -333,7 +319,7 @@ class Supervisor:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=self._env(),
+                    env=env,
                     cwd=self.home,
                     start_new_session=policy != "normal",  # a scheduling group of its own
                 ),
@@ -342,8 +328,13 @@ class Supervisor:
             raise StackError(f"cannot start {child.name}: {e}") from e
         finally:
             log.close()
-        if policy != "normal":
-            _set_autogroup_nice(child.proc.pid, AUTOGROUP_NICE)
+        if policy != "normal" and not set_autogroup_nice(child.proc.pid, AUTOGROUP_NICE):
+            with contextlib.suppress(OSError), open(child.log, "a") as f:
+                f.write(
+                    f"perfloop supervisor: {child.name}'s scheduling group was not set to nice "
+                    f"{AUTOGROUP_NICE} (no autogroups in this kernel?): it competes with the job "
+                    "as an equal\n"
+                )
         child.started_at = time.time()
         child.state = "starting"
 

@@ -36,6 +36,7 @@ from typing import Any
 import faust
 from faust.types import TP
 
+from perfloop._autogroup import CatchUp
 from perfloop.catalog import Topics
 from perfloop.exceptions import WarehouseError
 from perfloop.kafka import cluster_id, dlq_headers
@@ -221,6 +222,7 @@ def create_app(settings: StreamsSettings) -> faust.App:
     held: list[Any] = []
     trim = libc_trim()
     gc_clock = GcClock()
+    catch_up = CatchUp.from_env()  # in the embedded stack: a yielding group, raised when behind
     # When the loop is blocked (a long tick, a snapshot, a run of messages) the consumer does
     # not fetch, so the partition ends it knows go stale: a partition that looked read to its
     # end may have new input waiting. After such a block every telemetry partition is held
@@ -333,10 +335,13 @@ def create_app(settings: StreamsSettings) -> faust.App:
             value = event.value if isinstance(event.value, bytes) else b""
             at_end = caught_up(msg.tp, msg.offset)
             unsure = at_end and not fresh(msg.tp)
+            now, sent = time.time_ns(), sent_ns(msg)
+            if catch_up is not None and sent > 0:
+                catch_up.seen((now - sent) / 1e9)
             try:
                 engine.ingest(
-                    msg.topic, value, wall_ns=time.time_ns(), partition=msg.partition,
-                    offset=msg.offset, caught_up=at_end and not unsure, sent_ns=sent_ns(msg),
+                    msg.topic, value, wall_ns=now, partition=msg.partition,
+                    offset=msg.offset, caught_up=at_end and not unsure, sent_ns=sent,
                     unsure=unsure,
                 )  # fmt: skip
                 reason = ""
@@ -384,6 +389,10 @@ def create_app(settings: StreamsSettings) -> faust.App:
         if o:
             await emit(o)
         output.poll()
+        if catch_up is not None and (moved := catch_up.tick()) is not None:
+            log.info("input %s: scheduling group %s", "behind" if moved == "raised" else
+                     "caught up", f"raised to nice {catch_up.catch_up_nice}" if moved == "raised"
+                     else f"back to nice {catch_up.idle_nice}")  # fmt: skip
 
     snap = {"next": 0.0, "every": settings.snapshot_interval_s, "bytes": 0, "dumps_s": 0.0}
 

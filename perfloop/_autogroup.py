@@ -1,0 +1,174 @@
+"""Linux autogroups: the scheduling group of a session, and how a stream worker that fell
+behind takes back a share of the CPUs.
+
+The embedded stack's services each run in a session of their own whose group is at nice 19
+(`perfloop.stack`): beside a training job that keeps every CPU busy they get ~1.5 % of a CPU
+each, and yield the rest. A stream worker needs more than that on such a job, so it falls
+behind its input and its diagnoses come later and later: on the bench's jobs its input was
+more than 2 s old 13-30 s into 10 of 15 runs (9 of the 9 single-process ones, which keep both
+CPUs busy; 1 of the 6 DDP ones), and a memory leak was diagnosed
+11.5-16 s after it began with the worker and the broker at nice 19, 7.2-8.6 s with both at
+nice 10 (bench/README.md). Held at nice 10 all the time, the loop cost a healthy 2-rank DDP job
+~1.7 points of its speed. So `CatchUp` raises the worker's group, and the embedded broker's, to
+``CATCH_UP_NICE`` once the input it reads is behind by more than ``behind_s`` (the age of the
+oldest message read since the last tick, by its Kafka timestamp), and lowers them again once it
+has been within ``caught_up_s`` for ``hold_s`` (the end of a job, mostly): the worker takes the
+CPU it needs to keep up while a job needs it to, and a job that leaves CPU idle never sees it
+raised.
+
+An unprivileged process may raise a group's nice value (yield more), and lower it back to 0;
+only a negative value needs privileges. Where there are no autogroups, or a process is gone,
+nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+__all__ = ["CATCH_UP_NICE", "CatchUp", "Target", "set_autogroup_nice"]
+
+CATCH_UP_NICE = 10
+"""The group nice of a worker (and broker) that fell behind: weight 110 against a busy
+session's 1024, enough to catch up (it needs ~5 % of a CPU), not enough to crowd a rank."""
+
+Target = tuple[int, str]
+"""A process whose group `CatchUp` sets: its pid and a word its command line must hold (a pid
+may be reused by another process after a restart: never change a stranger's group)."""
+
+
+def set_autogroup_nice(pid: int, nice: int, timeout_s: float = 2.0) -> bool:
+    """Set the nice value of the scheduling group of process ``pid``'s session (Linux
+    autogroups). An unprivileged process may do it once per 100 ms on the whole machine
+    (EAGAIN otherwise): retried for ``timeout_s``. False where it could not be set (no
+    autogroups, or the process is gone); the service then runs as it would have without."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fd = os.open(f"/proc/{pid}/autogroup", os.O_WRONLY)
+        except OSError:
+            return False
+        try:
+            os.write(fd, str(nice).encode())
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        time.sleep(0.11)
+
+
+def _is(target: Target) -> bool:
+    pid, word = target
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return word.encode() in f.read()
+    except OSError:
+        return False
+
+
+def _set(target: Target, nice: int) -> bool:
+    return _is(target) and set_autogroup_nice(target[0], nice, timeout_s=0.5)
+
+
+class CatchUp:
+    """Raise ``targets``' groups from ``idle_nice`` to ``catch_up_nice`` while the input is
+    behind; `seen` takes each message's age, `tick` decides (returns "raised" or "lowered"
+    when it changed the groups, else None).
+
+    >>> calls, now = [], [0.0]
+    >>> c = CatchUp([(1, "w")], 19, setter=lambda t, n: calls.append(n) or True,
+    ...             clock=lambda: now[0], background=False)
+    >>> c.seen(0.3); c.tick()
+    >>> c.seen(2.5); c.tick()
+    'raised'
+    >>> now[0] = 3.0; c.seen(0.2); c.tick()
+    >>> now[0] = 33.5; c.seen(0.1); c.tick()
+    'lowered'
+    >>> calls
+    [10, 19]
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[Target],
+        idle_nice: int,
+        *,
+        catch_up_nice: int = CATCH_UP_NICE,
+        behind_s: float = 1.0,
+        caught_up_s: float = 0.5,
+        hold_s: float = 30.0,
+        setter: Callable[[Target, int], bool] = _set,
+        clock: Callable[[], float] = time.monotonic,
+        background: bool = True,
+    ) -> None:
+        self.targets = list(targets)
+        self.idle_nice, self.catch_up_nice = idle_nice, catch_up_nice
+        self.behind_s, self.caught_up_s, self.hold_s = behind_s, caught_up_s, hold_s
+        self._setter, self._clock, self.background = setter, clock, background
+        self.raised = False
+        self.raises = 0
+        self._worst = 0.0  # the oldest age seen since the last tick
+        self._calm_since: float | None = None
+
+    def seen(self, age_s: float) -> None:
+        """A message read ``age_s`` after it was sent."""
+        if age_s > self._worst:
+            self._worst = age_s
+
+    def tick(self) -> str | None:
+        worst, self._worst = self._worst, 0.0
+        now = self._clock()
+        if not self.raised:
+            if worst > self.behind_s:
+                self._apply(self.catch_up_nice)
+                self.raised, self._calm_since = True, None
+                self.raises += 1
+                return "raised"
+            return None
+        if worst > self.caught_up_s:
+            self._calm_since = None
+            return None
+        if self._calm_since is None:
+            self._calm_since = now
+            return None
+        if now - self._calm_since < self.hold_s:
+            return None
+        self._apply(self.idle_nice)
+        self.raised = False
+        return "lowered"
+
+    def _apply(self, nice: int) -> None:
+        def run() -> None:
+            for t in self.targets:
+                with contextlib.suppress(Exception):  # a group that cannot be set stays as is
+                    self._setter(t, nice)
+
+        if not self.background:
+            run()
+            return
+        # off the caller's thread: an unprivileged write may wait ~100 ms for its turn
+        threading.Thread(target=run, name="perfloop-autogroup", daemon=True).start()
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> CatchUp | None:
+        """The worker's controller when the supervisor put it in a group of its own at a
+        yielding nice (``PERFLOOP_GROUP_NICE``; the embedded broker's pid in
+        ``PERFLOOP_BROKER_PID``), else None."""
+        env = dict(os.environ) if env is None else env
+        try:
+            idle = int(env.get("PERFLOOP_GROUP_NICE", ""))
+        except ValueError:
+            return None
+        if idle <= CATCH_UP_NICE or os.getsid(0) != os.getpid():
+            return None  # not yielding, or not in a session (a group) of its own
+        targets: list[Target] = [(os.getpid(), "perfloop")]
+        with contextlib.suppress(ValueError):
+            targets.append((int(env.get("PERFLOOP_BROKER_PID", "")), "tansu"))
+        return cls(targets, idle)
