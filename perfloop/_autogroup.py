@@ -12,13 +12,15 @@ nice 10 (bench/README.md). Held at nice 10 all the time, the loop cost a healthy
 ~1.7 points of its speed. So `CatchUp` raises the worker's group, and the embedded broker's, to
 ``CATCH_UP_NICE`` once the input it reads is behind by more than ``behind_s`` (the age of the
 oldest message read since the last tick, by its Kafka timestamp), and lowers them again once it
-has been within ``caught_up_s`` for ``hold_s`` (the end of a job, mostly): the worker takes the
-CPU it needs to keep up while a job needs it to, and a job that leaves CPU idle never sees it
-raised.
+has been within ``caught_up_s`` for ``hold_s``. On a machine whose jobs keep its CPUs busy
+that is close to nice 10 throughout: in the bench's five-round run (jobs 2 s apart) the group
+stayed raised through nearly every healthy run, DDP ones included, and healthy DDP ran at
+0.904× of plain (bench/README.md, evening of 2026-11-28). A shorter calm is the next thing to
+measure.
 
-An unprivileged process may raise a group's nice value (yield more), and lower it back to 0;
-only a negative value needs privileges. Where there are no autogroups, or a process is gone,
-nothing changes.
+Linux lets a group's nice value be raised and lowered back to 0 without privileges; only a
+negative value needs them (measured here as root only). Where there are no autogroups, or a
+process is gone, nothing changes.
 """
 
 from __future__ import annotations
