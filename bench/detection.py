@@ -3,6 +3,7 @@
     python bench/detection.py                      # 8 scenarios x 3 shapes x seeds 100-119 (~4 min)
     python bench/detection.py --seeds 0:10         # the seeds the thresholds were tuned on
     python bench/detection.py --json table.json    # also write the table as JSON
+    python bench/detection.py --seeds 0:10 --check # the tuning matrix: exit 1 below a target
 
 Every scenario (healthy, data-loader starvation, straggler, thermal throttle, memory leak → OOM,
 comm degradation, hang, mixed) runs for each seed and job shape in process
@@ -117,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay", type=float, default=0.3, help="transport delay, s")
     p.add_argument("--tick", type=float, default=0.25, help="tick period, s")
     p.add_argument("--json", type=Path, help="also write the table as JSON here")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 unless every fault kind has precision and recall >= 0.9, median latency "
+        "<= 2 s and no other diagnosis on the critical path (the simulator's targets)",
+    )
     args = p.parse_args(argv)
     raise_on_sigterm()
     seeds, shapes = _seeds(args.seeds), _shapes(args.shapes)
@@ -162,7 +169,36 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"table": table, "others": others}, indent=2) + "\n")
         say(f"table → {args.json}")
     save_result("detection", doc)
+    if args.check:
+        missed = missed_targets(kinds, others)
+        for line in missed:
+            say(f"MISSED {line}")
+        return 1 if missed else 0
     return 0
+
+
+def missed_targets(kinds: dict[str, Any], others: dict[str, dict[str, int]]) -> list[str]:
+    """The simulator's targets a scored table misses, one line each (none: all met)."""
+    from perfloop.schemas.job import FAULT_KINDS
+
+    out = []
+    for k in FAULT_KINDS:
+        s = kinds[k]
+        if s.faults == 0:
+            out.append(f"{k}: no fault of this kind was run")
+            continue
+        if not s.precision >= 0.9:
+            out.append(f"{k}: precision {s.precision:.3f} < 0.9 (false: {s.false_alarms})")
+        if not s.recall >= 0.9:
+            out.append(f"{k}: recall {s.recall:.3f} < 0.9 (missed: {s.misses})")
+        if not s.latency(0.5) <= 2.0:
+            out.append(f"{k}: median latency {s.latency(0.5):.2f} s > 2 s")
+    out += [
+        f"{k}: on the critical path {v['critical_path']}x"
+        for k, v in others.items()
+        if v["critical_path"]
+    ]
+    return out
 
 
 if __name__ == "__main__":

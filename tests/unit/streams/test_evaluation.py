@@ -1,17 +1,17 @@
 """The evaluation harness: its matching rules on hand-made runs, and the acceptance check —
-precision and recall ≥ 0.9 and median latency ≤ 2 s per fault kind on simulated jobs."""
+precision and recall ≥ 0.9 and median latency ≤ 2 s per fault kind on simulated jobs, on seeds
+never tuned on. The same check on the tuning matrix (three shapes, the ten tuning seeds, ~3.5 min)
+is `python bench/detection.py --seeds 0:10 --check`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
+from bench.detection import missed_targets
 from perfloop.schemas import Diagnosis, GroundTruth
 from perfloop.schemas.job import FAULT_KINDS
 from perfloop.streams.evaluation import (
     SCENARIOS,
-    TUNE_SEEDS,
     RunResult,
     RunSpec,
     evaluate,
@@ -117,13 +117,8 @@ def test_other_kinds_are_reported_apart() -> None:
 def _acceptance(seeds: tuple[int, ...], shapes: tuple[tuple[int, int], ...], dur: float) -> None:
     kinds, others = score(evaluate(SCENARIOS, seeds, shapes, duration_s=dur))
     print(format_table(kinds, others))
-    for k in FAULT_KINDS:
-        s = kinds[k]
-        assert s.faults > 0, k
-        assert s.precision >= 0.9, (k, s.precision, s.false_alarms)
-        assert s.recall >= 0.9, (k, s.recall, s.misses)
-        assert s.latency(0.5) <= 2.0, (k, s.latency(0.5))
-    assert not any(v["critical_path"] for v in others.values()), others
+    assert all(kinds[k].faults > 0 for k in FAULT_KINDS)
+    assert missed_targets(kinds, others) == []
 
 
 def test_acceptance_on_a_reduced_matrix() -> None:
@@ -131,18 +126,16 @@ def test_acceptance_on_a_reduced_matrix() -> None:
     _acceptance((200, 201), ((1, 4), (2, 4)), 30.0)
 
 
-@pytest.mark.slow
-def test_acceptance_on_the_tuning_matrix() -> None:
-    _acceptance(TUNE_SEEDS, ((1, 4), (2, 4), (2, 8)), 40.0)
-
-
 def test_the_check_can_fail() -> None:
     """A blind detector scores zero recall, a trigger-happy one loses precision."""
     from perfloop.streams.funnel import DetectConfig
 
     blind = DetectConfig().replace_key("straggler.enabled", False)
-    kinds, _ = score(evaluate(["straggler"], (200,), ((1, 4),), duration_s=30.0, config=blind))
+    kinds, others = score(evaluate(["straggler"], (200,), ((1, 4),), duration_s=30.0, config=blind))
     assert kinds["straggler"].recall == 0.0
+    missed = missed_targets(kinds, others)  # the bench's --check says so, and what else is off
+    assert any(m.startswith("straggler: recall 0.000 < 0.9") for m in missed), missed
+    assert any(m.startswith("hang: no fault of this kind") for m in missed), missed
     eager = DetectConfig()
     for key, value in (
         ("straggler.score_threshold", 0.01),
