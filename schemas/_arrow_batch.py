@@ -13,6 +13,7 @@ them exactly as it checks a JSON batch (column set, lengths, types, bounds, stri
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,7 +24,15 @@ import pyarrow.compute as pc
 
 from perfloop.schemas.exceptions import SchemaError
 
-__all__ = ["MAGIC", "arrow_rows", "decode_arrow", "encode_arrow", "header_of", "is_arrow"]
+__all__ = [
+    "MAGIC",
+    "arrow_rows",
+    "decode_arrow",
+    "encode_arrow",
+    "header_of",
+    "is_arrow",
+    "warm_up",
+]
 
 MAGIC = b"\xff\xff\xff\xff"
 """How an Arrow IPC stream starts (a JSON batch starts with ``{``)."""
@@ -131,6 +140,15 @@ def _type_class(t: pa.DataType) -> str:
             got = f"other:{t}"
         _TYPE_CLASS[t] = got
     return got
+
+
+def warm_up() -> None:
+    """Convert once, so that what pyarrow imports on its first conversion (pandas, where it is
+    installed: ~0.25 s of CPU) is imported now. A service calls it as it starts: otherwise
+    the first batch of the first job pays it, and a service yielding the CPUs to that job
+    (group nice 19) takes many seconds of wall time to get that CPU. Never raises."""
+    with contextlib.suppress(Exception):
+        pa.array([0.0]).to_numpy(zero_copy_only=False)
 
 
 def decode_arrow(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -41,6 +41,7 @@ from perfloop.catalog import Topics
 from perfloop.exceptions import WarehouseError
 from perfloop.kafka import cluster_id, dlq_headers
 from perfloop.schemas import SchemaError, encode_event
+from perfloop.schemas._arrow_batch import warm_up
 from perfloop.settings import StreamsSettings
 from perfloop.streams._heap import GcClock, libc_trim
 from perfloop.streams._history import load_history
@@ -479,6 +480,7 @@ class StreamsService:
         self._worker = faust.Worker(self.app, loglevel="INFO", quiet=True)
 
     def run(self) -> None:
+        warm_up()  # before the first job's input, not with it
         self.start()
         assert self._worker is not None
         self._worker.execute_from_commandline()

@@ -66,6 +66,7 @@ from perfloop.catalog import TABLES, Topics
 from perfloop.exceptions import PerfloopError
 from perfloop.kafka import consumer, dlq_headers, producer
 from perfloop.schemas import SchemaError
+from perfloop.schemas._arrow_batch import warm_up
 from perfloop.settings import SinkSettings
 from perfloop.streams._heap import libc_trim
 from perfloop.streams._sink_batch import Flight, Pending, RecentIds, Source
@@ -249,6 +250,7 @@ class Sink:
         self._stop.set()
 
     def run(self) -> None:
+        warm_up()  # before the first job's input, not with it
         self.start()
         try:
             while not self._stop.is_set():

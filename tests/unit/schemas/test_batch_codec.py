@@ -334,3 +334,26 @@ def test_max_bytes_is_configurable() -> None:
     with pytest.raises(SchemaError, match="exceeds the 10-byte limit"):
         decode_batch(data, max_bytes=10)
     assert len(decode_batch(data, max_bytes=len(data))) == 2
+
+
+def test_after_warm_up_decoding_imports_nothing_more() -> None:
+    """A service warms the decoder as it starts: the first job's first batch then imports no
+    module (pyarrow's first conversion imports pandas where it is installed, ~0.25 s)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import numpy as np
+from perfloop.schemas import decode_batch, encode_batch
+from perfloop.schemas._arrow_batch import warm_up
+cols = {"ts_ns": np.arange(3) * 10, "rank": np.zeros(3, dtype=np.int64), "step": np.arange(3),
+        "step_time_ms": np.linspace(100.0, 130.0, 3)}
+warm_up()
+before = set(sys.modules)
+decode_batch(encode_batch("step", cols, job_id="j", node="n"))
+print(sorted(set(sys.modules) - before))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
