@@ -26,6 +26,7 @@ phase that waited (a bucket's all-reduce overlaps the next bucket's backward).
 from __future__ import annotations
 
 import collections
+import inspect
 import threading
 import time
 import weakref
@@ -34,9 +35,12 @@ from typing import Any
 
 __all__ = [
     "COLLECTIVES",
+    "FUNCOL_MODULE",
     "DdpWatch",
     "InFlight",
     "collective_op",
+    "funcol_functions",
+    "funcol_size",
     "hook_ddp",
     "timed_allreduce_hook",
     "union",
@@ -92,6 +96,46 @@ def collective_op(name: str) -> str | None:
     if name in COLLECTIVES:
         return COLLECTIVES[name]
     return next((op for prefix, op in _OP_PREFIXES if name.startswith(prefix)), None)
+
+
+FUNCOL_MODULE = "torch.distributed._functional_collectives"
+"""PyTorch's functional collectives (DTensor's tensor and sequence parallelism call them; they
+issue the c10d ops directly, not through ``torch.distributed``'s functions)."""
+
+
+def funcol_functions(mod: Any) -> list[tuple[str, str]]:
+    """``(name, op)`` of the functional collectives of ``mod`` (`FUNCOL_MODULE`): its own public
+    functions named like a collective, not autograd's helpers (``*_backward``,
+    ``*_setup_context``) nor ``wait_tensor``.
+
+    >>> import types
+    >>> mod = types.ModuleType("m")
+    >>> def f(): pass
+    >>> for n in ("all_reduce", "all_gather_single", "all_reduce_backward", "wait_tensor"):
+    ...     g = types.FunctionType(f.__code__, {}, n); g.__module__ = "m"; setattr(mod, n, g)
+    >>> funcol_functions(mod)
+    [('all_reduce', 'all_reduce'), ('all_gather_single', 'all_gather')]
+    """
+    out = []
+    for name, fn in vars(mod).items():
+        if name.startswith("_") or name.endswith(("_backward", "_setup_context")):
+            continue
+        if not inspect.isfunction(fn) or fn.__module__ != mod.__name__:
+            continue
+        op = collective_op(name)
+        if op is not None:
+            out.append((name, op))
+    return out
+
+
+def funcol_size(op: str, tensor_bytes: int, group_size: int) -> int:
+    """A functional collective's size by the convention below (its larger buffer): an
+    all-gather's output is its input times the group; the others move their input's bytes.
+
+    >>> funcol_size("all_gather", 1024, 4), funcol_size("reduce_scatter", 1024, 4)
+    (4096, 1024)
+    """
+    return tensor_bytes * max(1, group_size) if op == "all_gather" else tensor_bytes
 
 
 # A collective's size is its larger buffer, input or output (the convention of nccl-tests and

@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import importlib
 import inspect
 import logging
 import os
@@ -35,16 +36,20 @@ import socket
 import sys
 import threading
 import time
+import warnings
 import weakref
 from typing import Any
 
 from perfloop.producers._comm import (
     _PAYLOAD_NAMES,
     COLLECTIVES,
+    FUNCOL_MODULE,
     DdpWatch,
     InFlight,
     _payload,
     collective_op,
+    funcol_functions,
+    funcol_size,
     timed_allreduce_hook,
 )
 from perfloop.producers._cpu import cpu_budget
@@ -370,6 +375,8 @@ class _State:
         # synchronous collective or a checkpoint save (read by the progress reports)
         self.waiting: tuple[str, str, int] | None = None
         self.threads_by_script: int | None = None
+        self.in_funcol = False  # inside a functional collective (one may call another)
+        self.funcol_groups: dict[Any, tuple[str, int]] = {}
 
 
 _S = _State()
@@ -805,6 +812,65 @@ def _make_collective(orig: Any, op: str) -> Any:
     return collective
 
 
+def _funcol_group(funcol: Any, group: Any, tag: str) -> tuple[str, int]:
+    """(name, size) of a functional collective's group: a process group, a device mesh (or
+    one of its dimensions), a list of ranks or a registered group's name; resolved once per
+    group (quietly: the call itself already warned of a deprecated form)."""
+    key = (tuple(map(repr, group)) if isinstance(group, (list, tuple)) else id(group), tag)
+    hit = _S.funcol_groups.get(key)
+    if hit is not None:
+        return hit
+    c10d = _S.torch.distributed.distributed_c10d
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = funcol._resolve_group(group, tag)
+        if isinstance(g, str):
+            g = c10d._resolve_process_group(g)
+    out = _S.funcol_groups[key] = _group_of(g)
+    return out
+
+
+def _make_funcol(orig: Any, op: str, funcol: Any) -> Any:
+    """A functional collective, recorded at the rank's arrival (its call). Its work is
+    waited on later, where its tensor is first used, so the row is timed to the call's
+    return: the wait itself is not seen (it stays in the phase that used the tensor). Under
+    ``torch.compile``'s tracing it is the original, untouched (no graph break)."""
+    try:
+        params = list(inspect.signature(orig).parameters)
+    except (TypeError, ValueError):
+        params = []
+    g_idx = params.index("group") if "group" in params else -1
+    t_idx = params.index("tag") if "tag" in params else -1
+    is_compiling = getattr(getattr(_S.torch, "compiler", None), "is_compiling", lambda: False)
+
+    @functools.wraps(orig)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        if is_compiling():
+            return orig(*args, **kwargs)
+        s = _S
+        tr = _traced()
+        if tr is None or s.in_funcol:
+            return orig(*args, **kwargs)
+        t0 = _now()
+        s.in_funcol = True
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            s.in_funcol = False
+            t1 = _now()
+            try:
+                size, dtype = _payload(args[0] if args else None, s.torch.Tensor)
+                group = args[g_idx] if 0 <= g_idx < len(args) else kwargs.get("group")
+                tag = args[t_idx] if 0 <= t_idx < len(args) else kwargs.get("tag", "")
+                gname, gsize = _funcol_group(funcol, group, tag or "")
+                tr.collective(op, t0, t1, funcol_size(op, size, gsize), gname, gsize, dtype)
+            except Exception as e:
+                _oops(f"the functional {op} hook", e)
+
+    collective.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
+    return collective
+
+
 def _ddp_hook() -> Any:
     """The process's timing DDP comm hook (made once)."""
     s = _S
@@ -994,6 +1060,12 @@ def install(
                         s.patches.append((mod, fname, fn))
             for mod in (c10d, dist):
                 _patch(mod, "init_process_group", _make_init_pg)
+            try:
+                funcol = importlib.import_module(FUNCOL_MODULE)
+            except ImportError:  # a torch without them
+                funcol = None
+            for fname, op in funcol_functions(funcol) if funcol is not None else ():
+                _patch(funcol, fname, _make_funcol, op, funcol)
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             _patch(DDP, "__init__", _make_ddp_init)

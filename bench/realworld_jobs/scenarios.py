@@ -253,6 +253,16 @@ SCENARIOS: dict[str, Scenario] = {
             description="FSDP2 fully_shard over gloo, 2 ranks",
         ),
         Scenario(
+            "tensor_parallel",
+            "tp.py",
+            "none",
+            nprocs=(2,),
+            variants=_ROTATING,
+            rotate=True,
+            seconds=22,
+            description="DTensor tensor parallelism (functional collectives) over gloo, 2 ranks",
+        ),
+        Scenario(
             "lightning",
             "lightning_job.py",
             "none",

@@ -197,6 +197,39 @@ def test_ddp_gradient_all_reduce_is_recorded_with_its_sizes(
     assert comm > 0, "no comm spans: DDP's all-reduce is folded into backward"
 
 
+def test_tensor_parallel_collectives_are_recorded_with_their_sizes(
+    stack: StackSettings, stack_env_vars: dict[str, str], tmp_path: Path
+) -> None:
+    """DTensor's tensor parallelism all-reduces through PyTorch's functional collectives, not
+    ``torch.distributed``'s functions: each rank's all-reduces of a step (two row-wise outputs
+    in forward, an input gradient in backward, all of the batch's activation size) are rows
+    with their size and group."""
+    job = f"rw-it-tp-{uuid.uuid4().hex[:8]}"
+    steps = 40
+    _run(stack_env_vars, job, _torchrun(2, "tp.py", "--steps", str(steps), "--seed", "5",
+                                        "--truth", str(tmp_path)))  # fmt: skip
+    size = _truth(tmp_path)["params"]["out_bytes"]
+
+    def per_step() -> list[tuple[Any, ...]]:
+        return _query(
+            stack,
+            "SELECT rank, step, count(), groupUniqArray(group_size) FROM (SELECT * FROM "
+            "collectives WHERE job_id = {j:String} AND op = 'all_reduce' "
+            "AND size_bytes = {b:Int64} LIMIT 1 BY event_id, rank, step, duration_ms) "
+            "GROUP BY rank, step",
+            j=job,
+            b=size,
+        )
+
+    wait_for(lambda: len(per_step()) >= 2 * steps, 60, f"{steps} steps of collectives a rank")
+    rows = per_step()
+    for rank in (0, 1):
+        counts = {step: n for r, step, n, _ in rows if r == rank}
+        assert sorted(counts) == list(range(steps)), f"rank {rank}: steps {sorted(counts)}"
+        assert all(n == 3 for n in counts.values()), f"rank {rank}: all-reduces a step {counts}"
+    assert {tuple(g) for *_, g in rows} == {(2,)}
+
+
 def test_a_healthy_ddp_run_gets_no_straggler(
     stack: StackSettings, healthy_ddp: tuple[str, Path]
 ) -> None:

@@ -350,3 +350,30 @@ def test_union_covers_exactly_the_intervals(raw: list[tuple[int, int]]) -> None:
     assert {t for a, b in out for t in range(a, b)} == covered
     assert all(a < b for a, b in out)
     assert all(out[i][1] < out[i + 1][0] for i in range(len(out) - 1)), "disjoint, not touching"
+
+
+def test_functional_collectives_are_recorded_at_the_call(
+    traced: FakePublisher, group: None
+) -> None:
+    """DTensor's tensor parallelism calls PyTorch's functional collectives, which issue the
+    c10d ops without ``torch.distributed``'s functions: each call is a row (an all-gather
+    sized by its output), none counted twice, and what it hands back is unchanged."""
+    import torch.distributed._functional_collectives as funcol
+
+    got: list[torch.Tensor] = []
+
+    def every_step(i: int) -> None:
+        t = torch.full((64,), float(i))
+        got.append(funcol.all_reduce(t, "sum", dist.group.WORLD).wait())
+        got.append(funcol.all_gather_single(t, 0, [0]))
+        got.append(funcol.reduce_scatter_single(t, "sum", 0, dist.group.WORLD))
+
+    _train(_model(), 3, every_step)
+    hooks.uninstall()
+    colls = traced.rows("collective")
+    assert sorted(colls["op"]) == sorted(["all_gather", "all_reduce", "reduce_scatter"] * 3)
+    assert set(colls["size_bytes"]) == {256}  # 64 float32; a one-rank gather: its input
+    assert set(colls["group"]) == {"world"} and set(colls["group_size"]) == {1}
+    assert all(
+        torch.equal(torch.as_tensor(g), torch.full((64,), float(i // 3))) for i, g in enumerate(got)
+    )

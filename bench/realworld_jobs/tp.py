@@ -1,0 +1,97 @@
+"""A healthy tensor-parallel CPU training job: DTensor's ``parallelize_module`` (two blocks,
+each a column-wise then a row-wise linear layer) over a gloo device mesh, SGD, synthetic data.
+It does not import perfloop:
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \\
+        bench/realworld_jobs/tp.py --seconds 30 --seed 3 --truth DIR
+
+Each step all-reduces each block's row-wise output in forward and the second block's input
+gradient in backward, through PyTorch's functional collectives (not ``torch.distributed``'s
+functions): the collectives perfloop should see. Ground truth: ``none`` (healthy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _jobkit import Truth, add_common_args, dist_env
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(p)
+    p.add_argument("--steps", type=int, default=0, help="exactly this many steps (0: seconds)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--width", type=int, default=512)
+    args = p.parse_args()
+    rank, world, _ = dist_env()
+    truth = Truth(
+        args.truth, scenario="tp", kind="none", ranks=[], seed=args.seed, report_s=args.report_s
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(args.seed)  # the same weights on every rank before they are sharded
+    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(
+        nn.Linear(256, args.width),
+        nn.ReLU(),
+        nn.Linear(args.width, 256),
+        nn.Linear(256, args.width),
+        nn.ReLU(),
+        nn.Linear(args.width, 256),
+    )
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    plan |= {"3": ColwiseParallel(), "5": RowwiseParallel()}
+    model = parallelize_module(model, mesh, plan)
+    # every rank reads the same batch (tensor parallelism splits the layers, not the data)
+    truth.set(api="parallelize_module", world=world, out_bytes=args.batch_size * 256 * 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(args.seed)
+    pool_x, pool_y = torch.randn(2048, 256, generator=g), torch.randn(2048, 256, generator=g)
+    if rank == 0:
+        print(f"tp (parallelize_module): {world} ranks", flush=True)
+    error: BaseException | None = None
+    try:
+        truth.begin()
+        stop, i = False, 0
+        while not stop:
+            idx = torch.randint(0, len(pool_x), (args.batch_size,), generator=g)
+            loss = nn.functional.mse_loss(model(pool_x[idx]), pool_y[idx])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            truth.step()
+            i += 1
+            if args.steps:
+                stop = i >= args.steps
+            elif i % 10 == 0:
+                flag = torch.tensor([float(truth.elapsed_s() >= args.seconds)])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                stop = bool(flag.item())
+        dist.barrier()
+    except BaseException as e:
+        error = e
+        raise
+    finally:
+        truth.finish(error)
+        if error is None:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
