@@ -375,7 +375,6 @@ class _State:
         # synchronous collective or a checkpoint save (read by the progress reports)
         self.waiting: tuple[str, str, int] | None = None
         self.threads_by_script: int | None = None
-        self.in_funcol = False  # inside a functional collective (one may call another)
         self.funcol_groups: dict[Any, tuple[str, int]] = {}
 
 
@@ -812,6 +811,10 @@ def _make_collective(orig: Any, op: str) -> Any:
     return collective
 
 
+_FUNCOL_CALLS = threading.local()
+"""Per thread, whether it is inside a functional collective (``depth``)."""
+
+
 def _funcol_group(funcol: Any, group: Any, tag: str) -> tuple[str, int]:
     """(name, size) of a functional collective's group: a process group, a device mesh (or
     one of its dimensions), a list of ranks or a registered group's name; resolved once per
@@ -848,22 +851,34 @@ def _make_funcol(orig: Any, op: str, funcol: Any) -> Any:
         if is_compiling():
             return orig(*args, **kwargs)
         s = _S
+        inside = _FUNCOL_CALLS
+        if getattr(inside, "depth", 0) or not s.enabled or s.pid != os.getpid():
+            return orig(*args, **kwargs)  # one functional collective may call another
+        if s.tid is None and threading.current_thread() is not threading.main_thread():
+            return orig(*args, **kwargs)  # never make a helper thread the traced one
         tr = _traced()
-        if tr is None or s.in_funcol:
+        if tr is None and s.session is None:
             return orig(*args, **kwargs)
         t0 = _now()
-        s.in_funcol = True
+        inside.depth = 1
         try:
             return orig(*args, **kwargs)
         finally:
-            s.in_funcol = False
+            inside.depth = 0
             t1 = _now()
             try:
                 size, dtype = _payload(args[0] if args else None, s.torch.Tensor)
                 group = args[g_idx] if 0 <= g_idx < len(args) else kwargs.get("group")
                 tag = args[t_idx] if 0 <= t_idx < len(args) else kwargs.get("tag", "")
                 gname, gsize = _funcol_group(funcol, group, tag or "")
-                tr.collective(op, t0, t1, funcol_size(op, size, gsize), gname, gsize, dtype)
+                size = funcol_size(op, size, gsize)
+                if tr is not None:
+                    tr.collective(op, t0, t1, size, gname, gsize, dtype)
+                else:  # another thread of the process (a GPU's backward runs on autograd's
+                    # device threads): the training thread takes it at its next drain
+                    main = s.tracer  # the training thread's, if it began
+                    step = main.rec.step if main is not None else s.pipe.recorder.step  # type: ignore[union-attr]
+                    s.inflight.begin((op, t0, 0, size, gname, gsize, dtype, step))()
             except Exception as e:
                 _oops(f"the functional {op} hook", e)
 

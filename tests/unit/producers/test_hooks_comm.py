@@ -377,3 +377,33 @@ def test_functional_collectives_are_recorded_at_the_call(
     assert all(
         torch.equal(torch.as_tensor(g), torch.full((64,), float(i // 3))) for i, g in enumerate(got)
     )
+
+
+def test_a_functional_collective_on_another_thread_is_recorded_too(
+    traced: FakePublisher, group: None
+) -> None:
+    """On a GPU, backward runs on autograd's device threads, and so do the functional
+    collectives of tensor parallelism's backward: one called on another thread of the traced
+    process (between the step's forward and backward here) is a row as well, in its step."""
+    import threading
+
+    import torch.distributed._functional_collectives as funcol
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        loss = model(torch.randn(16, 32)).sum()
+        t = threading.Thread(
+            target=lambda: funcol.all_reduce(torch.ones(32), "sum", dist.group.WORLD).wait()
+        )
+        t.start()
+        t.join()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    hooks.uninstall()
+    colls = traced.rows("collective")
+    assert colls["op"] == ["all_reduce"] * 3
+    assert colls["size_bytes"] == [128] * 3
+    assert sorted(colls["step"]) == [0, 1, 2]
+    assert traced.rows("step")["step"] == [0, 1, 2]  # the training thread is the traced one
