@@ -263,6 +263,16 @@ SCENARIOS: dict[str, Scenario] = {
             description="DTensor tensor parallelism (functional collectives) over gloo, 2 ranks",
         ),
         Scenario(
+            "tp_straggler",
+            "tp.py",
+            "straggler",
+            ("--fault", "straggler_compute"),
+            nprocs=(2,),
+            seconds=30,
+            onset_s=_FAULT,
+            description="tensor parallelism; one rank computes 0.6-1.5x its step more",
+        ),
+        Scenario(
             "lightning",
             "lightning_job.py",
             "none",

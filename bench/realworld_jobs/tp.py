@@ -7,13 +7,18 @@ It does not import perfloop:
 
 Each step all-reduces each block's row-wise output in forward and the second block's input
 gradient in backward, through PyTorch's functional collectives (not ``torch.distributed``'s
-functions): the collectives perfloop should see. Ground truth: ``none`` (healthy).
+functions): the collectives perfloop should see. Ground truth: ``none`` (healthy); with
+``--fault straggler_compute`` one rank (drawn from the seed) computes 0.6-1.5x a step more in
+each forward from ``--onset-s`` on, and the others wait for it at every all-reduce.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import random
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,10 +36,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=0, help="exactly this many steps (0: seconds)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--width", type=int, default=512)
+    p.add_argument("--fault", choices=["none", "straggler_compute"], default="none")
     args = p.parse_args()
     rank, world, _ = dist_env()
+    shared = random.Random(args.seed)  # the same draws on every rank
+    culprit, slow_factor = shared.randrange(world), shared.uniform(0.6, 1.5)
+    slow = args.fault == "straggler_compute"
     truth = Truth(
-        args.truth, scenario="tp", kind="none", ranks=[], seed=args.seed, report_s=args.report_s
+        args.truth,
+        scenario="tp_straggler" if slow else "tp",
+        kind="straggler" if slow else "none",
+        ranks=[culprit] if slow else [],
+        seed=args.seed,
+        report_s=args.report_s,
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -58,9 +72,16 @@ def main() -> None:
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     plan |= {"3": ColwiseParallel(), "5": RowwiseParallel()}
     model = parallelize_module(model, mesh, plan)
-    # every rank reads the same batch (tensor parallelism splits the layers, not the data)
-    truth.set(api="parallelize_module", world=world, out_bytes=args.batch_size * 256 * 4)
+    truth.set(
+        api="parallelize_module",
+        world=world,
+        out_bytes=args.batch_size * 256 * 4,
+        culprit=culprit if slow else -1,
+        slow_factor=round(slow_factor, 2),
+    )
+    extra_ms, scratch = 0.0, torch.randn(256, 256)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    # every rank reads the same batch (tensor parallelism splits the layers, not the data)
     g = torch.Generator().manual_seed(args.seed)
     pool_x, pool_y = torch.randn(2048, 256, generator=g), torch.randn(2048, 256, generator=g)
     if rank == 0:
@@ -70,8 +91,17 @@ def main() -> None:
         truth.begin()
         stop, i = False, 0
         while not stop:
+            if slow and rank == culprit and not extra_ms and truth.elapsed_s() >= args.onset_s:
+                ends = truth.doc["step_ms"][-51:]
+                gaps = sorted(b - a for a, b in itertools.pairwise(ends)) or [10.0]
+                extra_ms = slow_factor * gaps[len(gaps) // 2]
+                truth.fault(slow_ms=round(extra_ms, 2))
             idx = torch.randint(0, len(pool_x), (args.batch_size,), generator=g)
-            loss = nn.functional.mse_loss(model(pool_x[idx]), pool_y[idx])
+            out = model(pool_x[idx])
+            deadline = time.perf_counter() + extra_ms / 1e3  # the slower rank's own compute
+            while time.perf_counter() < deadline:
+                scratch = torch.tanh(scratch @ scratch.T @ scratch * 1e-3)
+            loss = nn.functional.mse_loss(out, pool_y[idx])
             loss.backward()
             opt.step()
             opt.zero_grad()
