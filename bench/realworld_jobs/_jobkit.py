@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Truth", "add_common_args", "cpus", "dist_env", "pin_to_cpu"]
+__all__ = ["Truth", "add_common_args", "all_stop", "cpus", "dist_env", "pin_to_cpu"]
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -40,6 +40,22 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         help="folder for the ground truth (env REALWORLD_TRUTH); none: not written",
     )
     p.add_argument("--report-s", type=float, default=5.0, help="print throughput this often")
+
+
+def all_stop(truth: Truth, n: int, steps: int, seconds: float, every: int = 10) -> bool:
+    """Whether every rank stops after its ``n``-th step: at exactly ``steps`` steps when set,
+    else once any rank has run ``seconds`` (asked every ``every`` steps and agreed by an
+    all-reduce, so that no rank is left alone at a collective)."""
+    if steps:
+        return n >= steps
+    if n % every:
+        return False
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([float(truth.elapsed_s() >= seconds)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def cpus() -> int:

@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _jobkit import Truth, add_common_args, dist_env, pin_to_cpu
+from _jobkit import Truth, add_common_args, all_stop, dist_env, pin_to_cpu
 
 KINDS = {
     "none": "none",
@@ -233,12 +233,7 @@ def main() -> None:
                     model.train()
                     t = torch.tensor([total])
                     dist.all_reduce(t)
-                if args.steps:
-                    stop = n >= args.steps
-                elif n % 10 == 0:
-                    flag = torch.tensor([float(truth.elapsed_s() >= args.seconds)])
-                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                    stop = bool(flag.item())
+                stop = all_stop(truth, n, args.steps, args.seconds)
                 if stop:
                     break
         dist.barrier()

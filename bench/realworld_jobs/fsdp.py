@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _jobkit import Truth, add_common_args, dist_env
+from _jobkit import Truth, add_common_args, all_stop, dist_env
 
 
 def main() -> None:
@@ -73,12 +73,7 @@ def main() -> None:
             opt.zero_grad()
             truth.step()
             i += 1
-            if args.steps:
-                stop = i >= args.steps
-            elif i % 10 == 0:
-                flag = torch.tensor([float(truth.elapsed_s() >= args.seconds)])
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                stop = bool(flag.item())
+            stop = all_stop(truth, i, args.steps, args.seconds)
         dist.barrier()
     except BaseException as e:
         error = e
