@@ -1,6 +1,6 @@
 """Communication the training hooks cannot time from the calling thread alone.
 
-Two things live here, both used by `perfloop.producers.hooks`:
+Three things live here, all used by `perfloop.producers.hooks`:
 
 - `InFlight`: asynchronous collectives (``async_op=True``, and every gradient all-reduce of
   DDP) are timed from the call — the rank's arrival at the collective — to the completion of
@@ -16,6 +16,11 @@ Two things live here, both used by `perfloop.producers.hooks`:
   (its own collectives are timed like any other); one registered after ours would fail
   ("can only be registered once"), which is why ours waits for the first step: PyTorch asks
   for hooks to be registered before the first backward.
+
+- `Unwaited`: a functional collective (``torch.distributed._functional_collectives``, what
+  DTensor's tensor parallelism calls) returns at once a tensor whose work is waited on where
+  it is first used (``wait_tensor``). Its row waits here, by that tensor, for the wait to
+  be timed: what the rank spent in the collective is its call plus its wait.
 
 `union` turns overlapping intervals into disjoint ones, for ``comm`` spans nested in the
 phase that waited (a bucket's all-reduce overlaps the next bucket's backward).
@@ -38,6 +43,7 @@ __all__ = [
     "FUNCOL_MODULE",
     "DdpWatch",
     "InFlight",
+    "Unwaited",
     "collective_op",
     "funcol_functions",
     "funcol_size",
@@ -157,6 +163,69 @@ _PAYLOAD_NAMES = (
 )
 
 
+class Unwaited:
+    """Collectives called but not yet waited on, by the tensor their call returned (held
+    weakly: the tensor lives as long as the script keeps it); at most ``limit``, the oldest
+    handed back by `add` once more are called (a tensor never waited on: its collective is
+    recorded without a wait).
+
+    >>> class T: ...  # a tensor
+    >>> u, t = Unwaited(limit=1), T()
+    >>> u.add(t, ("all_reduce", 1, 2, 4, "world", 2, "float32", 0))
+    []
+    >>> u.pop(T()), len(u)
+    (None, 1)
+    >>> u.pop(t)[0], len(u), u.pop(t)
+    ('all_reduce', 0, None)
+    >>> u.add(t, ("all_reduce", 1, 2, 4, "world", 2, "float32", 0))
+    []
+    >>> [r[1] for r in u.add(T(), ("all_reduce", 3, 4, 4, "world", 2, "", 0))]
+    [1]
+    >>> u.older(0), [r[1] for r in u.older(1)], len(u)
+    ([], [3], 0)
+    """
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = limit
+        self._rows: dict[int, tuple[weakref.ref[Any], Done]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, tensor: Any, row: Done) -> list[Done]:
+        """Note ``row`` until ``tensor`` is waited on; the rows this pushes out (the oldest
+        beyond ``limit``, or one whose tensor is gone and whose id ``tensor`` now has)."""
+        out = []
+        with self._lock:
+            rows = self._rows
+            old = rows.pop(id(tensor), None)
+            if old is not None:
+                out.append(old[1])
+            while len(rows) >= self.limit:
+                out.append(rows.pop(next(iter(rows)))[1])
+            rows[id(tensor)] = (weakref.ref(tensor), row)
+        return out
+
+    def pop(self, tensor: Any) -> Done | None:
+        """The row of the collective that returned ``tensor``, forgotten; None if none."""
+        key = id(tensor)
+        with self._lock:
+            got = self._rows.get(key)
+            if got is None or got[0]() is not tensor:
+                return None
+            del self._rows[key]
+        return got[1]
+
+    def older(self, step: int | None = None) -> list[Done]:
+        """The rows of steps before ``step`` (all with None), forgotten: their tensors were
+        not waited on through the hooks (dropped, or waited on by another path)."""
+        with self._lock:
+            rows = self._rows
+            keys = [k for k, (_, r) in rows.items() if step is None or r[7] < step]
+            return [rows.pop(k)[1] for k in keys]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
 def _payload(x: Any, tensor_type: Any, depth: int = 0) -> tuple[int, str]:
     """Bytes and dtype of a tensor, or of a list of tensors (or of lists of them)."""
     if isinstance(x, tensor_type):
@@ -257,6 +326,10 @@ class InFlight:
 
         completed.cancel = cancel  # type: ignore[attr-defined]
         return completed
+
+    def done(self, row: Done) -> None:
+        """Note a collective that already completed, timed by its caller (any thread)."""
+        self._done.append(row)
 
     def take(self) -> list[Done]:
         """The collectives completed since the last call (training thread)."""

@@ -225,10 +225,42 @@ class Tracer:
         dtype: str = "",
     ) -> None:
         """A collective call: always a `CollectiveOp` row; a ``comm`` span when in a step."""
-        rec = self.rec
-        rec.collective(
+        self.rec.collective(
             op, t0, t1, size_bytes=size_bytes, group=group, group_size=group_size, dtype=dtype
         )
+        self.comm(t0, t1)
+
+    def waited(
+        self,
+        row: tuple[str, int, int, int, str, int, str, int],
+        w0: int,
+        w1: int,
+    ) -> None:
+        """A collective whose call (``row``: op, call start, call end, size, group, group
+        size, dtype, step) returned before its work was done, waited on from ``w0`` to ``w1``
+        (a functional collective, waited where its tensor is first used): a `CollectiveOp` row
+        at the call, in the call's step, lasting the call plus the wait (what this rank spent
+        in it; the work it did in between is not counted), and a ``comm`` span for the wait
+        (the call's was recorded by `comm` as it returned; none when it was never waited on:
+        ``w0 == w1``)."""
+        op, t0, t1, size, group, gsize, dtype, step = row
+        self.rec.collective(
+            op,
+            t0,
+            t1 + max(w1 - w0, 0),
+            size_bytes=size,
+            group=group,
+            group_size=gsize,
+            dtype=dtype,
+            step=step,
+        )
+        if w1 > w0:
+            self.comm(w0, w1)
+
+    def comm(self, t0: int, t1: int) -> None:
+        """Time in a collective (its call or its wait): a ``comm`` span nested in the open
+        activity or the eval region, one of its own in a step between activities."""
+        rec = self.rec
         if self.open is not None:
             rec.span("comm", "comm", t0, t1, depth=1)
         elif self.eval_t0 is not None:

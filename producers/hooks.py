@@ -46,6 +46,7 @@ from perfloop.producers._comm import (
     FUNCOL_MODULE,
     DdpWatch,
     InFlight,
+    Unwaited,
     _payload,
     collective_op,
     funcol_functions,
@@ -268,6 +269,11 @@ class Session:
             with contextlib.suppress(Exception):
                 self.knobs.close()
         try:
+            for row in _S.unwaited.older():  # functional collectives never waited on
+                self.tracer.waited(row, 0, 0)
+            done = _S.inflight.take()  # collectives completed since the last drain
+            if done:
+                self.tracer.async_done(done)
             self.tracer.close()
             if not self.info_published:
                 self.info_published = True
@@ -376,6 +382,7 @@ class _State:
         self.waiting: tuple[str, str, int] | None = None
         self.threads_by_script: int | None = None
         self.funcol_groups: dict[Any, tuple[str, int]] = {}
+        self.unwaited = Unwaited()  # functional collectives called, their wait not yet timed
 
 
 _S = _State()
@@ -445,6 +452,9 @@ def _at_exit() -> None:
 
 def _after_step(rec: StepRecord) -> None:
     s = _S
+    if len(s.unwaited):  # functional collectives of earlier steps never waited on
+        for row in s.unwaited.older(rec.step):
+            _funcol_done(row, 0, 0)
     if s.session is not None:
         s.session.boundary(rec)
         s.session.after_step(rec)
@@ -834,10 +844,12 @@ def _funcol_group(funcol: Any, group: Any, tag: str) -> tuple[str, int]:
 
 
 def _make_funcol(orig: Any, op: str, funcol: Any) -> Any:
-    """A functional collective, recorded at the rank's arrival (its call). Its work is
-    waited on later, where its tensor is first used, so the row is timed to the call's
-    return: the wait itself is not seen (it stays in the phase that used the tensor). Under
-    ``torch.compile``'s tracing it is the original, untouched (no graph break)."""
+    """A functional collective, recorded at the rank's arrival (its call). Its call returns
+    before the work is done, with a tensor waited on where it is first used
+    (`_make_funcol_wait`): the row waits for that wait and lasts the call plus the wait (what
+    the rank spent in it: a rank that arrives first waits longest, whatever it computed in
+    between). Under ``torch.compile``'s tracing it is the original, untouched (no graph
+    break)."""
     try:
         params = list(inspect.signature(orig).parameters)
     except (TypeError, ValueError):
@@ -861,8 +873,10 @@ def _make_funcol(orig: Any, op: str, funcol: Any) -> Any:
             return orig(*args, **kwargs)
         t0 = _now()
         inside.depth = 1
+        out = None
         try:
-            return orig(*args, **kwargs)
+            out = orig(*args, **kwargs)
+            return out
         finally:
             inside.depth = 0
             t1 = _now()
@@ -873,17 +887,70 @@ def _make_funcol(orig: Any, op: str, funcol: Any) -> Any:
                 gname, gsize = _funcol_group(funcol, group, tag or "")
                 size = funcol_size(op, size, gsize)
                 if tr is not None:
-                    tr.collective(op, t0, t1, size, gname, gsize, dtype)
+                    step = tr.rec.step
+                    tr.comm(t0, t1)
                 else:  # another thread of the process (a GPU's backward runs on autograd's
                     # device threads): the training thread takes it at its next drain
                     main = s.tracer  # the training thread's, if it began
                     step = main.rec.step if main is not None else s.pipe.recorder.step  # type: ignore[union-attr]
-                    s.inflight.begin((op, t0, 0, size, gname, gsize, dtype, step))()
+                row = (op, t0, t1, size, gname, gsize, dtype, step)
+                elem = getattr(out, "elem", None)  # an AsyncCollectiveTensor's: waited later
+                if isinstance(elem, s.torch.Tensor):
+                    for old in s.unwaited.add(elem, row):
+                        _funcol_done(old, 0, 0)
+                else:
+                    _funcol_done(row, 0, 0)
             except Exception as e:
                 _oops(f"the functional {op} hook", e)
 
     collective.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
     return collective
+
+
+def _funcol_done(row: Any, w0: int, w1: int) -> None:
+    """Record a functional collective (``row`` as `Tracer.waited` takes it) waited on from
+    ``w0`` to ``w1`` (0, 0: never waited on): by the training thread's tracer on that
+    thread, else taken by it at its next drain."""
+    s = _S
+    tr = s.tracer if s.tid == _get_ident() else None  # never makes a thread the traced one
+    if tr is not None:
+        tr.waited(row, w0, w1)
+    else:
+        op, t0, t1, *rest = row
+        _S.inflight.done((op, t0, t1 + max(w1 - w0, 0), *rest))
+
+
+def _make_funcol_wait(orig: Any) -> Any:
+    """Functional collectives' ``wait_tensor`` (an `AsyncCollectiveTensor`'s first use calls
+    it): the wait of a collective the hooks saw called is timed, and the rank blocked in it
+    reads as in that collective (``comm``) to the progress reports."""
+    is_compiling = getattr(getattr(_S.torch, "compiler", None), "is_compiling", lambda: False)
+
+    @functools.wraps(orig)
+    def wait_tensor(*args: Any, **kwargs: Any) -> Any:
+        s = _S
+        if not len(s.unwaited) or is_compiling() or s.pid != os.getpid():
+            return orig(*args, **kwargs)
+        row = s.unwaited.pop(args[0] if args else kwargs.get("tensor"))
+        if row is None:
+            return orig(*args, **kwargs)
+        w0 = _now()
+        mine = s.waiting is None and s.tid == _get_ident() and s.tracer is not None
+        if mine:
+            s.waiting = ("comm", row[0], w0)
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            w1 = _now()
+            if mine:
+                s.waiting = None
+            try:
+                _funcol_done(row, w0, w1)
+            except Exception as e:
+                _oops("the functional collectives' wait hook", e)
+
+    wait_tensor.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
+    return wait_tensor
 
 
 def _ddp_hook() -> Any:
@@ -1081,6 +1148,8 @@ def install(
                 funcol = None
             for fname, op in funcol_functions(funcol) if funcol is not None else ():
                 _patch(funcol, fname, _make_funcol, op, funcol)
+            if funcol is not None:
+                _patch(funcol, "wait_tensor", _make_funcol_wait)
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             _patch(DDP, "__init__", _make_ddp_init)

@@ -379,6 +379,57 @@ def test_functional_collectives_are_recorded_at_the_call(
     )
 
 
+def test_a_functional_collective_lasts_its_call_and_its_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A functional collective's work is waited on where its tensor is first used: its row
+    lasts the call plus that wait (here a wait made 20 ms long), not the 200 ms the script
+    computed in between; the wait is a ``comm`` span nested in the forward that used the
+    tensor. A rank that arrives first waits longest, so this is what tells a tensor-parallel
+    rank that waits from the one it waits for."""
+    import torch.distributed._functional_collectives as funcol
+
+    real_wait = funcol.wait_tensor
+
+    def slow_wait(tensor: torch.Tensor) -> torch.Tensor:  # the other rank arrives 20 ms late
+        time.sleep(0.02)
+        return real_wait(tensor)
+
+    monkeypatch.setattr(funcol, "wait_tensor", slow_wait)
+    pub = FakePublisher()
+    settings = ProducerSettings(job_id="funcol-wait", node="n0", stats_interval_s=3600, agent=False)
+    assert hooks.install(settings, publisher=pub, command="pytest")
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
+
+        class Parallel(torch.nn.Module):  # a row-wise layer's output, used in the next one
+            def __init__(self) -> None:
+                super().__init__()
+                self.a, self.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                y = funcol.all_reduce(self.a(x), "sum", dist.group.WORLD)
+                time.sleep(0.2)  # work that does not need the all-reduce
+                return self.b(y)
+
+        _train(Parallel(), 3)
+        dist.destroy_process_group()
+    finally:
+        hooks.uninstall()
+    colls = pub.rows("collective")
+    assert colls["op"] == ["all_reduce"] * 3 and sorted(colls["step"]) == [0, 1, 2]
+    assert all(20 <= ms < 200 for ms in colls["duration_ms"]), colls["duration_ms"]
+    spans = pub.rows("span")
+    waits = [
+        ms
+        for p, d, ms in zip(spans["phase"], spans["depth"], spans["duration_ms"], strict=True)
+        if p == "comm" and d == 1 and ms >= 20
+    ]
+    assert len(waits) == 3, "each wait nested in the forward that used the tensor"
+
+
 def test_a_functional_collective_on_another_thread_is_recorded_too(
     traced: FakePublisher, group: None
 ) -> None:
