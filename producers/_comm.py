@@ -19,8 +19,8 @@ Three things live here, all used by `perfloop.producers.hooks`:
 
 - `Unwaited`: a functional collective (``torch.distributed._functional_collectives``, what
   DTensor's tensor parallelism calls) returns at once a tensor whose work is waited on where
-  it is first used (``wait_tensor``). Its row waits here, by that tensor, for the wait to
-  be timed: what the rank spent in the collective is its call plus its wait.
+  it is first used (``wait_tensor``). Its row waits here, by that tensor's memory, for the
+  wait to be timed: what the rank spent in the collective is its call plus its wait.
 
 `union` turns overlapping intervals into disjoint ones, for ``comm`` spans nested in the
 phase that waited (a bucket's all-reduce overlaps the next bucket's backward).
@@ -164,63 +164,65 @@ _PAYLOAD_NAMES = (
 
 
 class Unwaited:
-    """Collectives called but not yet waited on, by the tensor their call returned (held
-    weakly: the tensor lives as long as the script keeps it); at most ``limit``, the oldest
-    handed back by `add` once more are called (a tensor never waited on: its collective is
-    recorded without a wait).
+    """Collectives called but not yet waited on, by the memory of the tensor their call
+    returned (``key``: a view of it, which is what a view of an `AsyncCollectiveTensor` waits
+    on, shares it; a tensor with no storage counts by itself); at most ``limit``, the oldest
+    handed back by `add` once more are called. Nothing is held: a tensor dropped unwaited
+    leaves its row here until `add` or `older` hands it back (recorded without a wait), and a
+    new one at the same memory pushes it out first.
 
-    >>> class T: ...  # a tensor
-    >>> u, t = Unwaited(limit=1), T()
+    >>> class T:  # a tensor, with the address of its memory
+    ...     def __init__(self, ptr): self.ptr = ptr
+    >>> key = lambda t: t.ptr
+    >>> u, t = Unwaited(key, limit=1), T(100)
     >>> u.add(t, ("all_reduce", 1, 2, 4, "world", 2, "float32", 0))
     []
-    >>> u.pop(T()), len(u)
+    >>> u.pop(T(200)), len(u)
     (None, 1)
-    >>> u.pop(t)[0], len(u), u.pop(t)
+    >>> u.pop(T(100))[0], len(u), u.pop(t)  # a view of t: the same memory
     ('all_reduce', 0, None)
     >>> u.add(t, ("all_reduce", 1, 2, 4, "world", 2, "float32", 0))
     []
-    >>> [r[1] for r in u.add(T(), ("all_reduce", 3, 4, 4, "world", 2, "", 0))]
+    >>> [r[1] for r in u.add(T(300), ("all_reduce", 3, 4, 4, "world", 2, "", 0))]
     [1]
     >>> u.older(0), [r[1] for r in u.older(1)], len(u)
     ([], [3], 0)
     """
 
-    def __init__(self, limit: int = 256) -> None:
-        self.limit = limit
-        self._rows: dict[int, tuple[weakref.ref[Any], Done]] = {}
+    def __init__(self, key: Callable[[Any], Any], limit: int = 256) -> None:
+        self.key, self.limit = key, limit
+        self._rows: dict[Any, Done] = {}
         self._lock = threading.Lock()
 
     def add(self, tensor: Any, row: Done) -> list[Done]:
-        """Note ``row`` until ``tensor`` is waited on; the rows this pushes out (the oldest
-        beyond ``limit``, or one whose tensor is gone and whose id ``tensor`` now has)."""
+        """Note ``row`` until ``tensor`` (or a view of it) is waited on; the rows this pushes
+        out (the oldest beyond ``limit``, or one left at the same memory)."""
+        k = self.key(tensor)
         out = []
         with self._lock:
             rows = self._rows
-            old = rows.pop(id(tensor), None)
+            old = rows.pop(k, None)
             if old is not None:
-                out.append(old[1])
+                out.append(old)
             while len(rows) >= self.limit:
-                out.append(rows.pop(next(iter(rows)))[1])
-            rows[id(tensor)] = (weakref.ref(tensor), row)
+                out.append(rows.pop(next(iter(rows))))
+            rows[k] = row
         return out
 
     def pop(self, tensor: Any) -> Done | None:
-        """The row of the collective that returned ``tensor``, forgotten; None if none."""
-        key = id(tensor)
+        """The row of the collective whose tensor ``tensor`` is (or views), forgotten; None if
+        none."""
+        k = self.key(tensor)
         with self._lock:
-            got = self._rows.get(key)
-            if got is None or got[0]() is not tensor:
-                return None
-            del self._rows[key]
-        return got[1]
+            return self._rows.pop(k, None)
 
     def older(self, step: int | None = None) -> list[Done]:
         """The rows of steps before ``step`` (all with None), forgotten: their tensors were
         not waited on through the hooks (dropped, or waited on by another path)."""
         with self._lock:
             rows = self._rows
-            keys = [k for k, (_, r) in rows.items() if step is None or r[7] < step]
-            return [rows.pop(k)[1] for k in keys]
+            keys = [k for k, r in rows.items() if step is None or r[7] < step]
+            return [rows.pop(k) for k in keys]
 
     def __len__(self) -> int:
         return len(self._rows)

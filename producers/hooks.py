@@ -382,7 +382,16 @@ class _State:
         self.waiting: tuple[str, str, int] | None = None
         self.threads_by_script: int | None = None
         self.funcol_groups: dict[Any, tuple[str, int]] = {}
-        self.unwaited = Unwaited()  # functional collectives called, their wait not yet timed
+        # functional collectives called, their wait not yet timed
+        self.unwaited = Unwaited(_memory_of)
+
+
+def _memory_of(tensor: Any) -> Any:
+    """Where a tensor's memory is (its views share it): the key of `Unwaited`."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except Exception:  # no storage (a subclass, a fake tensor): the tensor itself
+        return ("id", id(tensor))
 
 
 _S = _State()

@@ -384,9 +384,9 @@ def test_a_functional_collective_lasts_its_call_and_its_wait(
 ) -> None:
     """A functional collective's work is waited on where its tensor is first used: its row
     lasts the call plus that wait (here a wait made 20 ms long), not the 200 ms the script
-    computed in between; the wait is a ``comm`` span nested in the forward that used the
-    tensor. A rank that arrives first waits longest, so this is what tells a tensor-parallel
-    rank that waits from the one it waits for."""
+    computed in between, also when what is first used is a view of it; the wait is a ``comm``
+    span nested in the forward that used the tensor. A rank that arrives first waits longest,
+    so this is what tells a tensor-parallel rank that waits from the one it waits for."""
     import torch.distributed._functional_collectives as funcol
 
     real_wait = funcol.wait_tensor
@@ -412,7 +412,7 @@ def test_a_functional_collective_lasts_its_call_and_its_wait(
             def forward(self, x: torch.Tensor) -> torch.Tensor:
                 y = funcol.all_reduce(self.a(x), "sum", dist.group.WORLD)
                 time.sleep(0.2)  # work that does not need the all-reduce
-                return self.b(y)
+                return self.b(y.view(-1, 32))  # a view waits for the all-reduce too
 
         _train(Parallel(), 3)
         dist.destroy_process_group()
