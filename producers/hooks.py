@@ -940,7 +940,11 @@ def _make_funcol_wait(orig: Any) -> Any:
         s = _S
         if not len(s.unwaited) or is_compiling() or s.pid != os.getpid():
             return orig(*args, **kwargs)
-        row = s.unwaited.pop(args[0] if args else kwargs.get("tensor"))
+        try:
+            row = s.unwaited.pop(args[0] if args else kwargs.get("tensor"))
+        except Exception as e:
+            _oops("the functional collectives' wait hook", e)
+            row = None
         if row is None:
             return orig(*args, **kwargs)
         w0 = _now()
