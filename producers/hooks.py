@@ -361,6 +361,7 @@ class _State:
         self.discovery_steps = 2
         self.rediscover_every = 500
         self.discovering = True
+        self.skip_root_pre: Any = None  # a root whose global pre-hook just ran (`_pre`)
         self.fdepth = 0
         self.fwd_open = False
         self.opt_stack: list[bool] = []
@@ -481,15 +482,20 @@ def _after_step(rec: StepRecord) -> None:
 def _set_discovery(on: bool) -> None:
     s = _S
     mm = s.torch.nn.modules.module
-    for h in s.global_handles:
-        h.remove()
-    s.global_handles = []
+    _drop_global_hooks()
     if on:
         s.global_handles = [
             mm.register_module_forward_pre_hook(_global_pre),
             mm.register_module_forward_hook(_global_post, always_call=True),
         ]
     s.discovering = on
+
+
+def _drop_global_hooks() -> None:
+    s = _S
+    for h in s.global_handles:
+        h.remove()
+    s.global_handles = []
 
 
 # forward ---------------------------------------------------------------------------------
@@ -503,11 +509,18 @@ def _pre(module: Any) -> None:
         try:
             training = module.training and s.torch.is_grad_enabled()
             s.fwd_open = tr.forward_begin(t, training)
-            if s.discovering and module not in s.roots:
+            was_root = module in s.roots
+            if s.discovering and not was_root:
                 s.roots[module] = (
                     module.register_forward_pre_hook(_root_pre),
                     module.register_forward_hook(_root_post, always_call=True),
                 )
+            if s.global_handles and getattr(module, "_orig_mod", None) is not None:
+                # a model made by torch.compile: its trace would see the global hooks and
+                # guard on them, and compile it again once they are gone. It is a root; the
+                # global hooks go now, before it is traced (its own hooks time it).
+                _drop_global_hooks()
+                s.skip_root_pre = module if was_root else None  # next in this very call
             if training and s.session is not None and s.session.model is None:
                 _first_train_forward(module)
         except Exception as e:
@@ -533,21 +546,33 @@ def _post() -> None:
             s.pipe.overhead_ns += _now() - t  # type: ignore[union-attr]
 
 
+def _compiling() -> bool:
+    """Whether ``torch.compile`` is tracing (`install` puts ``torch.compiler.is_compiling``
+    here). The module hooks then do nothing: what they would trace (a thread id, a clock)
+    breaks the graph, and a compiled module is timed by the call around it."""
+    return False
+
+
 def _global_pre(module: Any, args: Any) -> None:
-    _pre(module)
+    if not _compiling():
+        _pre(module)
 
 
 def _global_post(module: Any, args: Any, output: Any) -> None:
-    _post()
+    if not _compiling():
+        _post()
 
 
 def _root_pre(module: Any, args: Any) -> None:
-    if not _S.discovering:
+    s = _S
+    if s.skip_root_pre is module:  # its global pre-hook ran in this call (`_pre`)
+        s.skip_root_pre = None
+    elif not s.global_handles and not _compiling():
         _pre(module)
 
 
 def _root_post(module: Any, args: Any, output: Any) -> None:
-    if not _S.discovering:
+    if not _S.global_handles and not _compiling():
         _post()
 
 
@@ -1118,9 +1143,11 @@ def install(
     import torch.utils.data
     import torch.utils.data.dataloader as dl
 
+    global _compiling
     s = _S
     s.reset()
     s.torch = torch
+    _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", _compiling)
     s.settings, s.command, s.callbacks, s.publisher = settings, command, callbacks, publisher
     s.discovery_steps = max(1, discovery_steps)
     s.rediscover_every = max(1, rediscover_every)

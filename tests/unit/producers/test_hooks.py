@@ -234,6 +234,49 @@ def test_after_discovery_only_root_modules_carry_hooks(installed: FakePublisher)
     assert roots == {"Sequential", "CrossEntropyLoss"}  # not Linear or ReLU
 
 
+@pytest.mark.parametrize("part", ["model", "submodule"])
+def test_a_compiled_model_keeps_its_graph(part: str) -> None:
+    """``torch.compile(model)``: the hooks never break its graph nor make it compile again,
+    through discovery and a rediscovery, and every step is timed (its forward by the
+    compiled model's own hooks). A compiled submodule of a model that is not compiled: no
+    graph break either (it compiles once more when discovery's global hooks go)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    pub = FakePublisher()
+    settings = ProducerSettings(job_id="compiled", node="n0", stats_interval_s=3600, agent=False)
+    torch._dynamo.reset()
+    counters.clear()
+    assert hooks.install(settings, publisher=pub, command="pytest", rediscover_every=5)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        if part == "model":
+            compiled = torch.compile(model, backend="eager")
+        else:
+            model[0] = torch.compile(model[0], backend="eager")  # type: ignore[assignment]
+            compiled = model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(12):  # discovery in steps 0-1, again at steps 5 and 10
+            x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+            torch.nn.functional.cross_entropy(compiled(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        hooks.uninstall()
+        torch._dynamo.reset()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == (1 if part == "model" else 2)
+    assert pub.rows("step")["step"] == list(range(12))
+    spans = pub.rows("span")
+    forward = {
+        s
+        for s, p, d in zip(spans["step"], spans["phase"], spans["depth"], strict=True)
+        if p == "forward" and d == 0
+    }
+    assert forward == set(range(12))
+
+
 def test_uninstall_restores_torch(installed: FakePublisher) -> None:
     from torch.optim import optimizer as optim
     from torch.utils.data import dataloader as dl
