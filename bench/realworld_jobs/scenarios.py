@@ -139,6 +139,15 @@ SCENARIOS: dict[str, Scenario] = {
             description="a small CNN, one process, torch's default threads",
         ),
         Scenario(
+            "healthy_compiled",
+            "single.py",
+            "none",
+            ("--fault", "none", "--compile"),
+            variants=_PAIRED,
+            seconds=30,
+            description="the small CNN under torch.compile (Inductor), one process",
+        ),
+        Scenario(
             "healthy_ddp",
             "ddp.py",
             "none",

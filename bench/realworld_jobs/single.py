@@ -5,7 +5,8 @@ of the common single-process faults. It does not import perfloop.
 
 Faults (``--fault``), with the perfloop ``bottleneck`` a right diagnosis names:
 
-- ``none`` (healthy, ``none``): in-memory data, torch's default threads;
+- ``none`` (healthy, ``none``): in-memory data, torch's default threads; with ``--compile``
+  the model is ``torch.compile``'d (Inductor; its first steps wait for the compilation);
 - ``io_loader`` (``dataloader_starvation``): ``num_workers=0`` and every sample waits on
   "storage" (``time.sleep`` of ~1 ms, drawn per seed) before a cheap decode: the loop waits, the
   CPU does not work; one torch thread for the model, so its compute stays small beside the
@@ -94,11 +95,13 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers (the fault: 0)")
     p.add_argument("--leak-mb-s", type=float, default=0.0, help="MB kept a second (0: seed)")
     p.add_argument("--headroom-mb", type=float, default=0.0, help="RLIMIT_AS margin (0: seed)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     args = p.parse_args()
     kind = KINDS[args.fault]
+    healthy = "healthy_compiled" if args.compile else "healthy_single"
     truth = Truth(
         args.truth,
-        scenario=args.fault if args.fault != "none" else "healthy_single",
+        scenario=args.fault if args.fault != "none" else healthy,
         kind=kind,
         ranks=[] if kind == "none" else [0],
         seed=args.seed,
@@ -120,6 +123,7 @@ def main() -> None:
         blur_passes=passes,
         threads=torch.get_num_threads(),
         cpus=cpus(),
+        compiled=args.compile,
     )
 
     if args.fault in ("io_loader", "cpu_loader"):
@@ -132,6 +136,8 @@ def main() -> None:
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
     net = cnn()
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    if args.compile:
+        net = torch.compile(net)  # type: ignore[assignment]
     loss_fn = nn.CrossEntropyLoss()
 
     leak: list[torch.Tensor] = []
