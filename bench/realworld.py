@@ -18,8 +18,9 @@ per variant, with a seed of its own (the variants of a round share it):
 - ``auto``: ``perfloop run --tier auto -- COMMAND`` (perfloop may change the job).
 
 Fault scenarios run under tier observe; the actionable ones (I/O-bound loader, CPU-bound
-loader, thread oversubscription) and the healthy single-process and DDP jobs run plain,
-observe and auto each round, in an order that rotates with the round; the other healthy
+loader, thread oversubscription) and the healthy single-process (eager, and compiled with
+``torch.compile``) and DDP jobs run plain, observe and auto each round, in an order that
+rotates with the round; the other healthy
 workloads (checkpoints and eval, gradient accumulation, FSDP, Lightning, Hugging Face) run
 observe and auto in turn. What happened is measured as it happened: one Kafka consumer,
 assigned at the end of the diagnoses, recommendations, control and actuations topics before
