@@ -200,6 +200,27 @@ class Tracer:
                 return None
             self.primary = key
         self._other, self._other_run = None, 0
+        return self._end_step(t, lr)
+
+    def cycle_end(self, t: int) -> StepRecord | None:
+        """A training forward begins at ``t`` in a loop with no optimizer (the script updates
+        its parameters itself, after ``torch.autograd.grad`` or ``backward``): if the step so
+        far had a backward, it ends here, so each forward-backward cycle is a step. The caller
+        knows no optimizer exists; one that steps later takes over (`optimizer_end`).
+
+        The step ends where the next one's first activity began: its first data fetch, or
+        the evaluation loop run in between, as an optimizer's step would have ended before
+        them."""
+        if self.open is not None or self.primary is not None or not self.backwards:
+            return None
+        end = t
+        if self.pending:
+            end = min(end, self.pending[0][0])
+        if self.eval_t0 is not None:
+            end = min(end, self.eval_t0)
+        return self._end_step(max(end, self.rec.cursor), None)
+
+    def _end_step(self, t: int, lr: Any) -> StepRecord | None:
         fields = {
             "batch_size": self.batch_size,
             "num_workers": self.workers,

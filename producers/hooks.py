@@ -7,13 +7,16 @@ merely imports torch (the torchrun agent) publishes nothing. What is hooked:
 - module calls: only the outermost call (depth 0) is timed. For the first steps (and one step
   every ``rediscover_every``) global forward hooks find the root modules; after that only
   the roots carry hooks, so submodule calls keep torch's hook-free fast path;
-- ``torch.autograd.backward`` (so ``loss.backward()``), the global optimizer step pre/post
-  hooks, ``DataLoader`` iteration (``data_wait``), ``clip_grad_norm_`` (gradient norm) and
-  the ``torch.distributed`` collectives (`CollectiveOp` rows and ``comm`` spans).
+- ``torch.autograd.backward`` (so ``loss.backward()``) and ``torch.autograd.grad``, the
+  global optimizer step pre/post hooks (and ``Optimizer.__init__``: whether one exists),
+  ``DataLoader`` iteration (``data_wait``), ``clip_grad_norm_`` (gradient norm) and the
+  ``torch.distributed`` collectives (`CollectiveOp` rows and ``comm`` spans).
 
 `Tracer` turns those events into steps (pure Python, no torch): the step of the first
 optimizer that steps ends a training step (gradient accumulation: several forward/backward
-pairs in one step); the first step starts at the first recorded activity. A forward under
+pairs in one step); in a process with no optimizer (a loop that updates its parameters
+itself) a training forward that follows a backward begins the next step. The first step
+starts at the first recorded activity. A forward under
 ``torch.no_grad()`` or of a module in ``eval()`` mode opens an ``eval`` region that covers
 the data fetches and forwards of an evaluation loop, so evaluation makes ``eval`` spans, not
 steps. Spans tile each step (`perfloop.producers.training.Recorder`).
@@ -28,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import gc
 import importlib
 import inspect
 import logging
@@ -365,6 +369,8 @@ class _State:
         self.fdepth = 0
         self.fwd_open = False
         self.opt_stack: list[bool] = []
+        self.optimizer_made = False  # a torch Optimizer exists in this process
+        self.optimizer_scanned = False  # the one look for one made before `install`
         self.global_handles: list[Any] = []
         self.opt_handles: list[Any] = []
         self.roots: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
@@ -508,6 +514,8 @@ def _pre(module: Any) -> None:
         t = _now()
         try:
             training = module.training and s.torch.is_grad_enabled()
+            if training and tr.backwards and not s.optimizer_made:
+                _cycle_step(tr, t, module)
             s.fwd_open = tr.forward_begin(t, training)
             was_root = module in s.roots
             if s.discovering and not was_root:
@@ -527,6 +535,25 @@ def _pre(module: Any) -> None:
             _oops("the forward pre-hook", e)
         s.pipe.overhead_ns += _now() - t  # type: ignore[union-attr]
     s.fdepth += 1
+
+
+def _cycle_step(tr: Tracer, t: int, module: Any) -> None:
+    """A training forward after a backward, and no optimizer in the process: the script
+    updates its parameters itself, and each forward-backward cycle is a step."""
+    s = _S
+    if not s.optimizer_scanned:  # one made before the hooks were installed (Monitor API)
+        s.optimizer_scanned = True
+        opt = s.torch.optim.Optimizer  # by type: isinstance would run any __class__ property
+        s.optimizer_made = any(issubclass(type(o), opt) for o in gc.get_objects())
+        if s.optimizer_made:
+            return
+    rec = tr.cycle_end(t)
+    if rec is None:
+        return
+    had_global = bool(s.global_handles)
+    _after_step(rec)
+    if had_global and not s.global_handles and module in s.roots:
+        s.skip_root_pre = module  # discovery ended inside this call: its root pre-hook is next
 
 
 def _post() -> None:
@@ -608,12 +635,19 @@ def _scalar(v: Any) -> float | None:
     return None
 
 
-def _make_backward(orig: Any) -> Any:
+def _make_backward(orig: Any, loss_name: str = "tensors") -> Any:
+    """``torch.autograd.backward`` (``loss.backward()``) or ``torch.autograd.grad`` (a loop
+    that updates its parameters itself): a ``backward`` span; ``loss_name`` is the argument
+    holding what is differentiated (the loss)."""
+
     @functools.wraps(orig)
-    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        if _compiling():
+            return orig(*args, **kwargs)
         tr = _traced()
         if tr is None:
-            return orig(tensors, *args, **kwargs)
+            return orig(*args, **kwargs)
+        tensors = args[0] if args else kwargs.get(loss_name)
         t0 = _now()
         try:
             opened = tr.backward_begin(t0)
@@ -623,7 +657,7 @@ def _make_backward(orig: Any) -> Any:
         pipe = _S.pipe
         pipe.overhead_ns += _now() - t0  # type: ignore[union-attr]
         try:
-            return orig(tensors, *args, **kwargs)
+            return orig(*args, **kwargs)
         finally:
             if opened:
                 t1 = _now()
@@ -636,6 +670,18 @@ def _make_backward(orig: Any) -> Any:
 
     backward.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
     return backward
+
+
+def _make_opt_init(orig: Any) -> Any:
+    """An optimizer is made: steps end where it steps (never at a forward, `_cycle_step`)."""
+
+    @functools.wraps(orig)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _S.optimizer_made = True
+        orig(self, *args, **kwargs)
+
+    __init__.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
+    return __init__
 
 
 def _opt_pre(opt: Any, args: Any, kwargs: Any) -> None:
@@ -1160,6 +1206,8 @@ def install(
             optim.register_optimizer_step_post_hook(_opt_post),
         ]
         _patch(torch.autograd, "backward", _make_backward)
+        _patch(torch.autograd, "grad", _make_backward, "outputs")
+        _patch(optim.Optimizer, "__init__", _make_opt_init)
         _patch(torch, "save", _make_save)
         _patch(torch, "set_num_threads", _make_set_threads)
         _patch(dl._BaseDataLoaderIter, "__next__", _make_next)

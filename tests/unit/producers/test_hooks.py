@@ -113,6 +113,32 @@ def test_the_first_optimizer_ends_steps_and_another_takes_over_when_alone() -> N
     assert ended[4:] == [False, True, True]
 
 
+def test_a_loop_without_an_optimizer_steps_at_each_training_forward_after_a_backward() -> None:
+    tr = _tracer()
+    assert tr.cycle_end(0) is None  # nothing yet
+    _train_iteration(tr, 0, step=False)  # fetch, forward, backward to 6.5 ms
+    tr.fetch(8 * MS, 9 * MS, batch_size=8)  # the update ran to 8 ms; the next batch
+    rec = tr.cycle_end(9 * MS)  # the next training forward begins at 9 ms
+    assert rec.step == 0 and rec.step_time_ms == 8.0  # ended where the next fetch began
+    assert rec.phase_ms == {"data_wait": 1.0, "forward": 2.0, "other": 2.0, "backward": 3.0}
+    assert rec.fields["grad_accum_steps"] == 1 and rec.fields["lr"] is None
+    assert tr.forward_begin(9 * MS, training=True)  # the fetch is step 1's
+    tr.forward_end(11 * MS)
+    assert tr.cycle_end(12 * MS) is None  # a second forward before any backward: same step
+    assert tr.backward_begin(12 * MS)
+    tr.backward_end(14 * MS, loss=1.0)
+    assert tr.forward_begin(15 * MS, training=False)  # an evaluation in between
+    tr.forward_end(16 * MS)
+    rec = tr.cycle_end(17 * MS)
+    assert rec.step == 1 and rec.step_time_ms == 7.0  # 8 → 15 ms: up to the evaluation
+    assert rec.fields["samples"] == 8
+    assert sum(ms for *_, ms in _top_spans(tr.rec)[1]) == pytest.approx(7.0)
+    tr.optimizer_begin(20 * MS, key=1)  # an optimizer after all: it ends steps from now on
+    assert tr.optimizer_end(21 * MS, key=1) is not None
+    _train_iteration(tr, 22 * MS, step=False)
+    assert tr.cycle_end(30 * MS) is None
+
+
 def test_nested_activity_and_collectives() -> None:
     tr = _tracer()
     tr.collective("broadcast", 0, MS, 64, "world", 2, "float32")  # before any step: row only
@@ -217,6 +243,63 @@ def test_a_real_loop_publishes_its_steps_tiled(installed: FakePublisher) -> None
     (info,) = installed.events("job_info")
     assert (info.model_name, info.optimizer, info.model_params) == ("Sequential", "SGD", 163)
     assert [e.state for e in installed.events("lifecycle")] == ["started", "finished"]
+
+
+@pytest.mark.parametrize("how", ["autograd.grad", "backward"])
+def test_a_loop_that_updates_its_parameters_itself_has_a_step_per_iteration(
+    installed: FakePublisher, how: str
+) -> None:
+    """No optimizer: ``torch.autograd.grad`` (or ``backward``) and an update of its own; each
+    forward-backward cycle is a step (the last one unfinished), across discovery's end."""
+    import gc
+
+    gc.collect()  # no optimizer of another test left in this process
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 6), torch.randint(0, 3, (48,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    params = list(model.parameters())
+    iterations = 0
+    for _ in range(2):
+        for x, y in loader:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            if how == "backward":
+                loss.backward()
+                grads = [p.grad for p in params]
+            else:
+                grads = torch.autograd.grad(loss, params)
+            with torch.no_grad():
+                for p, g in zip(params, grads, strict=True):
+                    p -= 0.1 * g
+                    p.grad = None
+            iterations += 1
+    hooks.uninstall()
+    rows = installed.rows("step")
+    assert rows["step"] == list(range(iterations - 1))
+    assert set(rows["batch_size"]) == {8} and set(rows["grad_accum_steps"]) == {1}
+    spans = installed.rows("span")
+    for phase in ("forward", "backward"):
+        assert spans["phase"].count(phase) == iterations
+    for i, ms in enumerate(rows["step_time_ms"]):
+        top = [
+            d
+            for s, d, depth in zip(spans["step"], spans["duration_ms"], spans["depth"], strict=True)
+            if s == i and depth == 0
+        ]
+        assert sum(top) == pytest.approx(ms, rel=1e-6)
+
+
+def test_gradient_accumulation_with_an_optimizer_stays_one_step(installed: FakePublisher) -> None:
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(12):
+        model(torch.randn(4, 6)).sum().backward()
+        if i % 4 == 3:
+            opt.step()
+            opt.zero_grad()
+    hooks.uninstall()
+    rows = installed.rows("step")
+    assert rows["step"] == [0, 1, 2] and set(rows["grad_accum_steps"]) == {4}
 
 
 def test_after_discovery_only_root_modules_carry_hooks(installed: FakePublisher) -> None:
