@@ -47,6 +47,14 @@ class Tracer:
         self._source: Any = None  # the loader pass training data last came from
         self.eval_t0: int | None = None
         self.eval_t1 = 0
+        # what the open no-grad region holds, to tell an evaluation loop from a forward that
+        # is part of each training step (a distillation teacher's, a target network's)
+        self.eval_kept: list[tuple[int, int, int, int, Any, int]] = []  # fetches before it
+        self.eval_fetches = 0
+        self.eval_fwds: list[tuple[int, int]] = []
+        self.eval_stopped = False  # a loader pass ended inside it
+        self.short_now = False  # this step had a short no-grad region
+        self.short_prev = False  # the step before did
         self.primary: int | None = None
         self._other: int | None = None
         self._other_run = 0
@@ -75,30 +83,53 @@ class Tracer:
         if self.eval_t0 is not None:
             self._close_eval()
         if self.pending:
-            rec = self.rec
-            for t0, t1, bs, tok, source, workers in self.pending:
-                rec.span("data_wait", "data_wait", t0, t1)
-                if bs:
-                    self.samples += bs
-                    if not self.batch_size:
-                        self.batch_size = bs
-                self.tokens += tok
-                self.workers = workers
-                if source is not None and source != self._source:
-                    if self._source is not None:
-                        self.epoch += 1  # a new pass over the training data
-                    self._source = source
+            for fetch in self.pending:
+                self._take(*fetch)
             self.pending.clear()
+
+    def _take(self, t0: int, t1: int, bs: int, tok: int, source: Any, workers: int) -> None:
+        """A fetch of training data: its ``data_wait`` span, samples, tokens and epoch."""
+        self.rec.span("data_wait", "data_wait", t0, t1)
+        if bs:
+            self.samples += bs
+            if not self.batch_size:
+                self.batch_size = bs
+        self.tokens += tok
+        self.workers = workers
+        if source is not None and source != self._source:
+            if self._source is not None:
+                self.epoch += 1  # a new pass over the training data
+            self._source = source
 
     def _eval(self, t: int) -> None:
         if self.eval_t0 is None:
             self.eval_t0 = self.pending[0][0] if self.pending else t
+            self.eval_kept = list(self.pending)
+            self.eval_fetches = len(self.pending)
+            self.eval_fwds = []
+            self.eval_stopped = False
+        else:
+            self.eval_fetches += len(self.pending)
         self.pending.clear()
 
     def _close_eval(self) -> None:
+        """The no-grad region ends where training resumes. A short one (at most one fetch,
+        no loader pass ended, a few forwards) that recurs step after step (or comes in the
+        first two steps) is part of the training step: a frozen teacher's or a target
+        network's forward, its fetch the step's data. Anything else is an evaluation."""
         t0, self.eval_t0 = self.eval_t0, None
-        if t0 is not None:
+        if t0 is None:
+            return
+        short = not self.eval_stopped and self.eval_fetches <= 1 and len(self.eval_fwds) <= 8
+        self.short_now = self.short_now or short
+        if short and (self.short_prev or self.rec.step < 2):
+            for fetch in self.eval_kept:
+                self._take(*fetch)
+            for f0, f1 in self.eval_fwds:
+                self.rec.span("forward", "forward", f0, f1)
+        else:
             self.rec.span("eval", "eval", t0, max(self.eval_t1, t0))
+        self.eval_kept, self.eval_fwds = [], []
 
     # -- events --------------------------------------------------------------------------
     def fetch(
@@ -121,6 +152,7 @@ class Tracer:
             return
         if stop and self.eval_t0 is not None and not self.pending:
             self.eval_t1 = t1  # the end of an evaluation loop
+            self.eval_stopped = True
             return
         self.pending.append((t0, t1, batch_size, tokens, source, workers))
 
@@ -151,6 +183,7 @@ class Tracer:
             self.rec.span("forward", "forward", self.open_t0, t)
         elif self.open == "eval":
             self.eval_t1 = t
+            self.eval_fwds.append((self.open_t0, t))
         self.open = None
 
     def backward_begin(self, t: int) -> bool:
@@ -221,6 +254,7 @@ class Tracer:
         return self._end_step(max(end, self.rec.cursor), None)
 
     def _end_step(self, t: int, lr: Any) -> StepRecord | None:
+        self.short_prev, self.short_now = self.short_now, False
         fields = {
             "batch_size": self.batch_size,
             "num_workers": self.workers,

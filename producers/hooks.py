@@ -19,7 +19,9 @@ itself) a training forward that follows a backward begins the next step. The fir
 starts at the first recorded activity. A forward under
 ``torch.no_grad()`` or of a module in ``eval()`` mode opens an ``eval`` region that covers
 the data fetches and forwards of an evaluation loop, so evaluation makes ``eval`` spans, not
-steps. Spans tile each step (`perfloop.producers.training.Recorder`).
+steps; a short one that comes in every step (a frozen teacher's forward after the step's
+fetch) is forward work of the step, its fetch the step's data. Spans tile each step
+(`perfloop.producers.training.Recorder`).
 
 Every hook is guarded: an exception inside perfloop's code is counted and logged once and
 the user's call goes on. Only the thread that first showed training activity is traced;

@@ -94,6 +94,49 @@ def test_an_evaluation_loop_is_an_eval_span_not_steps() -> None:
     assert sum(ms for *_, ms in spans) == pytest.approx(rec.step_time_ms)
 
 
+def _distill_iteration(tr: Tracer, t: int, *, teacher: bool = True) -> Any:
+    """fetch 1 ms, [a frozen teacher's forward under no_grad 2 ms,] the student's forward
+    2 ms, backward 3 ms, optimizer 1 ms from ``t`` (9 ms, or 7 without the teacher)."""
+    tr.fetch(t, t + MS, batch_size=8)
+    if teacher:
+        assert tr.forward_begin(t + MS, training=False)
+        tr.forward_end(t + 3 * MS)
+        t += 2 * MS
+    assert tr.forward_begin(t + MS, training=True)
+    tr.forward_end(t + 3 * MS)
+    assert tr.backward_begin(t + 3 * MS)
+    tr.backward_end(t + 6 * MS, loss=1.0)
+    assert tr.optimizer_begin(t + 6 * MS, key=1)
+    return tr.optimizer_end(t + 7 * MS, key=1)
+
+
+def test_a_no_grad_forward_in_every_step_is_training_not_evaluation() -> None:
+    """Distillation: the teacher's forward under no_grad comes in every step, after the
+    step's fetch. It is forward work of the step, and the fetch is training data."""
+    tr = _tracer()
+    for i in range(6):
+        rec = _distill_iteration(tr, i * 9 * MS)
+        assert rec.step == i and rec.step_time_ms == 9.0
+        assert rec.phase_ms == {"data_wait": 1.0, "forward": 4.0, "backward": 3.0, "optimizer": 1.0}
+        assert (rec.fields["samples"], rec.fields["batch_size"]) == (8, 8)
+
+
+def test_a_lone_no_grad_forward_between_steps_is_still_an_evaluation() -> None:
+    """A validation forward on data at hand (no loader) every few steps, after the first
+    two: an eval span (its time aside), not forward work of the step it falls in."""
+    tr = _tracer()
+    t = 0
+    for i in range(8):
+        if i == 5:
+            assert tr.forward_begin(t, training=False)  # 10 ms of validation
+            tr.forward_end(t + 10 * MS)
+            t += 10 * MS
+        rec = _distill_iteration(tr, t, teacher=False)
+        t += 7 * MS
+        assert rec.phase_ms.get("eval", 0.0) == (10.0 if i == 5 else 0.0)
+        assert rec.phase_ms["forward"] == 2.0 and rec.fields["samples"] == 8
+
+
 def test_the_first_optimizer_ends_steps_and_another_takes_over_when_alone() -> None:
     tr = _tracer()
     t = 0
@@ -287,6 +330,37 @@ def test_a_loop_that_updates_its_parameters_itself_has_a_step_per_iteration(
             if s == i and depth == 0
         ]
         assert sum(top) == pytest.approx(ms, rel=1e-6)
+
+
+def test_a_distillation_loop_counts_its_data_and_its_teacher(installed: FakePublisher) -> None:
+    """A frozen teacher in eval mode under no_grad, a student trained on its outputs: every
+    step has its data wait and samples, and no evaluation (what an input-bound job's
+    diagnosis reads)."""
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(96, 6), torch.randint(0, 3, (96,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    teacher = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+    teacher.eval()
+    student = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    steps = 0
+    for x, y in loader:
+        with torch.no_grad():
+            soft = teacher(x).softmax(-1)
+        out = student(x)
+        loss = torch.nn.functional.cross_entropy(out, y) + (out.softmax(-1) - soft).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        steps += 1
+    hooks.uninstall()
+    rows = installed.rows("step")
+    assert rows["step"] == list(range(steps))
+    assert set(rows["samples"]) == {8} and set(rows["batch_size"]) == {8}
+    spans = installed.rows("span")
+    assert "eval" not in spans["phase"]
+    waits = {s for s, p in zip(spans["step"], spans["phase"], strict=True) if p == "data_wait"}
+    assert waits == set(range(steps)) | {steps}  # and the exhausted loader's, after the last
 
 
 def test_gradient_accumulation_with_an_optimizer_stays_one_step(installed: FakePublisher) -> None:
