@@ -199,6 +199,17 @@ SCENARIOS: dict[str, Scenario] = {
             description="num_workers=0, each sample waits ~1 ms on storage",
         ),
         Scenario(
+            "distill_io",
+            "single.py",
+            "dataloader_starvation",
+            ("--fault", "io_loader", "--teacher"),
+            variants=_PAIRED,
+            seconds=35,
+            target_speedup=2.0,
+            description="the I/O-bound loader, and a frozen teacher's forward under no_grad "
+            "in every step (distillation)",
+        ),
+        Scenario(
             "cpu_loader",
             "single.py",
             "dataloader_starvation",

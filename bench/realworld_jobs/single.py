@@ -19,6 +19,10 @@ Faults (``--fault``), with the perfloop ``bottleneck`` a right diagnosis names:
   its own address space (``RLIMIT_AS``: its size then plus 600–900 MB) and from then keeps tensors
   every step (a history of outputs never freed; ~25–45 MB a second, drawn per seed) until an
   allocation fails and the error ends the job (15–35 s after the onset).
+
+With ``--teacher`` the model learns from a frozen teacher too (knowledge distillation): a
+second CNN in ``eval()`` mode runs under ``torch.no_grad()`` before the student in every step,
+and the loss adds the distance to its softened outputs.
 """
 
 from __future__ import annotations
@@ -96,12 +100,16 @@ def main() -> None:
     p.add_argument("--leak-mb-s", type=float, default=0.0, help="MB kept a second (0: seed)")
     p.add_argument("--headroom-mb", type=float, default=0.0, help="RLIMIT_AS margin (0: seed)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--teacher", action="store_true", help="distil from a frozen teacher")
     args = p.parse_args()
     kind = KINDS[args.fault]
     healthy = "healthy_compiled" if args.compile else "healthy_single"
+    scenario = args.fault if args.fault != "none" else healthy
+    if args.teacher:
+        scenario = "distill_io" if args.fault == "io_loader" else f"distill_{scenario}"
     truth = Truth(
         args.truth,
-        scenario=args.fault if args.fault != "none" else healthy,
+        scenario=scenario,
         kind=kind,
         ranks=[] if kind == "none" else [0],
         seed=args.seed,
@@ -124,6 +132,7 @@ def main() -> None:
         threads=torch.get_num_threads(),
         cpus=cpus(),
         compiled=args.compile,
+        teacher=args.teacher,
     )
 
     if args.fault in ("io_loader", "cpu_loader"):
@@ -139,6 +148,11 @@ def main() -> None:
     if args.compile:
         net = torch.compile(net)  # type: ignore[assignment]
     loss_fn = nn.CrossEntropyLoss()
+    teacher = None
+    if args.teacher:
+        teacher = cnn().eval()
+        for q in teacher.parameters():
+            q.requires_grad_(False)
 
     leak: list[torch.Tensor] = []
     leak_b_s = headroom = 0.0
@@ -162,8 +176,14 @@ def main() -> None:
         while not done:
             for xb, yb in loader:
                 opt.zero_grad()
+                soft = None
+                if teacher is not None:
+                    with torch.no_grad():
+                        soft = (teacher(xb) / 2.0).softmax(-1)
                 out = net(xb)
                 loss = loss_fn(out, yb)
+                if soft is not None:
+                    loss = loss + (out / 2.0).log_softmax(-1).mul(soft).sum(-1).neg().mean()
                 loss.backward()
                 opt.step()
                 now = time.perf_counter()
