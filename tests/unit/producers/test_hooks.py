@@ -363,6 +363,31 @@ def test_a_distillation_loop_counts_its_data_and_its_teacher(installed: FakePubl
     assert waits == set(range(steps)) | {steps}  # and the exhausted loader's, after the last
 
 
+def test_a_step_the_grad_scaler_skips_is_still_a_step(installed: FakePublisher) -> None:
+    """Mixed precision: ``GradScaler.step`` skips the optimizer when gradients are inf; the
+    iteration is a step of its own all the same (the others are unchanged)."""
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    skipped = []
+    for i in range(6):
+        loss = model(torch.randn(4, 6)).pow(2).sum()
+        if i in (1, 4):
+            loss = loss * float("inf")  # an overflow: the scaler skips this step
+        scaler.scale(loss).backward()
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.get_scale() < scale)  # it backs off after a skip
+        opt.zero_grad()
+    hooks.uninstall()
+    assert skipped == [False, True, False, False, True, False]
+    rows = installed.rows("step")
+    assert rows["step"] == list(range(6)) and set(rows["grad_accum_steps"]) == {1}
+    spans = installed.rows("span")
+    assert spans["phase"].count("optimizer") == 6  # one span a step, nested steps not apart
+
+
 def test_gradient_accumulation_with_an_optimizer_stays_one_step(installed: FakePublisher) -> None:
     model = torch.nn.Linear(6, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
