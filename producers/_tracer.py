@@ -195,10 +195,14 @@ class Tracer:
         self.open, self.open_t0 = "backward", t
         return True
 
-    def backward_end(self, t: int, loss: Any = None) -> None:
-        """``loss``: what backward was called on (read later, when rows are published)."""
+    def backward_end(self, t: int, loss: Any = None, counted: bool = True) -> None:
+        """``loss``: what backward was called on (read later, when rows are published).
+        ``counted=False``: a gradient taken for the loss itself (a gradient penalty's,
+        ``create_graph=True``): its span, but neither a backward pass of the step nor a loss."""
         self.rec.span("backward", "backward", self.open_t0, t)
         self.open = None
+        if not counted:
+            return
         self.backwards += 1
         if loss is not None:
             self.losses.append(loss)

@@ -641,7 +641,9 @@ def _scalar(v: Any) -> float | None:
 def _make_backward(orig: Any, loss_name: str = "tensors") -> Any:
     """``torch.autograd.backward`` (``loss.backward()``) or ``torch.autograd.grad`` (a loop
     that updates its parameters itself): a ``backward`` span; ``loss_name`` is the argument
-    holding what is differentiated (the loss)."""
+    holding what is differentiated (the loss). A ``grad`` with ``create_graph`` (a
+    gradient penalty, differentiated again by the step's backward) is a span only."""
+    grad = loss_name == "outputs"
 
     @functools.wraps(orig)
     def backward(*args: Any, **kwargs: Any) -> Any:
@@ -651,6 +653,7 @@ def _make_backward(orig: Any, loss_name: str = "tensors") -> Any:
         if tr is None:
             return orig(*args, **kwargs)
         tensors = args[0] if args else kwargs.get(loss_name)
+        counted = not (grad and (args[4] if len(args) > 4 else kwargs.get("create_graph")))
         t0 = _now()
         try:
             opened = tr.backward_begin(t0)
@@ -666,7 +669,7 @@ def _make_backward(orig: Any, loss_name: str = "tensors") -> Any:
                 t1 = _now()
                 try:
                     _drain(tr)  # DDP's bucket all-reduces: nested in this backward
-                    tr.backward_end(t1, tensors)
+                    tr.backward_end(t1, tensors, counted)
                 except Exception as e:
                     _oops("the backward hook", e)
                 pipe.overhead_ns += _now() - t1  # type: ignore[union-attr]

@@ -363,6 +363,24 @@ def test_a_distillation_loop_counts_its_data_and_its_teacher(installed: FakePubl
     assert waits == set(range(steps)) | {steps}  # and the exhausted loader's, after the last
 
 
+def test_a_gradient_penalty_is_timed_but_not_a_backward_pass(installed: FakePublisher) -> None:
+    """WGAN-GP: ``torch.autograd.grad(..., create_graph=True)`` for a penalty, then the
+    step's backward: one backward pass and one loss a step, both spans timed."""
+    critic = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.Adam(critic.parameters(), lr=1e-3)
+    for _ in range(4):
+        x = torch.randn(8, 6, requires_grad=True)
+        (g,) = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+        loss = critic(torch.randn(8, 6)).mean() + (g.norm(dim=1) - 1).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    hooks.uninstall()
+    rows = installed.rows("step")
+    assert rows["step"] == [0, 1, 2, 3] and set(rows["grad_accum_steps"]) == {1}
+    assert installed.rows("span")["phase"].count("backward") == 8
+
+
 def test_a_step_the_grad_scaler_skips_is_still_a_step(installed: FakePublisher) -> None:
     """Mixed precision: ``GradScaler.step`` skips the optimizer when gradients are inf; the
     iteration is a step of its own all the same (the others are unchanged)."""
