@@ -9,20 +9,19 @@ merely imports torch (the torchrun agent) publishes nothing. What is hooked:
   the roots carry hooks, so submodule calls keep torch's hook-free fast path;
 - ``torch.autograd.backward`` (so ``loss.backward()``) and ``torch.autograd.grad``, the
   global optimizer step pre/post hooks (and ``Optimizer.__init__``: whether one exists;
-  ``GradScaler.step``: a step skipped for inf gradients),
-  ``DataLoader`` iteration (``data_wait``), ``clip_grad_norm_`` (gradient norm) and the
-  ``torch.distributed`` collectives (`CollectiveOp` rows and ``comm`` spans).
+  ``GradScaler.step``: a step skipped for inf gradients), ``DataLoader`` iteration
+  (``data_wait``), ``clip_grad_norm_`` (gradient norm) and the ``torch.distributed``
+  collectives (`CollectiveOp` rows and ``comm`` spans).
 
 `Tracer` turns those events into steps (pure Python, no torch): the step of the first
 optimizer that steps ends a training step (gradient accumulation: several forward/backward
 pairs in one step); in a process with no optimizer (a loop that updates its parameters
 itself) a training forward that follows a backward begins the next step. The first step
-starts at the first recorded activity. A forward under
-``torch.no_grad()`` or of a module in ``eval()`` mode opens an ``eval`` region that covers
-the data fetches and forwards of an evaluation loop, so evaluation makes ``eval`` spans, not
-steps; a short one that comes in every step (a frozen teacher's forward after the step's
-fetch) is forward work of the step, its fetch the step's data. Spans tile each step
-(`perfloop.producers.training.Recorder`).
+starts at the first recorded activity. A forward under ``torch.no_grad()`` or of a module
+in ``eval()`` mode opens an ``eval`` region that covers the data fetches and forwards of an
+evaluation loop, so evaluation makes ``eval`` spans, not steps; a short one that comes in
+every step (a frozen teacher's forward after the step's fetch) is forward work of the step,
+its fetch the step's data. Spans tile each step (`perfloop.producers.training.Recorder`).
 
 Every hook is guarded: an exception inside perfloop's code is counted and logged once and
 the user's call goes on. Only the thread that first showed training activity is traced;
