@@ -18,6 +18,10 @@ stayed raised through nearly every healthy run, DDP ones included, and healthy D
 0.904× of plain (bench/README.md, evening of 2026-11-28). A shorter calm is the next thing to
 measure.
 
+Where the supervisor put the services in idle CPU control groups instead (`perfloop._cpugroup`),
+the worker's target is the loop's group (worker, broker and actuator): raised, it leaves idle
+for an ordinary weight of 110 (what an autogroup at nice 10 weighs); lowered, it is idle again.
+
 Linux lets a group's nice value be raised and lowered back to 0 without privileges; only a
 negative value needs them (measured here as root only). Where there are no autogroups, or a
 process is gone, nothing changes.
@@ -30,6 +34,9 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from perfloop._cpugroup import CATCH_UP_SHARES, set_idle
 
 __all__ = ["CATCH_UP_NICE", "CatchUp", "Target", "set_autogroup_nice"]
 
@@ -39,7 +46,8 @@ session's 1024, enough to catch up (it needs ~5 % of a CPU), not enough to crowd
 
 Target = tuple[int, str]
 """A process whose group `CatchUp` sets: its pid and a word its command line must hold (a pid
-may be reused by another process after a restart: never change a stranger's group)."""
+may be reused by another process after a restart: never change a stranger's group); or, pid
+0, the directory of a CPU control group (`perfloop._cpugroup`)."""
 
 
 def set_autogroup_nice(pid: int, nice: int, timeout_s: float = 2.0) -> bool:
@@ -76,6 +84,8 @@ def _is(target: Target) -> bool:
 
 
 def _set(target: Target, nice: int) -> bool:
+    if target[0] == 0:  # a control group: idle at the yielding nice, weight 110 raised
+        return set_idle(Path(target[1]), idle=nice > CATCH_UP_NICE)
     return _is(target) and set_autogroup_nice(target[0], nice, timeout_s=0.5)
 
 
@@ -146,6 +156,20 @@ class CatchUp:
         self.raised = False
         return "lowered"
 
+    def describe(self, moved: str) -> str:
+        """What `tick`'s ``moved`` did, for the worker's log."""
+        if self.targets and self.targets[0][0] == 0:
+            return (
+                f"raised to weight {CATCH_UP_SHARES} (an autogroup at nice {self.catch_up_nice})"
+                if moved == "raised"
+                else "back to idle"
+            )
+        return (
+            f"raised to nice {self.catch_up_nice}"
+            if moved == "raised"
+            else f"back to nice {self.idle_nice}"
+        )
+
     def _apply(self, nice: int) -> None:
         def run() -> None:
             for t in self.targets:
@@ -162,12 +186,16 @@ class CatchUp:
     def from_env(cls, env: dict[str, str] | None = None) -> CatchUp | None:
         """The worker's controller when the supervisor put it in a group of its own at a
         yielding nice (``PERFLOOP_GROUP_NICE``; the embedded broker's pid in
-        ``PERFLOOP_BROKER_PID``), else None."""
+        ``PERFLOOP_BROKER_PID``) or in an idle CPU control group with the broker
+        (``PERFLOOP_CPU_GROUP``, its directory), else None."""
         env = dict(os.environ) if env is None else env
         try:
             idle = int(env.get("PERFLOOP_GROUP_NICE", ""))
         except ValueError:
             return None
+        group = env.get("PERFLOOP_CPU_GROUP", "")
+        if group and idle > CATCH_UP_NICE:
+            return cls([(0, group)], idle)
         if idle <= CATCH_UP_NICE or os.getsid(0) != os.getpid():
             return None  # not yielding, or not in a session (a group) of its own
         targets: list[Target] = [(os.getpid(), "perfloop")]

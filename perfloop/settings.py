@@ -164,11 +164,12 @@ class StackSettings(BaseServiceSettings):
     restart_backoff_s: float = Field(2.0, ge=0)
     stack_priority: Literal["idle", "normal"] = Field(
         "idle",
-        description="idle: every service runs in a session of its own whose scheduling "
-        "group (Linux autogroup) has nice 19, so a training rank's CPU comes first; inside "
-        "it the warehouse and the sink run under SCHED_IDLE and the loop (broker, streams, "
-        "actuator) under SCHED_BATCH (it never preempts a thread when it wakes up); normal: "
-        "every service like any other process.",
+        description="idle: the services run in idle CPU control groups (cpu.idle) where the "
+        "supervisor may make them, else each in a session of its own whose scheduling group "
+        "(Linux autogroup) has nice 19, so a training rank's CPU comes first; the warehouse "
+        "and the sink run under SCHED_IDLE and the loop (broker, streams, actuator) under "
+        "SCHED_BATCH (it never preempts a thread when it wakes up); normal: every service "
+        "like any other process.",
     )
 
 

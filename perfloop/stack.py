@@ -8,25 +8,31 @@ the services it recorded. Logs are ``$PERFLOOP_HOME/logs/<service>.log``.
 
 The embedded stack shares its machine with the training job it watches, and a job that keeps
 every CPU busy would pay for its own monitoring. With ``stack_priority`` "idle" (the default)
-the stack yields to the job in two ways (Linux):
+the stack yields to the job (Linux):
 
-- Every service runs in a session of its own, and the supervisor sets that session's
-  scheduling group to nice 19 (``/proc/<pid>/autogroup``). Linux's autogroups (on in most
-  distributions) make a group of each session and share a CPU between groups first, by
-  their weights, whatever the threads inside have asked for; ``torchrun`` starts each rank
-  in a session of its own. A service in a group at nice 0 meets a rank as an equal: two busy
-  loops in sessions of their own on 2 CPUs ran at ~73 % of their speed while a third loop,
-  under ``SCHED_IDLE`` but in a third session, ran; with that session's group at nice 19 they
-  kept ~98 %. At nice 19 a service weighs 15 against a rank's 1024, and still has every CPU
-  the job leaves idle. A stream worker that falls behind its input more than a second (a job
-  that leaves no CPU idle) raises its group and the broker's to nice 10 until it has kept up
-  for 30 s (`perfloop._autogroup.CatchUp`): late diagnoses are no use to the job.
+- Where the supervisor may make CPU control groups (`perfloop._cpugroup`), its services run in
+  two idle ones (``cpu.idle``): the loop (broker, stream workers, actuator) and history
+  (warehouse, sink). To the kernel an idle group is a group of ``SCHED_IDLE`` tasks: any
+  ordinary thread that wakes up takes its CPU at once, and it weighs 3 against a rank's 1024.
+  A stream worker that falls behind its input more than a second (a job that leaves no CPU
+  idle) makes the loop's group an ordinary one of weight 110 until it has kept up for 30 s
+  (`perfloop._autogroup.CatchUp`): late diagnoses are no use to the job.
+- Every service also runs in a session of its own, and the supervisor sets that session's
+  scheduling group to nice 19 (``/proc/<pid>/autogroup``): what orders the stack behind the
+  job where there are no control groups to make. Linux's autogroups (on in most
+  distributions; they apply only to processes in the root control group) make a group of each
+  session and share a CPU between groups first, by their weights, whatever the threads inside
+  have asked for; ``torchrun`` starts each rank in a session of its own. A service in a group
+  at nice 0 meets a rank as an equal: two busy loops in sessions of their own on 2 CPUs ran at
+  ~73 % of their speed while a third loop, under ``SCHED_IDLE`` but in a third session, ran;
+  with that session's group at nice 19 they kept ~98 %. But a rank that wakes up where such a
+  group runs waits for its time slice to end; the catch-up raises the worker's and the
+  broker's groups to nice 10.
 - Inside that group, the services that keep history (the warehouse and the sink) run under
   ``SCHED_IDLE`` and the loop (broker, stream workers, actuator) under ``SCHED_BATCH``: a
   service that wakes up (a batch of telemetry came) waits for the running thread's slice to
-  end, or for it to block, instead of preempting it; on a job whose ranks meet at every step,
-  one preempted rank holds up all. Where there are no autogroups these policies are what
-  orders the stack behind the job.
+  end, or for it to block, instead of preempting it. Where there are neither control groups
+  nor autogroups these policies are what orders the stack behind the job.
 
 Measured on a healthy 2-rank DDP job that keeps two CPUs ~85 % busy, the loop still diagnosed
 within seconds (bench/README.md). ``PERFLOOP_STACK_PRIORITY=normal`` runs every service like
@@ -52,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from perfloop._autogroup import set_autogroup_nice
+from perfloop._cpugroup import StackGroups
 from perfloop.broker import RETENTION_NOTE, broker_argv
 from perfloop.exceptions import PerfloopError, StackError, WarehouseError
 from perfloop.kafka import ensure_topics, ping
@@ -191,6 +198,7 @@ class Supervisor:
         self.logs = self.home / "logs"
         self._stop = threading.Event()
         self._children: list[_Child] = []
+        self._groups: StackGroups | None = None  # idle CPU control groups, where they can be
 
     # -- lifecycle ---------------------------------------------------------------------------
     def preflight(self) -> None:
@@ -214,6 +222,16 @@ class Supervisor:
         s = self.settings
         self.preflight()
         self.logs.mkdir(parents=True, exist_ok=True)
+        if s.stack_priority == "idle":
+            groups = StackGroups()
+            if groups.ok:
+                self._groups = groups
+            else:
+                print(
+                    "perfloop supervisor: no idle CPU control group for the services "
+                    f"({groups.error}); they yield through autogroups only",
+                    flush=True,
+                )
         py = sys.executable
         if not s.external_kafka:
             self._children.append(
@@ -277,6 +295,8 @@ class Supervisor:
                     child.proc.wait()
                 child.state = "stopped"
         self._children.clear()
+        if self._groups is not None:
+            self._groups.remove()
         with contextlib.suppress(FileNotFoundError):
             (self.home / STATE_FILE).unlink()
 
@@ -311,6 +331,8 @@ class Supervisor:
             broker = next((c for c in self._children if c.name == "broker" and c.proc), None)
             if broker is not None and broker.proc is not None:
                 env["PERFLOOP_BROKER_PID"] = str(broker.proc.pid)
+            if self._groups is not None:
+                env["PERFLOOP_CPU_GROUP"] = str(self._groups.groups["loop"])
         try:
             child.proc = _at_priority(
                 policy,
@@ -328,6 +350,11 @@ class Supervisor:
             raise StackError(f"cannot start {child.name}: {e}") from e
         finally:
             log.close()
+        if policy != "normal" and self._groups is not None:
+            group = "history" if child.name in IDLE_SERVICES else "loop"
+            if not self._groups.add(group, child.proc.pid):
+                with contextlib.suppress(OSError), open(child.log, "a") as f:
+                    f.write(f"perfloop supervisor: {child.name} not moved to an idle CPU group\n")
         if policy != "normal" and not set_autogroup_nice(child.proc.pid, AUTOGROUP_NICE):
             with contextlib.suppress(OSError), open(child.log, "a") as f:
                 f.write(

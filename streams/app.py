@@ -391,9 +391,8 @@ def create_app(settings: StreamsSettings) -> faust.App:
             await emit(o)
         output.poll()
         if catch_up is not None and (moved := catch_up.tick()) is not None:
-            log.info("input %s: scheduling group %s", "behind" if moved == "raised" else
-                     "caught up", f"raised to nice {catch_up.catch_up_nice}" if moved == "raised"
-                     else f"back to nice {catch_up.idle_nice}")  # fmt: skip
+            word = "behind" if moved == "raised" else "caught up"
+            log.info("input %s: scheduling group %s", word, catch_up.describe(moved))
 
     snap = {"next": 0.0, "every": settings.snapshot_interval_s, "bytes": 0, "dumps_s": 0.0}
 
