@@ -12,7 +12,11 @@ perfloop are taken away in turn:
 - ``broker_only``: the stream worker and the actuator paused as well: what is left is the
   broker and the job's own perfloop work (its hooks and threads, the launcher's sampler);
 - ``no_ddp_hook``: everything, with ``PERFLOOP_DDP_COMM_HOOK=0`` (DDP keeps its own reducer:
-  no bucket timing).
+  no bucket timing);
+- ``autogroups``: everything, with the services moved out of the idle CPU control groups the
+  supervisor made for them (`perfloop._cpugroup`) into its own group for the pair: they yield
+  through their autogroups at nice 19 only, as on a machine where no group can be made (the
+  same as ``full`` where none was made).
 
 Each round runs one pair per variant (the variants' order rotates, and so does plain's place
 in each pair), so that a stack growing costlier with what it holds (the embedded broker
@@ -21,7 +25,7 @@ each pair, also on error or Ctrl-C. Reported per variant: the pairs' observe/pla
 second-half steps/s and their median, and the CPU seconds each stack service used during the
 observe runs (of the whole process, from ``/proc/<pid>/stat``).
 
-    python bench/overhead_split.py            # ~14 min: 4 variants x 4 rounds of 2 x 22 s
+    python bench/overhead_split.py            # ~17 min: 5 variants x 4 rounds of 2 x 22 s
     python bench/overhead_split.py --rounds 2 --seconds 15 --variants full,no_history
 
 The stack is a private one (`bench._common.embedded_stack`, free ports); the result is
@@ -49,12 +53,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import embedded_stack, free_port, raise_on_sigterm, save_result, say
 from bench.realworld import job_env, read_truth, second_half_rate
 from bench.realworld_jobs.scenarios import SCENARIOS, perfloop_run
+from perfloop._cpugroup import cpu_dir
 
 PAUSED = {
     "full": (),
     "no_history": ("warehouse", "sink"),
     "broker_only": ("warehouse", "sink", "streams", "actuator"),
     "no_ddp_hook": (),
+    "autogroups": (),
 }
 EXTRA_ENV = {"no_ddp_hook": {"PERFLOOP_DDP_COMM_HOOK": "0"}}
 
@@ -99,6 +105,24 @@ def paused(pids: dict[str, int], names: tuple[str, ...]) -> Iterator[None]:
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def out_of_cpu_groups(pids: dict[str, int], on: bool) -> Iterator[None]:
+    """With ``on``, move the services out of the supervisor's idle CPU control groups into
+    the groups' parent for the block, and back after, whatever happens."""
+    moved: list[tuple[int, Path]] = []
+    try:
+        for pid in pids.values() if on else ():
+            group = cpu_dir(Path(f"/proc/{pid}"))
+            if group is not None and group.name.startswith("perfloop-"):
+                (group.parent / "cgroup.procs").write_text(str(pid))
+                moved.append((pid, group))
+        yield
+    finally:
+        for pid, group in moved:
+            with contextlib.suppress(OSError):
+                (group / "cgroup.procs").write_text(str(pid))
 
 
 def run_once(
@@ -156,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
             for i, variant in enumerate(order):
                 seed = args.seed + 100 * rnd + i
                 rates: dict[str, float | None] = {}
-                with paused(pids, PAUSED[variant]):
+                with (
+                    paused(pids, PAUSED[variant]),
+                    out_of_cpu_groups(pids, variant == "autogroups"),
+                ):
                     for tier in (None, "observe") if (rnd + i) % 2 == 0 else ("observe", None):
                         before = {n: cpu_s(pid) for n, pid in pids.items()}
                         rates[tier or "plain"] = run_once(
