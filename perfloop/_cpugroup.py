@@ -6,9 +6,10 @@ first (the two groups are peers); on a job whose ranks meet at every step, a ran
 that way holds up all. A control group whose ``cpu.idle`` is 1 is, to the kernel, a group of
 ``SCHED_IDLE`` tasks: any ordinary thread that wakes up takes its CPU at once, and it weighs
 3 against a rank's 1024, while it still has every CPU the job leaves idle. Measured on a
-healthy 2-rank DDP job under ``perfloop run --tier observe`` on a 2-core machine, four pairs
-each against the plain job in one run, alternating: a median 0.94× of the plain steps/s with
-the services in autogroups at nice 19, 1.01× with them in such a group (bench/README.md).
+healthy 2-rank DDP job under ``perfloop run --tier observe`` on a 2-core machine against the
+plain job, alternating on one stack, medians of four pairs: 0.825× of the plain steps/s with
+the services in autogroups at nice 19, 0.896× with them in such groups (``python
+bench/overhead_split.py --variants full,autogroups``; bench/README.md).
 
 The supervisor makes two groups beside its own (Linux cgroups, v1 ``cpu`` hierarchy or v2
 with the ``cpu`` controller): ``perfloop-<pid>-loop`` (broker, stream workers, actuator) and
