@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from perfloop._autogroup import set_autogroup_nice
-from perfloop._cpugroup import StackGroups
+from perfloop._cpugroup import StackGroups, set_idle
 from perfloop.broker import RETENTION_NOTE, broker_argv
 from perfloop.exceptions import PerfloopError, StackError, WarehouseError
 from perfloop.kafka import ensure_topics, ping
@@ -332,7 +332,9 @@ class Supervisor:
             if broker is not None and broker.proc is not None:
                 env["PERFLOOP_BROKER_PID"] = str(broker.proc.pid)
             if self._groups is not None:
-                env["PERFLOOP_CPU_GROUP"] = str(self._groups.groups["loop"])
+                loop = self._groups.groups["loop"]
+                env["PERFLOOP_CPU_GROUP"] = str(loop)
+                set_idle(loop, idle=True)  # a worker that exited raised may have left it so
         try:
             child.proc = _at_priority(
                 policy,

@@ -125,3 +125,39 @@ def test_a_real_process_in_the_real_idle_group() -> None:
     time.sleep(0.1)
     g.remove()
     assert not (g.base / f"{g.tag}-loop").exists() and g.groups == {}  # type: ignore[operator]
+
+
+_ENV_PROBE = "import os; print(os.environ.get('PERFLOOP_CPU_GROUP', ''))"
+
+
+def test_the_supervisor_puts_each_service_in_its_group_and_a_new_worker_starts_idle(
+    tmp_path: Path,
+) -> None:
+    from perfloop.settings import StackSettings
+    from perfloop.stack import Supervisor, _Child
+
+    (tmp_path / "home").mkdir()
+    sup = Supervisor(StackSettings(home=tmp_path / "home"))
+    (tmp_path / "cg").mkdir()
+    sup._groups = StackGroups(base=tmp_path / "cg", tag="perfloop-7")
+    assert sup._groups.ok, sup._groups.error
+    loop, history = sup._groups.groups["loop"], sup._groups.groups["history"]
+    (loop / "cpu.idle").write_text("0")  # a worker that exited while raised
+    seen = {}
+    for name in ("broker", "warehouse", "streams", "sink", "actuator"):
+        child = _Child(
+            name=name, argv=[sys.executable, "-c", _ENV_PROBE], ready=None, log=tmp_path / name
+        )
+        sup._spawn(child)
+        assert child.proc is not None and child.proc.wait(timeout=30) == 0
+        group = history if name in ("warehouse", "sink") else loop
+        assert (group / "cgroup.procs").read_text() == str(child.proc.pid), name
+        seen[name] = (tmp_path / name).read_text().strip()
+    assert seen == {
+        "broker": "",
+        "warehouse": "",
+        "streams": str(loop),
+        "sink": "",
+        "actuator": "",
+    }, "only the stream worker raises the loop's group"
+    assert (loop / "cpu.idle").read_text() == "1", "a new worker starts with the loop idle"
