@@ -852,13 +852,11 @@ class Pipeline:
             flush_interval_s = settings.publish_interval_ms / 1000 if settings is not None else None
         if stats_interval_s is None and settings is not None:
             stats_interval_s = settings.stats_interval_s
-        self.emitter = Emitter(
-            publisher,
-            job_id=job_id,
-            node=node,
-            producer_id=self.producer_id,
-            flush_interval_s=flush_interval_s,
-        )
+        # no flusher thread of the emitter's own: the worker below flushes it right after it
+        # drained the recorder (one wake-up, one GIL hand-over per interval, and rows leave
+        # as soon as they are handed over)
+        self.flush_interval_s = flush_interval_s
+        self.emitter = Emitter(publisher, job_id=job_id, node=node, producer_id=self.producer_id)
         if not isinstance(callbacks, CallbackSet):
             callbacks = CallbackSet([callbacks] if callbacks is not None else [])
         self.callbacks = callbacks
@@ -981,8 +979,11 @@ class Pipeline:
         return 100.0 * max(self.overhead_ns - since_ns, 0) / wall
 
     def _work(self, stats_interval_s: float, drain_interval_s: float = 0.25) -> None:
+        flush_s = self.flush_interval_s
+        wait_s = min(drain_interval_s, flush_s) if flush_s else drain_interval_s
         next_stats = time.monotonic() + stats_interval_s
-        while not self._stop.wait(drain_interval_s):
+        next_flush = time.monotonic() + (flush_s or 0.0)
+        while not self._stop.wait(wait_s):
             self.recorder.drain()
             tick = self.tick
             if tick is not None:
@@ -990,6 +991,12 @@ class Pipeline:
                     tick()
                 except Exception as e:
                     self.errors("the pipeline's periodic check", e)
+            if flush_s and time.monotonic() >= next_flush - wait_s / 2:
+                next_flush = max(next_flush + flush_s, time.monotonic())
+                try:
+                    self.emitter.flush()
+                except Exception as e:  # the batch taken is lost (counted); the next goes on
+                    self.errors("publishing a telemetry batch", e)
             if stats_interval_s and time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + stats_interval_s
                 self.stats()

@@ -105,6 +105,31 @@ def test_steps_and_phases_are_published_and_spans_tile_each_step() -> None:
     assert {("data_wait", "data_wait", 0), ("forward", "forward", 0)} <= named
 
 
+def test_rows_leave_while_the_loop_runs_from_one_worker_thread() -> None:
+    """The pipeline's one worker drains the recorder and flushes the emitter on the publish
+    interval: a running loop's steps are published before it ends, and no thread of the
+    emitter's own wakes up beside it."""
+    import threading
+
+    pub = FakePublisher()
+    mon = _monitor(pub, flush_interval_s=0.05)
+    try:
+        names = {t.name for t in threading.enumerate()}
+        assert "perfloop-pipeline" in names and "perfloop-emitter" not in names
+        deadline = time.monotonic() + 10
+        i = 0
+        while not pub.rows("step").get("step") and time.monotonic() < deadline:
+            with mon.step():
+                _spin(1)
+            i += 1
+            time.sleep(0.01)
+        published = pub.rows("step")["step"]
+        assert published and published == list(range(len(published)))  # in order, from 0
+    finally:
+        mon.close()
+    assert pub.rows("step")["step"] == list(range(i))  # and the rest at close
+
+
 def test_lifecycle_job_info_and_stats() -> None:
     pub = FakePublisher()
     with _monitor(pub) as mon:
