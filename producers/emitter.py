@@ -112,27 +112,36 @@ class Emitter:
 
     def _flush(self) -> int:
         with self._lock:  # take the rows under the lock; encode outside it
-            taken = {k: (b.take(), len(b)) for k, b in self._builders.items() if len(b)}
-        sent = 0
+            taken = {k: b.take() for k, b in self._builders.items() if len(b)}
+        encoded: list[tuple[str, bytes, int]] = []
+        error: Exception | None = None
         for kind in sorted(taken):
-            rows, _ = taken[kind]
+            rows = taken[kind]
             n = len(rows["ts_ns"])
-            for lo in range(0, n, self.max_samples):
-                part = {c: v[lo : lo + self.max_samples] for c, v in rows.items()}
-                self._seq[kind] = self._seq.get(kind, 0) + 1
-                data = encode_batch(
-                    kind,
-                    part,
-                    job_id=self.job_id,
-                    node=self.node,
-                    producer_id=self.producer_id,
-                    seq=self._seq[kind],
-                )
-                self.publisher.publish(KIND_TOPICS[kind], self.job_id, data)
-                self.samples += len(part["ts_ns"])
-                sent += 1
-        self.messages += sent
-        return sent
+            try:
+                for lo in range(0, n, self.max_samples):
+                    part = {c: v[lo : lo + self.max_samples] for c, v in rows.items()}
+                    self._seq[kind] = self._seq.get(kind, 0) + 1  # a gap marks a lost batch
+                    data = encode_batch(
+                        kind,
+                        part,
+                        job_id=self.job_id,
+                        node=self.node,
+                        producer_id=self.producer_id,
+                        seq=self._seq[kind],
+                    )
+                    encoded.append((KIND_TOPICS[kind], data, len(part["ts_ns"])))
+            except Exception as e:  # this kind's rows are lost; the other kinds still leave
+                error = error or e
+        # handed over together, after the encoding: the publisher's thread, woken by the
+        # first, finds the others already queued (one wake-up per flush, not one per kind)
+        for topic, data, samples in encoded:
+            self.publisher.publish(topic, self.job_id, data)
+            self.samples += samples
+        self.messages += len(encoded)
+        if error is not None:
+            raise error
+        return len(encoded)
 
     def _loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):

@@ -95,6 +95,7 @@ _TOPIC = frozenset({KafkaError._UNKNOWN_TOPIC, KafkaError.UNKNOWN_TOPIC_OR_PART}
 _PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 _TOPIC_ATTEMPTS = 5  # replays of one message to a missing topic before it counts as failed
 _WARN_EVERY_S = 10.0
+_ACK_WAIT_S = 0.25  # how long a thread that only awaits acks sleeps unless a message comes
 _BYTES = (bytes, bytearray, memoryview)
 _FRAMING_BYTES = 1024  # record batch overhead on top of a message's key and value
 
@@ -512,11 +513,12 @@ class Publisher:
                 if closing and (self._idle() or self._down or time.monotonic() >= deadline):
                     break  # no broker to wait for: what is left goes to the spool
                 urgent = self._replay_next or self._held or closing
-                busy = urgent or self._unacked
-                self._dozing = not busy
-                # awaiting acks only (they come in tens of ms): look 20 times a second, not
-                # 100, for the thread's every wake takes the GIL from the training loop
-                self._wake.wait(0.01 if urgent else 0.05 if busy else 0.5)
+                self._dozing = not urgent
+                # awaiting acks only: they are read at the next wake-up, which the next
+                # message brings (a training process publishes every publish interval) or
+                # within a quarter second; the thread's every wake takes the GIL from the
+                # training loop, so it does not wake just to read acks
+                self._wake.wait(0.01 if urgent else _ACK_WAIT_S if self._unacked else 0.5)
                 self._dozing = True
                 self._wake.clear()
         except Exception:  # a bug here must not take the training job down: say it, go on

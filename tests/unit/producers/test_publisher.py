@@ -208,6 +208,31 @@ def test_emitter_batches_go_through_and_stats_event_reports_them(
     assert decode_event(encode_event(ev)) == ev
 
 
+def test_a_batch_that_cannot_be_encoded_loses_its_own_rows_only() -> None:
+    """Bad input: a kind whose rows cannot be encoded is lost (its sequence number is used,
+    so the gap marks it) and the flush raises for the caller to count; the other kinds of
+    the same flush still leave, together."""
+
+    class Collect:
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+
+        def publish(self, topic: str, key: str, value: bytes) -> bool:
+            self.sent.append(topic)
+            return True
+
+    pub = Collect()
+    em = Emitter(pub, job_id="j1", node="n0", producer_id="em")
+    em.add("step", ts_ns=1, rank=0, step=0, step_time_ms=1.0)
+    bad = {"phase": ["forward"], "name": ["f"], "duration_ms": [object()], "depth": [0]}
+    em.extend("span", ts_ns=[1], rank=[0], step=[0], **bad)  # sorted first: "span" < "step"
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        em.flush()
+    assert pub.sent == [Topics.STEP] and (em.samples, em.messages) == (1, 1)
+    em.add("span", ts_ns=2, rank=0, step=1, phase="forward", name="f", duration_ms=1.0, depth=0)
+    assert em.flush() == 1 and pub.sent[-1] == Topics.SPAN
+
+
 def test_start_stats_publishes_producer_stats_events_on_its_own(
     tmp_path: Path, publishers: list[Publisher]
 ) -> None:
