@@ -96,6 +96,7 @@ _PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 _TOPIC_ATTEMPTS = 5  # replays of one message to a missing topic before it counts as failed
 _WARN_EVERY_S = 10.0
 _ACK_WAIT_S = 0.25  # how long a thread that only awaits acks sleeps unless a message comes
+_MIN_LOOK_S = 0.05  # but a steady stream of messages wakes it at most 20 times a second
 _BYTES = (bytes, bytearray, memoryview)
 _FRAMING_BYTES = 1024  # record batch overhead on top of a message's key and value
 
@@ -505,6 +506,7 @@ class Publisher:
             self._open_leftover_spool()
             while True:
                 self._step()
+                looked = time.monotonic()
                 with self._cond:
                     self._steps += 1
                     self._cpu = time.thread_time() - self._cpu0
@@ -519,6 +521,9 @@ class Publisher:
                 # within a quarter second; the thread's every wake takes the GIL from the
                 # training loop, so it does not wake just to read acks
                 self._wake.wait(0.01 if urgent else _ACK_WAIT_S if self._unacked else 0.5)
+                rest = _MIN_LOOK_S - (time.monotonic() - looked)
+                if rest > 0 and not urgent and not self._closing:
+                    time.sleep(rest)  # woken soon after the last look: let the burst gather
                 self._dozing = True
                 self._wake.clear()
         except Exception:  # a bug here must not take the training job down: say it, go on
