@@ -13,6 +13,10 @@ perfloop are taken away in turn:
   broker and the job's own perfloop work (its hooks and threads, the launcher's sampler);
 - ``no_ddp_hook``: everything, with ``PERFLOOP_DDP_COMM_HOOK=0`` (DDP keeps its own reducer:
   no bucket timing);
+- ``no_hooks``: everything but the job's own perfloop: ``perfloop run`` (its node sampler,
+  publisher and live-config listener) and the stack as a user runs them, the job's processes
+  started with ``PERFLOOP_RUN_HOOKS=0`` (no training hooks, so no telemetry threads, no job
+  agent, no DDP timing hook): what perfloop costs the job from outside its processes;
 - ``autogroups``: everything, with the services moved out of the idle CPU control groups the
   supervisor made for them (`perfloop._cpugroup`) into its own group for the pair: they yield
   through their autogroups at nice 19 only, as on a machine where no group can be made (the
@@ -25,7 +29,7 @@ each pair, also on error or Ctrl-C. Reported per variant: the pairs' observe/pla
 second-half steps/s and their median, and the CPU seconds each stack service used during the
 observe runs (of the whole process, from ``/proc/<pid>/stat``).
 
-    python bench/overhead_split.py            # ~17 min: 5 variants x 4 rounds of 2 x 22 s
+    python bench/overhead_split.py            # ~20 min: 6 variants x 4 rounds of 2 x 22 s
     python bench/overhead_split.py --rounds 2 --seconds 15 --variants full,no_history
 
 The stack is a private one (`bench._common.embedded_stack`, free ports); the result is
@@ -60,6 +64,7 @@ PAUSED = {
     "no_history": ("warehouse", "sink"),
     "broker_only": ("warehouse", "sink", "streams", "actuator"),
     "no_ddp_hook": (),
+    "no_hooks": (),
     "autogroups": (),
 }
 EXTRA_ENV = {"no_ddp_hook": {"PERFLOOP_DDP_COMM_HOOK": "0"}}
@@ -135,6 +140,8 @@ def run_once(
     truth = home / "truth" / job
     cmd, _ = scen.command(seed=seed, seconds=seconds, truth_dir=truth, python=sys.executable)
     if tier is not None:
+        if variant == "no_hooks":  # `perfloop run` sets PERFLOOP_RUN_HOOKS=1; `env` undoes it
+            cmd = ["env", "PERFLOOP_RUN_HOOKS=0", *cmd]
         cmd = perfloop_run(sys.executable, job, tier, cmd)
     env = job_env("plain" if tier is None else "observe") | (
         EXTRA_ENV.get(variant, {}) if tier else {}
