@@ -20,7 +20,11 @@ perfloop are taken away in turn:
 - ``autogroups``: everything, with the services moved out of the idle CPU control groups the
   supervisor made for them (`perfloop._cpugroup`) into its own group for the pair: they yield
   through their autogroups at nice 19 only, as on a machine where no group can be made (the
-  same as ``full`` where none was made).
+  same as ``full`` where none was made);
+- ``loop_idle`` and ``loop_raised``: everything, with the loop's CPU group (broker, stream
+  worker, actuator) held idle, or held raised to the catch-up's weight, for the pair whatever
+  the worker's catch-up decides (`perfloop._autogroup.CatchUp`): what the catch-up costs the
+  job (the same as ``full`` where the supervisor made no groups).
 
 Each round runs one pair per variant (the variants' order rotates, and so does plain's place
 in each pair), so that a stack growing costlier with what it holds (the embedded broker
@@ -46,6 +50,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -57,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import embedded_stack, free_port, raise_on_sigterm, save_result, say
 from bench.realworld import job_env, read_truth, second_half_rate
 from bench.realworld_jobs.scenarios import SCENARIOS, perfloop_run
-from perfloop._cpugroup import cpu_dir
+from perfloop._cpugroup import cpu_dir, set_idle
 
 PAUSED = {
     "full": (),
@@ -66,7 +71,10 @@ PAUSED = {
     "no_ddp_hook": (),
     "no_hooks": (),
     "autogroups": (),
+    "loop_idle": (),
+    "loop_raised": (),
 }
+HELD = {"loop_idle": True, "loop_raised": False}
 EXTRA_ENV = {"no_ddp_hook": {"PERFLOOP_DDP_COMM_HOOK": "0"}}
 
 
@@ -130,6 +138,42 @@ def out_of_cpu_groups(pids: dict[str, int], on: bool) -> Iterator[None]:
                 (group / "cgroup.procs").write_text(str(pid))
 
 
+def _worker_raised(home: Path) -> bool:
+    """Whether the stream worker last raised the loop's group (its log's last word on it)."""
+    raised = False
+    with contextlib.suppress(OSError), open(home / "logs" / "streams.log") as f:
+        for line in f:
+            if "scheduling group" in line:
+                raised = "input behind" in line
+    return raised
+
+
+@contextlib.contextmanager
+def loop_group_held(pids: dict[str, int], home: Path, idle: bool | None) -> Iterator[None]:
+    """With ``idle`` True or False, hold the loop's CPU group idle or raised for the block
+    (set again every 100 ms, over whatever the worker's catch-up sets), then leave it as the
+    worker last set it, so that the next pair starts where the worker believes it is."""
+    group = cpu_dir(Path(f"/proc/{pids.get('streams', 0)}"))
+    if idle is None or group is None or not group.name.endswith("-loop"):
+        yield
+        return
+    stop = threading.Event()
+
+    def hold() -> None:
+        while not stop.is_set():
+            set_idle(group, idle=idle)
+            stop.wait(0.1)
+
+    t = threading.Thread(target=hold, name="hold-loop-group", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+        set_idle(group, idle=not _worker_raised(home))
+
+
 def run_once(
     scenario: str, variant: str, tier: str | None, seed: int, seconds: float, home: Path
 ) -> float | None:
@@ -190,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 with (
                     paused(pids, PAUSED[variant]),
                     out_of_cpu_groups(pids, variant == "autogroups"),
+                    loop_group_held(pids, home, HELD.get(variant)),
                 ):
                     for tier in (None, "observe") if (rnd + i) % 2 == 0 else ("observe", None):
                         before = {n: cpu_s(pid) for n, pid in pids.items()}
