@@ -15,8 +15,10 @@ oldest message read since the last tick, by its Kafka timestamp), and lowers the
 has been within ``caught_up_s`` for ``hold_s``. On a machine whose jobs keep its CPUs busy
 that is close to nice 10 throughout: in the bench's five-round run (jobs 2 s apart) the group
 stayed raised through nearly every healthy run, DDP ones included, and healthy DDP ran at
-0.904× of plain (bench/README.md, evening of 2026-11-28). A shorter calm is the next thing to
-measure.
+0.904× of plain (bench/README.md, evening of 2026-11-28). Held idle or held raised through
+whole runs instead (`bench/overhead_split.py`, variants ``loop_idle`` and ``loop_raised``),
+that job's speed showed no difference beyond the spread of its pairs (bench/README.md,
+morning of 2026-11-29), so the rule stays as it is.
 
 Where the supervisor put the services in idle CPU control groups instead (`perfloop._cpugroup`),
 the worker's target is the loop's group (worker, broker and actuator): raised, it leaves idle
