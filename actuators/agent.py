@@ -15,10 +15,12 @@ the verdict.
 A change that hurt (significantly slower steps) or broke training (a NaN loss) is rolled back
 to the last value known good at the next step boundary, within ``settle_steps + verify_steps``
 steps of being applied; one slower by the median but not yet significantly is judged on more
-steps (up to ``max_verify_steps``) and rolled back if it stays slower than 3 %. The verdict is
-acked too (``kept`` or ``rolled_back``, with the evidence). The verdict is the agent's own, in
-the training process: a job whose actuator is gone keeps verifying, and keeps its
-last-known-good values.
+steps (up to ``max_verify_steps``) and rolled back if it stays slower than 3 %. A change of a
+knob that is only there for speed (`perfloop.actuators.allowlist.SPEED_KNOBS`: loader workers,
+threads, …) is kept only when it helped; one with no measured gain by the last look is rolled
+back. The verdict is acked too (``kept`` or ``rolled_back``, with the evidence). The verdict
+is the agent's own, in the training process: a job whose actuator is gone keeps verifying,
+and keeps its last-known-good values.
 
 The control consumer is quiet on purpose (`CONTROL_CONSUMER`): a fetch waits up to half a
 second at the end of the topic and the thread wakes four times a second, so an idle job pays
@@ -54,7 +56,13 @@ from typing import Any
 from confluent_kafka import KafkaError
 
 from perfloop.actuators._notice import notice, say
-from perfloop.actuators.allowlist import ACTION_KNOBS, BOOL_KNOBS, KNOB_BOUNDS, knob_problem
+from perfloop.actuators.allowlist import (
+    ACTION_KNOBS,
+    BOOL_KNOBS,
+    KNOB_BOUNDS,
+    SPEED_KNOBS,
+    knob_problem,
+)
 from perfloop.actuators.patch import ConfigPatch
 from perfloop.actuators.signing import verify
 from perfloop.actuators.verify import ChangeVerifier, Verdict
@@ -417,6 +425,7 @@ class JobAgent:
                 settle_steps=self.settle_steps,
                 verify_steps=self.verify_steps,
                 max_verify_steps=self.max_verify_steps,
+                must_help=cmd.knob in SPEED_KNOBS,
             )
             self._trial = (cmd, before, verifier)
         return done

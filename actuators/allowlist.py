@@ -20,6 +20,7 @@ __all__ = [
     "INT_KNOBS",
     "KNOB_BOUNDS",
     "PINNABLE_KNOBS",
+    "SPEED_KNOBS",
     "knob_problem",
     "pinned_knobs",
 ]
@@ -39,6 +40,17 @@ KNOB_BOUNDS: dict[str, tuple[float, float]] = {
 }
 BOOL_KNOBS: frozenset[str] = frozenset({"dataloader.pin_memory"})
 """Knobs that are switched on or off."""
+SPEED_KNOBS: frozenset[str] = frozenset(
+    {
+        "torch.num_threads",
+        "dataloader.num_workers",
+        "dataloader.prefetch_factor",
+        "dataloader.pin_memory",
+    }
+)
+"""Knobs changed only to make steps faster: a change of one is kept only when the steps after
+it were measurably faster (`perfloop.actuators.verify.ChangeVerifier`'s ``must_help``); the
+others (a power limit, the checkpoint cadence, …) are kept when they did not hurt."""
 ACTION_KNOBS: frozenset[str] = frozenset({"profiler.capture_steps"})
 """Knobs that do something once rather than hold a value: applied, never judged or undone."""
 INT_KNOBS: frozenset[str] = frozenset(KNOB_BOUNDS) - {"gpu.power_limit_w"}

@@ -14,16 +14,23 @@ verdict, at the first look (``verify_steps`` after):
   grew by more than ``min_effect`` (3 %);
 - ``kept`` when the median did not grow by more than ``min_effect``: it helped (significantly
   faster) or it did not hurt;
-- otherwise — slower by the median, not yet significantly — the change is judged on more
-  steps: the next look compares ``verify_steps`` more steps after it with as many more before
-  it (the same number on both sides, so neither median is the noisier one), up to
-  ``max_verify_steps`` (3 × ``verify_steps``). The older steps join the baseline only when they
-  ran at the level of the newest ``verify_steps`` (not significantly more than 3 % apart):
-  steps from before the fault that prompted the change are not the state it was made for, and
-  a cure judged against them looks like harm. It is rolled back as soon as the slowdown is
-  significant, kept as soon as the median is within ``min_effect``, and rolled back at the
-  last look if it stayed slower than that: a change is kept only when the evidence says it
-  did not hurt.
+- with ``must_help`` (a change made only to speed steps up: loader workers, threads, the
+  loader's prefetch and pinning; `perfloop.actuators.allowlist.SPEED_KNOBS`) ``kept`` only
+  when it helped — significantly faster, by more than ``min_effect`` — and judged on more
+  steps while it did not yet: a change with no measured gain is undone (the job goes back to
+  the state it is known to run well in), since a gain nobody measured is no reason to keep a
+  change whose effect is unknown;
+- otherwise — slower by the median, not yet significantly (or, with ``must_help``, not yet
+  significantly faster) — the change is judged on more steps: the next look compares
+  ``verify_steps`` more steps after it with as many more before it (the same number on both
+  sides, so neither median is the noisier one), up to ``max_verify_steps`` (3 ×
+  ``verify_steps``). The older steps join the baseline only when they ran at the level of the
+  newest ``verify_steps`` (not significantly more than 3 % apart): steps from before the fault
+  that prompted the change are not the state it was made for, and a cure judged against them
+  looks like harm. It is rolled back as soon as the slowdown is significant, kept as soon as the
+  median is within ``min_effect``, and rolled back at the last look if it stayed slower than
+  that (with ``must_help``: if it did not help by then): a change is kept only when the evidence
+  says it did not hurt (with ``must_help``: that it helped).
 
 So a change that clearly hurt is undone within ``settle_steps + verify_steps`` steps of being
 applied, one that may have hurt within ``settle_steps + max_verify_steps``. Every verdict
@@ -111,6 +118,7 @@ class ChangeVerifier:
         max_verify_steps: int | None = None,
         alpha: float = 0.05,
         min_effect: float = 0.03,
+        must_help: bool = False,
     ) -> None:
         longest = 3 * verify_steps if max_verify_steps is None else max_verify_steps
         if settle_steps < 0 or verify_steps < 3 or longest < verify_steps:
@@ -122,6 +130,7 @@ class ChangeVerifier:
         self.settle_steps, self.verify_steps = settle_steps, verify_steps
         self.max_verify_steps = longest
         self.alpha, self.min_effect = alpha, min_effect
+        self.must_help = must_help
         self.after: list[float] = []
         self.seen = 0
         self.looks = 0
@@ -208,10 +217,12 @@ class ChangeVerifier:
             return Verdict("rolled_back", f"it hurt: {change}", ev)
         if p < self.alpha and ratio < 1 - self.min_effect:
             return Verdict("kept", f"it helped: {change}", ev)
-        if not slower:
-            limit = f"{100 * self.min_effect:g} %"
+        limit = f"{100 * self.min_effect:g} %"
+        if not slower and not self.must_help:
             return Verdict("kept", f"it did not hurt (not slower than {limit}): {change}", ev)
         if not final:
             return None
-        limit = f"{100 * self.min_effect:g} %"
+        if not slower:  # must_help, and no gain measured by the last look
+            why = f"it did not help (not significantly faster by more than {limit})"
+            return Verdict("rolled_back", f"{why}: {change}", ev)
         return Verdict("rolled_back", f"it stayed slower than {limit}: {change}", ev)

@@ -127,7 +127,7 @@ def test_announce_off_prints_nothing(capsys: pytest.CaptureFixture[str]) -> None
     step = _steps(agent, 30, 100, 0)
     agent.receive(_cmd(1, WORKERS, 1), now_ns=NOW)
     agent.receive(_cmd(2, WORKERS, 999), now_ns=NOW)
-    _steps(agent, 25, 100, step)
+    _steps(agent, 25, 60, step)  # it helped: kept
     assert [r.status for r in agent.results] == ["rejected", "applied", "kept"]
     assert capsys.readouterr().err == ""
 

@@ -34,15 +34,17 @@ class Knob:
         self.values.append(value)
 
 
-def _agent(knob: Knob) -> JobAgent:
+def _agent(knob: Knob, name: str = KNOB) -> JobAgent:
     settings = BaseServiceSettings(PERFLOOP_KAFKA_BOOTSTRAP="127.0.0.1:1")
-    return JobAgent(settings, job_id="job-1", node="n0", signing_key=KEY, handlers={KNOB: knob},
+    return JobAgent(settings, job_id="job-1", node="n0", signing_key=KEY, handlers={name: knob},
                     settle_steps=SETTLE, verify_steps=VERIFY)  # fmt: skip
 
 
-def _cmd(seq: int, value: int, from_value: int | None = 2, ttl_s: float = 60) -> bytes:
+def _cmd(
+    seq: int, value: int, from_value: int | None = 2, ttl_s: float = 60, knob: str = KNOB
+) -> bytes:
     cmd = Command(
-        ts_ns=NOW, job_id="job-1", node="n0", rank=-1, seq=seq, knob=KNOB,
+        ts_ns=NOW, job_id="job-1", node="n0", rank=-1, seq=seq, knob=knob,
         from_value=from_value, value=value, expires_ts_ns=NOW + int(ttl_s * S),
     )  # fmt: skip
     return encode_event(sign(cmd, KEY))
@@ -104,14 +106,36 @@ def test_a_change_that_helped_is_kept() -> None:
     assert knob.values == [5]
 
 
-def test_a_change_that_made_no_difference_is_kept_and_says_so() -> None:
-    agent = _agent(Knob())
+def test_a_speed_change_that_made_no_difference_is_judged_longer_then_rolled_back() -> None:
+    """Loader workers are changed only for speed: no measured gain, no reason to keep them."""
+    knob = Knob()
+    agent = _agent(knob)
+    loop = Loop(agent)
+    loop.run(70, ms=100)
+    agent.receive(_cmd(1, 5), now_ns=NOW)
+    loop.run(1 + SETTLE + VERIFY, ms=100)
+    assert loop.statuses() == ["applied"], "no verdict at the first look: judged on more steps"
+    loop.run(2 * VERIFY + 1, ms=100)
+    assert loop.statuses() == ["applied", "rolled_back"]
+    rolled = loop.results[-1]
+    assert rolled.reason.startswith(
+        "it did not help (not significantly faster by more than 3 %): step time p50 "
+    )
+    assert (rolled.evidence["n_after"], rolled.evidence["extended"]) == (3 * VERIFY, 1)
+    assert knob.values == [5, 2], "back to the value it ran before"
+
+
+def test_a_change_of_another_knob_that_made_no_difference_is_kept_and_says_so() -> None:
+    """A checkpoint cadence is not changed for step time: not slower is enough."""
+    knob, name = Knob(), "train.checkpoint_every_steps"
+    agent = _agent(knob, name)
     loop = Loop(agent)
     loop.run(25, ms=100)
-    agent.receive(_cmd(1, 5), now_ns=NOW)
+    agent.receive(_cmd(1, 500, from_value=100, knob=name), now_ns=NOW)
     loop.run(1 + SETTLE + VERIFY, ms=100)
     assert loop.statuses() == ["applied", "kept"]
     assert loop.results[-1].reason.startswith("it did not hurt (not slower than 3 %)")
+    assert knob.values == [500]
 
 
 def test_a_nan_loss_rolls_the_change_back_at_the_next_boundary() -> None:
