@@ -357,3 +357,56 @@ print(sorted(set(sys.modules) - before))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_encoding_never_imports_pandas() -> None:
+    """A training process only encodes, on a niced thread: pyarrow's pandas import (~0.3 s
+    of CPU) took that thread ~10 s beside a job keeping every CPU busy, and held back the
+    job's first telemetry as long. Every kind, numpy and list columns, nullable floats left
+    out (None), strings repeated enough to be dictionary-encoded: no pandas, and every batch
+    decodes (in a process where decoding may import it) to what was encoded."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import numpy as np
+from perfloop.schemas import encode_batch
+from perfloop.schemas.codec import _SPECS
+out = []
+for kind, specs in _SPECS.items():
+    for n in (1, 5, 40):
+        cols = {}
+        for i, c in enumerate(specs):
+            if c.dtype is str:
+                cols[c.name] = [("fwd", "bwd", "ünï", "opt")[j % 4] for j in range(n)]
+            elif c.dtype is np.int64:
+                ints = [j + 1 for j in range(n)]
+                cols[c.name] = np.array(ints, dtype=np.int64) if i % 2 else ints
+            else:
+                vals = [float(j) + 0.5 if j % 3 or not c.nullable else None for j in range(n)]
+                cols[c.name] = vals if i % 2 else np.array([1.5] * n)
+        cols["ts_ns"] = [10**18 + j for j in range(n)]
+        out.append((kind, cols, encode_batch(kind, cols, job_id="j", node="n")))
+print("pandas" in sys.modules)
+import pickle
+sys.stdout.flush()
+sys.stdout.buffer.write(pickle.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()
+    flag, _, payload = proc.stdout.partition(b"\n")
+    assert flag == b"False", "encoding imported pandas"
+    import pickle
+
+    batches = pickle.loads(payload)
+    assert len(batches) == 3 * 6
+    for kind, cols, data in batches:
+        assert data[:4] == b"\xff\xff\xff\xff", f"{kind}: not sent as Arrow"
+        got = decode_batch(data).columns
+        for name, sent in cols.items():
+            want = [np.nan if v is None else v for v in np.asarray(sent, dtype=object).tolist()]
+            have = got[name][0] if isinstance(got[name], tuple) else got[name]
+            assert [str(x) for x in np.asarray(have, dtype=object).tolist()] == [
+                str(x) for x in want
+            ], (kind, name)
