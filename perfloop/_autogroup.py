@@ -20,6 +20,13 @@ whole runs instead (`bench/overhead_split.py`, variants ``loop_idle`` and ``loop
 that job's speed showed no difference beyond the spread of its pairs (bench/README.md,
 morning of 2026-11-29), so the rule stays as it is.
 
+A worker starts behind (it imports, joins its group, restores its snapshot, then reads what
+came meanwhile), so the supervisor starts it raised (``PERFLOOP_GROUP_RAISED``) and it lowers
+its group like any other catch-up, once it has kept up for ``hold_s``. Started idle beside a
+single-process job that kept both CPUs busy, the worker took 18 s from its partitions'
+assignment to ready, and the job's memory leak was diagnosed 30 s after it began, at the end
+of the job (bench/README.md, 2026-11-29).
+
 Where the supervisor put the services in idle CPU control groups instead (`perfloop._cpugroup`),
 the worker's target is the loop's group (worker, broker and actuator): raised, it leaves idle
 for an ordinary weight of 110 (what an autogroup at nice 10 weighs); lowered, it is idle again.
@@ -121,6 +128,7 @@ class CatchUp:
         setter: Callable[[Target, int], bool] = _set,
         clock: Callable[[], float] = time.monotonic,
         background: bool = True,
+        raised: bool = False,
     ) -> None:
         self.targets = list(targets)
         self.idle_nice, self.catch_up_nice = idle_nice, catch_up_nice
@@ -130,6 +138,10 @@ class CatchUp:
         self.raises = 0
         self._worst = 0.0  # the oldest age seen since the last tick
         self._calm_since: float | None = None
+        if raised:  # a worker that starts is behind: raised until it kept up for hold_s
+            self._apply(self.catch_up_nice)
+            self.raised = True
+            self.raises += 1
 
     def seen(self, age_s: float) -> None:
         """A message read ``age_s`` after it was sent."""
@@ -195,12 +207,13 @@ class CatchUp:
             idle = int(env.get("PERFLOOP_GROUP_NICE", ""))
         except ValueError:
             return None
+        raised = env.get("PERFLOOP_GROUP_RAISED") == "1"
         group = env.get("PERFLOOP_CPU_GROUP", "")
         if group and idle > CATCH_UP_NICE:
-            return cls([(0, group)], idle)
+            return cls([(0, group)], idle, raised=raised)
         if idle <= CATCH_UP_NICE or os.getsid(0) != os.getpid():
             return None  # not yielding, or not in a session (a group) of its own
         targets: list[Target] = [(os.getpid(), "perfloop")]
         with contextlib.suppress(ValueError):
             targets.append((int(env.get("PERFLOOP_BROKER_PID", "")), "tansu"))
-        return cls(targets, idle)
+        return cls(targets, idle, raised=raised)

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from perfloop._autogroup import set_autogroup_nice
+from perfloop._autogroup import CATCH_UP_NICE, set_autogroup_nice
 from perfloop._cpugroup import StackGroups, set_idle
 from perfloop.broker import RETENTION_NOTE, broker_argv
 from perfloop.exceptions import PerfloopError, StackError, WarehouseError
@@ -326,15 +326,17 @@ class Supervisor:
         policy = _policy_for(child.name, self.settings.stack_priority)
         env = self._env()
         if policy != "normal" and child.name == "streams":
-            # it raises its group, and the broker's, while it is behind (`perfloop._autogroup`)
+            # it raises its group, and the broker's, while it is behind (`perfloop._autogroup`),
+            # and it starts behind: raised until it has kept up
             env["PERFLOOP_GROUP_NICE"] = str(AUTOGROUP_NICE)
+            env["PERFLOOP_GROUP_RAISED"] = "1"
             broker = next((c for c in self._children if c.name == "broker" and c.proc), None)
             if broker is not None and broker.proc is not None:
                 env["PERFLOOP_BROKER_PID"] = str(broker.proc.pid)
             if self._groups is not None:
                 loop = self._groups.groups["loop"]
                 env["PERFLOOP_CPU_GROUP"] = str(loop)
-                set_idle(loop, idle=True)  # a worker that exited raised may have left it so
+                set_idle(loop, idle=False)  # raised while it starts (it lowers it, caught up)
         try:
             child.proc = _at_priority(
                 policy,
@@ -357,11 +359,12 @@ class Supervisor:
             if not self._groups.add(group, child.proc.pid):
                 with contextlib.suppress(OSError), open(child.log, "a") as f:
                     f.write(f"perfloop supervisor: {child.name} not moved to an idle CPU group\n")
-        if policy != "normal" and not set_autogroup_nice(child.proc.pid, AUTOGROUP_NICE):
+        nice = CATCH_UP_NICE if child.name == "streams" else AUTOGROUP_NICE  # starts raised
+        if policy != "normal" and not set_autogroup_nice(child.proc.pid, nice):
             with contextlib.suppress(OSError), open(child.log, "a") as f:
                 f.write(
                     f"perfloop supervisor: {child.name}'s scheduling group was not set to nice "
-                    f"{AUTOGROUP_NICE} (no autogroups in this kernel?): it competes with the job "
+                    f"{nice} (no autogroups in this kernel?): it competes with the job "
                     "as an equal\n"
                 )
         child.started_at = time.time()

@@ -224,6 +224,8 @@ def create_app(settings: StreamsSettings) -> faust.App:
     trim = libc_trim()
     gc_clock = GcClock()
     catch_up = CatchUp.from_env()  # in the embedded stack: a yielding group, raised when behind
+    if catch_up is not None and catch_up.raised:
+        log.info("starting behind: scheduling group %s", catch_up.describe("raised"))
     # When the loop is blocked (a long tick, a snapshot, a run of messages) the consumer does
     # not fetch, so the partition ends it knows go stale: a partition that looked read to its
     # end may have new input waiting. After such a block every telemetry partition is held

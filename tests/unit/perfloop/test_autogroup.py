@@ -171,7 +171,7 @@ def test_a_group_is_set_only_for_the_process_it_was_told_of() -> None:
 _ENV_PROBE = (
     "import json, os\n"
     "print(json.dumps({k: v for k, v in os.environ.items() if k in "
-    "('PERFLOOP_GROUP_NICE', 'PERFLOOP_BROKER_PID')}))\n"
+    "('PERFLOOP_GROUP_NICE', 'PERFLOOP_BROKER_PID', 'PERFLOOP_GROUP_RAISED')}))\n"
 )
 
 
@@ -197,6 +197,7 @@ def test_the_supervisor_tells_the_stream_worker_its_group_and_the_brokers(
     assert seen.pop("streams") == {
         "PERFLOOP_GROUP_NICE": str(AUTOGROUP_NICE),
         "PERFLOOP_BROKER_PID": str(pids["broker"]),
+        "PERFLOOP_GROUP_RAISED": "1",  # it starts behind
     }
     assert all(v == {} for v in seen.values()), "only the stream worker raises groups"
 

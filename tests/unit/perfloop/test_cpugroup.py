@@ -130,7 +130,7 @@ def test_a_real_process_in_the_real_idle_group() -> None:
 _ENV_PROBE = "import os; print(os.environ.get('PERFLOOP_CPU_GROUP', ''))"
 
 
-def test_the_supervisor_puts_each_service_in_its_group_and_a_new_worker_starts_idle(
+def test_the_supervisor_puts_each_service_in_its_group_and_a_new_worker_starts_raised(
     tmp_path: Path,
 ) -> None:
     from perfloop.settings import StackSettings
@@ -142,7 +142,7 @@ def test_the_supervisor_puts_each_service_in_its_group_and_a_new_worker_starts_i
     sup._groups = StackGroups(base=tmp_path / "cg", tag="perfloop-7")
     assert sup._groups.ok, sup._groups.error
     loop, history = sup._groups.groups["loop"], sup._groups.groups["history"]
-    (loop / "cpu.idle").write_text("0")  # a worker that exited while raised
+    (loop / "cpu.idle").write_text("1")  # the last worker had caught up and lowered it
     seen = {}
     for name in ("broker", "warehouse", "streams", "sink", "actuator"):
         child = _Child(
@@ -160,4 +160,31 @@ def test_the_supervisor_puts_each_service_in_its_group_and_a_new_worker_starts_i
         "sink": "",
         "actuator": "",
     }, "only the stream worker raises the loop's group"
-    assert (loop / "cpu.idle").read_text() == "1", "a new worker starts with the loop idle"
+    assert (loop / "cpu.idle").read_text() == "0", "a new worker starts behind: loop raised"
+
+
+def test_a_worker_started_behind_raises_its_group_at_once_and_lowers_it_once_caught_up(
+    tmp_path: Path,
+) -> None:
+    group = tmp_path / "perfloop-7-loop"
+    group.mkdir()
+    (group / "cpu.idle").write_text("1")
+    (group / "cpu.weight").write_text("100")
+    now = [0.0]
+    env = {"PERFLOOP_GROUP_NICE": "19", "PERFLOOP_CPU_GROUP": str(group)}
+    c = CatchUp.from_env(env | {"PERFLOOP_GROUP_RAISED": "1"})
+    assert c is not None and c.raised and c.raises == 1
+    deadline = time.monotonic() + 5  # applied off the caller's thread
+    while (group / "cpu.idle").read_text() != "0" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (group / "cpu.idle").read_text() == "0", "raised while it starts"
+    c._clock, c.background = (lambda: now[0]), False
+    c.seen(3.0)  # the input it finds waiting is old: stays raised
+    assert c.tick() is None and c.raised
+    c.seen(0.1)
+    assert c.tick() is None  # caught up: the hold starts
+    now[0] = 30.5
+    c.seen(0.1)
+    assert c.tick() == "lowered" and (group / "cpu.idle").read_text() == "1"
+    plain = CatchUp.from_env(env)
+    assert plain is not None and not plain.raised and plain.raises == 0
