@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from perfloop._autogroup import CATCH_UP_NICE
 from perfloop.settings import StackSettings
 from perfloop.stack import AUTOGROUP_NICE, SERVICES, Supervisor, _at_priority, _Child
 
@@ -124,13 +125,16 @@ def _groups(tmp: Path, priority: str) -> dict[str, tuple[bool, str]]:
 
 @pytest.mark.skipif(not _HAS_AUTOGROUPS, reason="no autogroups in this kernel")
 def test_each_service_has_a_scheduling_group_of_its_own_at_nice_19(tmp_path: Path) -> None:
+    """The stream worker's at nice 10: it starts behind, and lowers it once caught up."""
     # a process in the kernel's root group (a session never set up since boot, as in some
     # containers) reads an empty line here
     mine = Path("/proc/self/autogroup").read_text()
     seen = _groups(tmp_path, "idle")
     assert all(own for own, _ in seen.values()), seen
     assert all(group for _, group in seen.values()), "every service in a group of its own"
-    assert {group.split()[-1] for _, group in seen.values()} == {str(AUTOGROUP_NICE)}
+    nice = {name: group.split()[-1] for name, (_, group) in seen.items()}
+    assert nice.pop("streams") == str(CATCH_UP_NICE)
+    assert set(nice.values()) == {str(AUTOGROUP_NICE)}
     groups = {group.split()[0] for _, group in seen.values()}
     assert len(groups) == len(seen), "one group each"
     assert not set(mine.split()[:1]) & groups
