@@ -77,12 +77,20 @@ def _numbers(arr: np.ndarray) -> pa.Array:
 
 def _utf8(values: Sequence[str]) -> pa.Array:
     """Python strings as an Arrow string array (offsets and UTF-8 bytes)."""
-    data = [v.encode() for v in values]
-    offsets = np.zeros(len(data) + 1, dtype=np.int32)
-    np.cumsum([len(b) for b in data], out=offsets[1:])
-    return pa.Array.from_buffers(
-        pa.string(), len(data), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))]
-    )
+    n = len(values)
+    joined = "".join(values)
+    if joined.isascii():  # a byte a character: the lengths are the strings'
+        data, lengths = joined.encode("ascii"), map(len, values)
+    else:
+        parts = [v.encode() for v in values]
+        data, lengths = b"".join(parts), map(len, parts)
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(np.fromiter(lengths, dtype=np.int32, count=n), out=offsets[1:])
+    return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
+_INT = frozenset({int})
+_FLOAT = frozenset({float, int, type(None)})
 
 
 def _clean(values: Sequence[Any] | np.ndarray, dtype: Any) -> pa.Array | None:
@@ -93,29 +101,20 @@ def _clean(values: Sequence[Any] | np.ndarray, dtype: Any) -> pa.Array | None:
     pandas: in a training process, where perfloop's niced thread encodes the batches, that
     import (~0.3 s of CPU, ~50 MB) took ~10 s of wall time beside a job keeping every CPU busy,
     and the job's first 10 s of telemetry waited for it."""
-    if dtype is str:
-        if not all(type(v) is str for v in values):
-            return None
-        if len(values) <= 16:
-            return _utf8(values)
-        codes: dict[str, int] = {}
-        indices = np.fromiter(
-            (codes.setdefault(v, len(codes)) for v in values), dtype=np.int32, count=len(values)
-        )
-        return pa.DictionaryArray.from_arrays(
-            pa.Array.from_buffers(pa.int32(), len(indices), [None, pa.py_buffer(indices)]),
-            _utf8(list(codes)),
-        )
     if isinstance(values, np.ndarray):
-        return _numbers(values.astype(dtype, copy=False)) if values.dtype.kind in "iuf" else None
-    if dtype is np.int64:
-        if not all(type(v) is int for v in values):
+        if dtype is str or values.dtype.kind not in "iuf":
             return None
-        return _numbers(np.array(values, dtype=np.int64))
-    if not all(type(v) is float or type(v) is int or v is None for v in values):
-        return None
-    # None (a nullable field not reported) as NaN: what a null float decodes to
-    return _numbers(np.array([np.nan if v is None else v for v in values], dtype=np.float64))
+        return _numbers(values.astype(dtype, copy=False))
+    types = set(map(type, values))
+    if dtype is str:
+        if types - {str}:
+            return None
+        arr = _utf8(values)
+        return arr.dictionary_encode() if len(arr) > 16 else arr
+    if dtype is np.int64:
+        return None if types - _INT else _numbers(np.array(values, dtype=np.int64))
+    # None (a nullable field not reported) becomes NaN: what a null float decodes to
+    return None if types - _FLOAT else _numbers(np.array(values, dtype=np.float64))
 
 
 def _array(values: Sequence[Any] | np.ndarray, dtype: Any) -> pa.Array:
