@@ -71,6 +71,8 @@ class Tracer:
         self.batch_size = 0
         self.samples = 0
         self.tokens = 0
+        self.fetched = False  # a DataLoader fetch fed this step
+        self.fwd_batch = self.fwd_samples = self.fwd_tokens = 0  # from the forwards' inputs
         self.backwards = 0
         self.losses: list[Any] = []
         self.grad_norm: Any = None
@@ -90,6 +92,7 @@ class Tracer:
     def _take(self, t0: int, t1: int, bs: int, tok: int, source: Any, workers: int) -> None:
         """A fetch of training data: its ``data_wait`` span, samples, tokens and epoch."""
         self.rec.span("data_wait", "data_wait", t0, t1)
+        self.fetched = True
         if bs:
             self.samples += bs
             if not self.batch_size:
@@ -178,6 +181,18 @@ class Tracer:
         self.open_t0 = t
         return True
 
+    def forward_input(self, batch_size: int, tokens: int) -> None:
+        """The input of the training forward just begun (the first dimension of its first
+        tensor; tokens: elements of its first integer tensor of two or more dimensions): the
+        step's samples and tokens when no DataLoader fetch fed it (a loop that slices its
+        own tensors)."""
+        if self.open != "forward":
+            return
+        if not self.fwd_batch:
+            self.fwd_batch = batch_size
+        self.fwd_samples += batch_size
+        self.fwd_tokens += tokens
+
     def forward_end(self, t: int) -> None:
         if self.open == "forward":
             self.rec.span("forward", "forward", self.open_t0, t)
@@ -259,12 +274,13 @@ class Tracer:
 
     def _end_step(self, t: int, lr: Any) -> StepRecord | None:
         self.short_prev, self.short_now = self.short_now, False
+        fed = self.fetched  # else the forwards' inputs count
         fields = {
-            "batch_size": self.batch_size,
+            "batch_size": self.batch_size if fed else self.fwd_batch,
             "num_workers": self.workers,
             "epoch": self.epoch,
-            "samples": self.samples,
-            "tokens": self.tokens,
+            "samples": self.samples if fed else self.fwd_samples,
+            "tokens": self.tokens if fed else self.fwd_tokens,
             "grad_accum_steps": self.backwards or 1,
             "loss": self.losses or None,
             "grad_norm": self.grad_norm,

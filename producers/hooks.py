@@ -507,7 +507,7 @@ def _drop_global_hooks() -> None:
 
 
 # forward ---------------------------------------------------------------------------------
-def _pre(module: Any) -> None:
+def _pre(module: Any, args: Any = ()) -> None:
     tr = _traced()
     if tr is None:
         return
@@ -533,10 +533,22 @@ def _pre(module: Any) -> None:
                 s.skip_root_pre = module if was_root else None  # next in this very call
             if training and s.session is not None and s.session.model is None:
                 _first_train_forward(module)
+            if s.fwd_open and training and args and not tr.fetched:
+                _forward_input(tr, module, args)
         except Exception as e:
             _oops("the forward pre-hook", e)
         s.pipe.overhead_ns += _now() - t  # type: ignore[union-attr]
     s.fdepth += 1
+
+
+def _forward_input(tr: Tracer, module: Any, args: Any) -> None:
+    """A step no DataLoader fed: the trained model's input counts its samples and tokens
+    (only the model's: a loss module or a second model called at the top level would count
+    the batch again)."""
+    sess = _S.session
+    model = sess.model() if sess is not None and sess.model is not None else None
+    if model is module:
+        tr.forward_input(*_inspect_batch(args, _S.torch.Tensor))
 
 
 def _cycle_step(tr: Tracer, t: int, module: Any) -> None:
@@ -584,7 +596,7 @@ def _compiling() -> bool:
 
 def _global_pre(module: Any, args: Any) -> None:
     if not _compiling():
-        _pre(module)
+        _pre(module, args)
 
 
 def _global_post(module: Any, args: Any, output: Any) -> None:
@@ -597,7 +609,7 @@ def _root_pre(module: Any, args: Any) -> None:
     if s.skip_root_pre is module:  # its global pre-hook ran in this call (`_pre`)
         s.skip_root_pre = None
     elif not s.global_handles and not _compiling():
-        _pre(module)
+        _pre(module, args)
 
 
 def _root_post(module: Any, args: Any, output: Any) -> None:

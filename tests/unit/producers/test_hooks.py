@@ -77,6 +77,30 @@ def test_gradient_accumulation_makes_one_step() -> None:
     assert sum(ms for *_, ms in _top_spans(tr.rec)[0]) == pytest.approx(22.0)
 
 
+def test_without_a_data_loader_the_forwards_inputs_count_the_samples() -> None:
+    """No fetch fed the step: its training forwards' inputs give batch size, samples (summed
+    over micro-batches) and tokens; a fetched step keeps the loader's figures."""
+    tr = _tracer()
+    for i in range(2):  # two micro-batches of 4, one optimizer step
+        assert tr.forward_begin(i * 4 * MS, training=True)
+        tr.forward_input(4, 4 * 32)
+        tr.forward_end(i * 4 * MS + MS)
+        assert tr.backward_begin(i * 4 * MS + MS)
+        tr.backward_end(i * 4 * MS + 3 * MS, loss=1.0)
+    tr.optimizer_begin(8 * MS, key=1)
+    rec = tr.optimizer_end(9 * MS, key=1)
+    assert (rec.fields["batch_size"], rec.fields["samples"], rec.fields["tokens"]) == (4, 8, 256)
+    tr.fetch(9 * MS, 10 * MS, batch_size=8, tokens=0)  # images: the loader's figures stand
+    assert tr.forward_begin(10 * MS, training=True)
+    tr.forward_input(8, 0)
+    tr.forward_end(11 * MS)
+    tr.backward_begin(11 * MS)
+    tr.backward_end(12 * MS, loss=1.0)
+    tr.optimizer_begin(12 * MS, key=1)
+    rec = tr.optimizer_end(13 * MS, key=1)
+    assert (rec.fields["batch_size"], rec.fields["samples"], rec.fields["tokens"]) == (8, 8, 0)
+
+
 def test_an_evaluation_loop_is_an_eval_span_not_steps() -> None:
     tr = _tracer()
     _train_iteration(tr, 0)  # step 0 ends at 7.5 ms
@@ -330,6 +354,35 @@ def test_a_loop_that_updates_its_parameters_itself_has_a_step_per_iteration(
             if s == i and depth == 0
         ]
         assert sum(top) == pytest.approx(ms, rel=1e-6)
+
+
+def test_a_loop_that_slices_its_own_tensors_has_samples_and_tokens(
+    installed: FakePublisher,
+) -> None:
+    """A language-model loop without a DataLoader (token ids sliced from one tensor, as
+    many small GPT trainers do): every step has the batch's samples and tokens; neither the
+    loss module's call nor the evaluation's forwards (no grad) count again."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (64, 12))
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(50, 8), torch.nn.Flatten(), torch.nn.Linear(96, 50)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = torch.nn.CrossEntropyLoss()  # a module called at the top level, as the model is
+    steps = 10
+    for i in range(steps):
+        x = ids[(i % 4) * 16 : (i % 4) * 16 + 16]
+        opt.zero_grad()
+        crit(model(x), x[:, 0]).backward()
+        opt.step()
+        if i == 4:
+            with torch.no_grad():
+                model(ids[:32])
+    hooks.uninstall()
+    rows = installed.rows("step")
+    assert rows["step"] == list(range(steps))
+    assert set(rows["batch_size"]) == {16} and set(rows["samples"]) == {16}
+    assert set(rows["tokens"]) == {16 * 12}
 
 
 def test_a_distillation_loop_counts_its_data_and_its_teacher(installed: FakePublisher) -> None:
