@@ -171,9 +171,14 @@ class ChangeVerifier:
     def _baseline(self, n: int) -> list[float]:
         """The ``n`` newest steps before the change (at least ``verify_steps``), unless the older
         of them ran at another level than the newest ``verify_steps`` (a fault's onset, a
-        finished warm-up): then those newest only, the state the change was made for."""
+        finished warm-up): then those newest only, the state the change was made for; and
+        when a clear level shift lies among those (a change made a few steps after the
+        fault's onset), the steps since it."""
         recent = self.before[-self.verify_steps :]
         wider = self.before[-max(n, self.verify_steps) :]
+        cut = self._level_shift(wider)
+        if cut is not None:
+            return wider[cut:]
         older = wider[: len(wider) - len(recent)]
         if len(older) < MIN_BASELINE:
             return wider
@@ -181,6 +186,25 @@ class ChangeVerifier:
         if abs(shift - 1) > self.min_effect and mann_whitney_p(older, recent) < self.alpha:
             return recent
         return wider
+
+    def _level_shift(self, xs: list[float]) -> int | None:
+        """Where the strongest level shift in ``xs`` begins, when it is clear: medians more
+        than ``min_effect`` apart and the Mann–Whitney p-value below ``alpha`` divided by the
+        number of places tried (so that trying every place does not find shifts in steady
+        steps by chance), with `MIN_BASELINE` steps on each side; else None."""
+        places = range(MIN_BASELINE, len(xs) - MIN_BASELINE + 1)
+        if not places:
+            return None
+        best, best_p = None, self.alpha / len(places)
+        for i in places:
+            left, right = xs[:i], xs[i:]
+            shift = float(np.median(right)) / float(np.median(left))
+            if abs(shift - 1) <= self.min_effect:
+                continue
+            p = mann_whitney_p(left, right)
+            if p < best_p:
+                best, best_p = i, p
+        return best
 
     def _judge(self, *, final: bool) -> Verdict | None:
         self.looks += 1
