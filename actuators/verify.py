@@ -27,7 +27,11 @@ verdict, at the first look (``verify_steps`` after):
   ``verify_steps``). The older steps join the baseline only when they ran at the level of the
   newest ``verify_steps`` (not significantly more than 3 % apart): steps from before the fault
   that prompted the change are not the state it was made for, and a cure judged against them
-  looks like harm. It is rolled back as soon as the slowdown is significant, kept as soon as the
+  looks like harm. For the same reason, when a clear level shift lies among the steps a look
+  compares with (medians more than ``min_effect`` apart, the rank test's p below ``alpha``
+  divided by the places tried, at least `MIN_BASELINE` steps each side), only the steps since
+  the strongest one are the baseline: a change made a few steps after a fault's onset. It is
+  rolled back as soon as the slowdown is significant, kept as soon as the
   median is within ``min_effect``, and rolled back at the last look if it stayed slower than
   that (with ``must_help``: if it did not help by then): a change is kept only when the evidence
   says it did not hurt (with ``must_help``: that it helped).
