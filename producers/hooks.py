@@ -368,6 +368,9 @@ class _State:
         self.rediscover_every = 500
         self.discovering = True
         self.skip_root_pre: Any = None  # a root whose global pre-hook just ran (`_pre`)
+        self.compiled = False  # torch.compile traced code here: no global hooks from then on
+        self.hushed = False  # torch's warning about global hooks and compiled modules
+        self.compile_watch: Any = None  # (callback handler, our start callback)
         self.fdepth = 0
         self.fwd_open = False
         self.opt_stack: list[bool] = []
@@ -482,7 +485,7 @@ def _after_step(rec: StepRecord) -> None:
         else:
             s.ddp.pending.clear()
     n = rec.step + 1
-    want = n < s.discovery_steps or n % s.rediscover_every == 0
+    want = not s.compiled and (n < s.discovery_steps or n % s.rediscover_every == 0)
     if want != s.discovering and s.fdepth == 0:
         _set_discovery(want)
 
@@ -496,7 +499,13 @@ def _set_discovery(on: bool) -> None:
             mm.register_module_forward_pre_hook(_global_pre),
             mm.register_module_forward_hook(_global_post, always_call=True),
         ]
+        if not s.hushed:  # torch's advice to whoever added global hooks: that is perfloop
+            s.hushed = True  # here, and its hooks expect the extra call (`_pre`)
+            warnings.filterwarnings("ignore", _COMPILE_WARNING, UserWarning)
     s.discovering = on
+
+
+_COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
 
 
 def _drop_global_hooks() -> None:
@@ -1165,6 +1174,50 @@ def _make_save(orig: Any) -> Any:
     return save
 
 
+def _make_compile(orig: Any) -> Any:
+    """``torch.compile`` (``Module.compile`` calls it too): from the first compilation on,
+    discovery's global module hooks are gone (`_compile_starts`)."""
+
+    @functools.wraps(orig)
+    def compile(*args: Any, **kwargs: Any) -> Any:
+        _watch_compiles()
+        return orig(*args, **kwargs)
+
+    compile.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
+    return compile
+
+
+def _watch_compiles() -> None:
+    """Have `_compile_starts` called when torch.compile's tracer starts on a frame; never
+    raises."""
+    s = _S
+    if s.compile_watch is not None or not s.installed:
+        return
+    try:
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.register_start_callback(_compile_starts)
+        s.compile_watch = (callback_handler, _compile_starts)
+    except Exception as e:  # a torch without the callbacks: compiled code may compile twice
+        _oops("watching torch.compile", e)
+        s.compile_watch = ()
+
+
+def _compile_starts(_args: Any = None) -> None:
+    """torch.compile is about to trace a frame. Code it traces guards on the process's global
+    module hooks: were discovery's hooks in place now, their removal two steps later (and
+    each rediscovery) would make it compile again — for a large model, minutes, and past
+    torch's limit of compilations per frame it runs uncompiled. So they go before the trace,
+    and are not added again in this process: the roots found so far stay timed."""
+    s = _S
+    s.compiled = True
+    if s.global_handles:
+        with contextlib.suppress(Exception):
+            _drop_global_hooks()
+        if s.fdepth > 0:  # inside modules entered through the global hooks: of them only the
+            s.fdepth = 1  # outermost, a root (`_pre`), will see its end, by its own hook
+
+
 def _make_init_pg(orig: Any) -> Any:
     @functools.wraps(orig)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
@@ -1248,6 +1301,7 @@ def install(
             _patch(scaler, "step", _make_scaler_step)
         _patch(optim.Optimizer, "__init__", _make_opt_init)
         _patch(torch, "save", _make_save)
+        _patch(torch, "compile", _make_compile)
         _patch(torch, "set_num_threads", _make_set_threads)
         _patch(dl._BaseDataLoaderIter, "__next__", _make_next)
         _patch(dl.DataLoader, "__iter__", _make_iter)
@@ -1327,6 +1381,9 @@ def uninstall() -> None:
     for obj, name, orig in reversed(s.patches):
         with contextlib.suppress(Exception):
             setattr(obj, name, orig)
+    if s.compile_watch:
+        with contextlib.suppress(Exception):
+            s.compile_watch[0].remove_start_callback(s.compile_watch[1])
     s.reset()
 
 

@@ -487,12 +487,31 @@ def test_after_discovery_only_root_modules_carry_hooks(installed: FakePublisher)
     assert roots == {"Sequential", "CrossEntropyLoss"}  # not Linear or ReLU
 
 
-@pytest.mark.parametrize("part", ["model", "submodule"])
-def test_a_compiled_model_keeps_its_graph(part: str) -> None:
-    """``torch.compile(model)``: the hooks never break its graph nor make it compile again,
-    through discovery and a rediscovery, and every step is timed (its forward by the
-    compiled model's own hooks). A compiled submodule of a model that is not compiled: no
-    graph break either (it compiles once more when discovery's global hooks go)."""
+def _mlp() -> torch.nn.Sequential:
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+class _Mlp(torch.nn.Module):
+    """`_mlp` with a forward of its own (torch.compile traces a container's `forward` as
+    part of the nn library: `Module.compile()` on a bare `Sequential` makes no graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("part", ["model", "submodule", "in_place", "function"])
+def test_compiled_code_keeps_its_graph(part: str, recwarn: pytest.WarningsRecorder) -> None:
+    """Code under ``torch.compile`` (a model, a submodule of a model that is not compiled,
+    ``Module.compile()`` in place, a compiled function that calls the model): the hooks never
+    break its graph nor make it compile again, through discovery and what would be a
+    rediscovery, and every step is timed (a compiled model's forward by its own hooks, a
+    model compiled in place or called inside a compiled function by nothing: no forward span
+    from inside a graph). torch's warning to whoever adds global module hooks is not shown:
+    perfloop's hooks expect what it warns of."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -503,23 +522,29 @@ def test_a_compiled_model_keeps_its_graph(part: str) -> None:
     assert hooks.install(settings, publisher=pub, command="pytest", rediscover_every=5)
     try:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        model = _Mlp() if part == "in_place" else _mlp()
+        loss_of: Any = lambda x, y: torch.nn.functional.cross_entropy(model(x), y)  # noqa: E731
         if part == "model":
             compiled = torch.compile(model, backend="eager")
-        else:
+            loss_of = lambda x, y: torch.nn.functional.cross_entropy(compiled(x), y)  # noqa: E731
+        elif part == "submodule":
             model[0] = torch.compile(model[0], backend="eager")  # type: ignore[assignment]
-            compiled = model
+        elif part == "in_place":
+            model.compile(backend="eager")
+        else:
+            loss_of = torch.compile(loss_of, backend="eager")
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(12):  # discovery in steps 0-1, again at steps 5 and 10
-            x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-            torch.nn.functional.cross_entropy(compiled(x), y).backward()
+        for _ in range(12):  # discovery in steps 0-1; a rediscovery would come at 5 and 10
+            loss_of(torch.randn(8, 6), torch.randint(0, 3, (8,))).backward()
             opt.step()
             opt.zero_grad()
+        assert hooks._S.compiled and not hooks._S.global_handles
     finally:
         hooks.uninstall()
         torch._dynamo.reset()
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == (1 if part == "model" else 2)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not [w for w in recwarn if "global hooks" in str(w.message)]
     assert pub.rows("step")["step"] == list(range(12))
     spans = pub.rows("span")
     forward = {
@@ -527,7 +552,24 @@ def test_a_compiled_model_keeps_its_graph(part: str) -> None:
         for s, p, d in zip(spans["step"], spans["phase"], spans["depth"], strict=True)
         if p == "forward" and d == 0
     }
-    assert forward == set(range(12))
+    assert forward == (set(range(12)) if part in ("model", "submodule") else set())
+    backward = {s for s, p in zip(spans["step"], spans["phase"], strict=True) if p == "backward"}
+    assert backward == set(range(12))
+
+
+def test_uninstalling_stops_watching_compiles() -> None:
+    """After `uninstall` a compilation leaves perfloop's state alone (its callback is gone)."""
+    import torch._dynamo
+    from torch._dynamo.callback import callback_handler
+
+    settings = ProducerSettings(job_id="compiled", node="n0", stats_interval_s=3600, agent=False)
+    assert hooks.install(settings, publisher=FakePublisher(), command="pytest")
+    torch.compile(torch.nn.Linear(2, 2), backend="eager")
+    assert hooks._compile_starts in callback_handler.start_callbacks
+    hooks.uninstall()
+    assert hooks._compile_starts not in callback_handler.start_callbacks
+    assert torch.compile is not None and not hasattr(torch.compile, "__perfloop_wrapped__")
+    torch._dynamo.reset()
 
 
 def test_uninstall_restores_torch(installed: FakePublisher) -> None:
