@@ -1,7 +1,9 @@
-"""The timing hook averages a DDP bucket exactly as DDP's own reducer does: three real gloo
-ranks (processes), the same model and data under DDP with no hook and under DDP with
-`timed_allreduce_hook`, and every gradient equal bit for bit (a group of three, whose
-reciprocal is not exact in binary, tells a divide from DDP's multiply by the reciprocal)."""
+"""The timing hook averages a DDP bucket exactly as DDP's own reducer does: real gloo ranks
+(processes), the same model and data under DDP with no hook and under DDP with
+`timed_allreduce_hook`, and every gradient equal bit for bit. A group of three, whose
+reciprocal is not exact in binary, tells a divide from DDP's multiply by the reciprocal
+before the all-reduce; a group of two (and four) is averaged after the all-reduce, on the
+backend's thread, which must give the same bits."""
 
 from __future__ import annotations
 
@@ -13,8 +15,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-WORLD = 3
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -22,7 +22,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank(rank: int, port: int, out: Any) -> None:
+def _rank(rank: int, world: int, port: int, out: Any) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -30,7 +30,7 @@ def _rank(rank: int, port: int, out: Any) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
         inflight = InFlight()
@@ -55,20 +55,21 @@ def _rank(rank: int, port: int, out: Any) -> None:
         dist.destroy_process_group()
 
 
-def test_the_hook_averages_as_ddps_reducer_bit_for_bit() -> None:
+@pytest.mark.parametrize("world", [3, 2, 4])
+def test_the_hook_averages_as_ddps_reducer_bit_for_bit(world: int) -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, out)) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        got = sorted(out.get(timeout=120) for _ in range(WORLD))
+        got = sorted(out.get(timeout=120) for _ in range(world))
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
-    assert [r for r, _, _ in got] == list(range(WORLD))
+    assert [r for r, _, _ in got] == list(range(world))
     assert all(equal for _, equal, _ in got), got
     assert all(n >= 1 for _, _, n in got), "the hook ran, and timed its all-reduce"
