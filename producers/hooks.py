@@ -1205,10 +1205,11 @@ def _watch_compiles() -> None:
 
 def _compile_starts(_args: Any = None) -> None:
     """torch.compile is about to trace a frame. Code it traces guards on the process's global
-    module hooks: were discovery's hooks in place now, their removal two steps later (and
-    each rediscovery) would make it compile again — for a large model, minutes, and past
-    torch's limit of compilations per frame it runs uncompiled. So they go before the trace,
-    and are not added again in this process: the roots found so far stay timed."""
+    module hooks: were discovery's hooks in place now, their removal two steps later would
+    make it compile again (for a large model under Inductor, up to as long as the first
+    time). So they go before the trace, and are not added again in this process (a
+    rediscovery's hooks would fail the guards of what was compiled without them): the roots
+    found so far stay timed."""
     s = _S
     s.compiled = True
     if s.global_handles:
