@@ -158,6 +158,16 @@ SCENARIOS: dict[str, Scenario] = {
             description="DDP over gloo, 2 ranks",
         ),
         Scenario(
+            "healthy_pp",
+            "pp.py",
+            "none",
+            (),
+            nprocs=(2,),
+            variants=_PAIRED,
+            seconds=22,
+            description="pipeline parallelism (GPipe, 4-6 micro-batches) over gloo, 2 stages",
+        ),
+        Scenario(
             "straggler_compute",
             "ddp.py",
             "straggler",

@@ -1,0 +1,98 @@
+"""A healthy pipeline-parallel CPU training job: ``torch.distributed.pipelining`` with one
+stage per rank (an MLP cut into ``--world`` pieces), the GPipe schedule over ``--microbatches``
+micro-batches, SGD, synthetic data, gloo. It does not import perfloop:
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \\
+        bench/realworld_jobs/pp.py --seconds 30 --seed 3 --truth DIR
+
+Each step every stage runs a forward and a backward per micro-batch and sends its
+activations (forward) and gradients (backward) to its neighbours point to point: short steps
+made of many small pieces, the hardest shape for a per-call observer. Ground truth: ``none``
+(healthy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _jobkit import Truth, add_common_args, all_stop, dist_env
+
+
+def _stage(rank: int, world: int, width: int) -> nn.Module:
+    """Rank ``rank``'s piece: the first takes the 64 input features, the last gives 10
+    classes, each has two linear layers."""
+    d_in = 64 if rank == 0 else width
+    last = (
+        nn.Linear(width, 10)
+        if rank == world - 1
+        else nn.Sequential(nn.Linear(width, width), nn.GELU())
+    )
+    return nn.Sequential(nn.Linear(d_in, width), nn.GELU(), last)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(p)
+    p.add_argument("--steps", type=int, default=0, help="exactly this many steps (0: seconds)")
+    p.add_argument("--microbatches", type=int, default=0, help="per step (0: 4-6 by seed)")
+    p.add_argument("--microbatch-size", type=int, default=16)
+    p.add_argument("--width", type=int, default=256)
+    args = p.parse_args()
+    rank, world, _ = dist_env()
+    shared = random.Random(args.seed)  # the same draws on every rank
+    n_micro = args.microbatches or shared.randint(4, 6)
+    truth = Truth(args.truth, scenario="healthy_pp", kind="none", ranks=[], seed=args.seed,
+                  report_s=args.report_s)  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    torch.manual_seed(args.seed + rank)
+    stage_mod = _stage(rank, world, args.width)
+    stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=n_micro, loss_fn=nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(stage_mod.parameters(), lr=0.01, momentum=0.9)
+    truth.set(world=world, microbatches=n_micro, microbatch_size=args.microbatch_size)
+    g = torch.Generator().manual_seed(args.seed)  # every rank draws the same batches
+    batch = n_micro * args.microbatch_size
+    pool_x, pool_y = torch.randn(4096, 64, generator=g), torch.randint(0, 10, (4096,), generator=g)
+    if rank == 0:
+        print(f"pp (GPipe): {world} stages, {n_micro} micro-batches", flush=True)
+    error: BaseException | None = None
+    try:
+        truth.begin()
+        stop, i = False, 0
+        while not stop:
+            idx = torch.randint(0, len(pool_x), (batch,), generator=g)
+            if rank == 0:
+                schedule.step(pool_x[idx])
+            elif rank == world - 1:
+                schedule.step(target=pool_y[idx])
+            else:
+                schedule.step()
+            opt.step()
+            opt.zero_grad()
+            truth.step()
+            i += 1
+            stop = all_stop(truth, i, args.steps, args.seconds)
+        dist.barrier()
+    except BaseException as e:
+        error = e
+        raise
+    finally:
+        truth.finish(error)
+        if error is None:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
