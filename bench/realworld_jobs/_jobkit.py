@@ -24,10 +24,11 @@ import os
 import random
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Truth", "add_common_args", "all_stop", "cpus", "dist_env", "pin_to_cpu"]
+__all__ = ["Truth", "add_common_args", "all_stop", "cpus", "dist_env", "pin_to_cpu", "train_ranks"]
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +57,31 @@ def all_stop(truth: Truth, n: int, steps: int, seconds: float, every: int = 10) 
     flag = torch.tensor([float(truth.elapsed_s() >= seconds)])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def train_ranks(truth: Truth, step: Callable[[], None], steps: int, seconds: float) -> None:
+    """The distributed scripts' loop: ``step()`` (one optimizer step) until `all_stop`, the
+    truth's clock around it, a closing barrier, and the process group destroyed unless an
+    error ends the run (whose first line the truth keeps)."""
+    import torch.distributed as dist
+
+    error: BaseException | None = None
+    try:
+        truth.begin()
+        stop, i = False, 0
+        while not stop:
+            step()
+            truth.step()
+            i += 1
+            stop = all_stop(truth, i, steps, seconds)
+        dist.barrier()
+    except BaseException as e:
+        error = e
+        raise
+    finally:
+        truth.finish(error)
+        if error is None:
+            dist.destroy_process_group()
 
 
 def cpus() -> int:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _jobkit import Truth, add_common_args, all_stop, dist_env
+from _jobkit import Truth, add_common_args, dist_env, train_ranks
 
 
 def main() -> None:
@@ -61,27 +61,15 @@ def main() -> None:
     pool_x, pool_y = torch.randn(4096, 256, generator=g), torch.randint(0, 10, (4096,))
     if rank == 0:
         print(f"fsdp ({truth.doc['params']['api']}): {world} ranks", flush=True)
-    error: BaseException | None = None
-    try:
-        truth.begin()
-        stop, i = False, 0
-        while not stop:
-            idx = torch.randint(0, len(pool_x), (args.batch_size,), generator=g)
-            loss = loss_fn(model(pool_x[idx]), pool_y[idx])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            truth.step()
-            i += 1
-            stop = all_stop(truth, i, args.steps, args.seconds)
-        dist.barrier()
-    except BaseException as e:
-        error = e
-        raise
-    finally:
-        truth.finish(error)
-        if error is None:
-            dist.destroy_process_group()
+
+    def step() -> None:
+        idx = torch.randint(0, len(pool_x), (args.batch_size,), generator=g)
+        loss = loss_fn(model(pool_x[idx]), pool_y[idx])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    train_ranks(truth, step, args.steps, args.seconds)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _jobkit import Truth, add_common_args, all_stop, dist_env
+from _jobkit import Truth, add_common_args, dist_env, train_ranks
 
 
 def main() -> None:
@@ -86,36 +86,25 @@ def main() -> None:
     pool_x, pool_y = torch.randn(2048, 256, generator=g), torch.randn(2048, 256, generator=g)
     if rank == 0:
         print(f"tp (parallelize_module): {world} ranks", flush=True)
-    error: BaseException | None = None
-    try:
-        truth.begin()
-        stop, i = False, 0
-        while not stop:
-            if slow and rank == culprit and not extra_ms and truth.elapsed_s() >= args.onset_s:
-                ends = truth.doc["step_ms"][-51:]
-                gaps = sorted(b - a for a, b in itertools.pairwise(ends)) or [10.0]
-                extra_ms = slow_factor * gaps[len(gaps) // 2]
-                truth.fault(slow_ms=round(extra_ms, 2))
-            idx = torch.randint(0, len(pool_x), (args.batch_size,), generator=g)
-            out = model(pool_x[idx])
-            deadline = time.perf_counter() + extra_ms / 1e3  # the slower rank's own compute
-            while time.perf_counter() < deadline:
-                scratch = torch.tanh(scratch @ scratch.T @ scratch * 1e-3)
-            loss = nn.functional.mse_loss(out, pool_y[idx])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            truth.step()
-            i += 1
-            stop = all_stop(truth, i, args.steps, args.seconds)
-        dist.barrier()
-    except BaseException as e:
-        error = e
-        raise
-    finally:
-        truth.finish(error)
-        if error is None:
-            dist.destroy_process_group()
+
+    def step() -> None:
+        nonlocal extra_ms, scratch
+        if slow and rank == culprit and not extra_ms and truth.elapsed_s() >= args.onset_s:
+            ends = truth.doc["step_ms"][-51:]
+            gaps = sorted(b - a for a, b in itertools.pairwise(ends)) or [10.0]
+            extra_ms = slow_factor * gaps[len(gaps) // 2]
+            truth.fault(slow_ms=round(extra_ms, 2))
+        idx = torch.randint(0, len(pool_x), (args.batch_size,), generator=g)
+        out = model(pool_x[idx])
+        deadline = time.perf_counter() + extra_ms / 1e3  # the slower rank's own compute
+        while time.perf_counter() < deadline:
+            scratch = torch.tanh(scratch @ scratch.T @ scratch * 1e-3)
+        loss = nn.functional.mse_loss(out, pool_y[idx])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    train_ranks(truth, step, args.steps, args.seconds)
 
 
 if __name__ == "__main__":
