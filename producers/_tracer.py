@@ -11,6 +11,7 @@ from typing import Any
 
 from perfloop.producers._comm import union
 from perfloop.producers.training import StepRecord
+from perfloop.schemas import P2P_OPS
 
 __all__ = ["Tracer"]
 
@@ -299,11 +300,12 @@ class Tracer:
         group_size: int = 0,
         dtype: str = "",
     ) -> None:
-        """A collective call: always a `CollectiveOp` row; a ``comm`` span when in a step."""
+        """A collective call: always a `CollectiveOp` row; a ``comm`` span when in a step
+        (named ``send`` or ``recv`` for a point-to-point op, ``comm`` otherwise)."""
         self.rec.collective(
             op, t0, t1, size_bytes=size_bytes, group=group, group_size=group_size, dtype=dtype
         )
-        self.comm(t0, t1)
+        self.comm(t0, t1, op if op in P2P_OPS else "comm")
 
     def waited(
         self,
@@ -330,20 +332,20 @@ class Tracer:
             step=step,
         )
         if w1 > w0:
-            self.comm(w0, w1)
+            self.comm(w0, w1, op if op in P2P_OPS else "comm")
 
-    def comm(self, t0: int, t1: int) -> None:
+    def comm(self, t0: int, t1: int, name: str = "comm") -> None:
         """Time in a collective (its call or its wait): a ``comm`` span nested in the open
         activity or the eval region, one of its own in a step between activities."""
         rec = self.rec
         if self.open is not None:
-            rec.span("comm", "comm", t0, t1, depth=1)
+            rec.span("comm", name, t0, t1, depth=1)
         elif self.eval_t0 is not None:
             self.eval_t1 = t1
-            rec.span("comm", "comm", t0, t1, depth=1)
+            rec.span("comm", name, t0, t1, depth=1)
         elif rec.started or self.pending:
             self._train()
-            rec.span("comm", "comm", t0, t1)
+            rec.span("comm", name, t0, t1)
 
     def async_done(self, done: list[Any]) -> None:
         """Asynchronous collectives that completed (DDP's bucket all-reduces among them): a

@@ -65,6 +65,7 @@ from perfloop.schemas.job import (
 from perfloop.schemas.telemetry import (
     COLLECTIVE_OPS,
     KERNEL_CLASSES,
+    P2P_OPS,
     STANDARD_PHASES,
     CollectiveOp,
     GpuSample,
@@ -85,6 +86,7 @@ __all__ = [
     "FUNNEL_LEVELS",
     "KERNEL_CLASSES",
     "MAX_MESSAGE_BYTES",
+    "P2P_OPS",
     "RUN_PHASES",
     "STANDARD_PHASES",
     "WIRE_FORMATS",

@@ -17,6 +17,7 @@ from perfloop.schemas.base import Event
 __all__ = [
     "COLLECTIVE_OPS",
     "KERNEL_CLASSES",
+    "P2P_OPS",
     "STANDARD_PHASES",
     "CollectiveOp",
     "GpuSample",
@@ -54,6 +55,10 @@ COLLECTIVE_OPS = (
     "recv",
     "other",
 )
+
+P2P_OPS = ("send", "recv")
+"""Point-to-point ops; a ``comm`` span of one is named after it (a pipeline's sends and
+receives), the spans of every other collective are named ``comm``."""
 
 KERNEL_CLASSES = (
     "gemm",

@@ -43,6 +43,7 @@ _RING: dict[str, tuple[Any, Any]] = {  # name: (dtype, fill)
     "compute": (np.float64, 0.0),  # forward + backward + optimizer spans, ms
     "n_compute": (np.int8, 0),  # 1: spans of this kind arrived
     "comm": (np.float64, 0.0),  # comm spans, ms
+    "p2p": (np.float64, 0.0),  # ... of them, point-to-point ones (a pipeline's), ms
     "n_comm": (np.int8, 0),
     "coll": (np.float64, 0.0),  # collectives, ms
     "n_coll": (np.int8, 0),

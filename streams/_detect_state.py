@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from perfloop.schemas import P2P_OPS
 from perfloop.streams._detect_arrival import ArrivalRing
 from perfloop.streams._detect_base import (
     _DEV,
@@ -272,11 +273,13 @@ class JobState(Feeds):
         use = comp | comm | inner | aside
         if not use.any():
             return
+        name = cols.get("name")  # point-to-point (a pipeline's sends and receives): by name
+        p2p = comm & np.isin(name, P2P_OPS) if name is not None else np.zeros_like(comm)
         sub = {k: cols[k][use] for k in ("rank", "step", "duration_ms")}
         slot, rank, ok = self._per_step(sub)
-        dur, c, m, i, a = sub["duration_ms"], comp[use], comm[use], inner[use], aside[use]
+        dur, c, m, i, a, p = (x[use] for x in (cols["duration_ms"], comp, comm, inner, aside, p2p))
         if ok is not None:
-            dur, c, m, i, a = dur[ok], c[ok], m[ok], i[ok], a[ok]
+            dur, c, m, i, a, p = dur[ok], c[ok], m[ok], i[ok], a[ok], p[ok]
         r = self.ring
         if c.any():
             self.flags["spans"] = True
@@ -286,6 +289,8 @@ class JobState(Feeds):
             self.flags["comm_spans"] = True
             np.add.at(r["comm"], (slot[m], rank[m]), dur[m])
             r["n_comm"][slot[m], rank[m]] = 1
+            if p.any():
+                np.add.at(r["p2p"], (slot[p], rank[p]), dur[p])
         if i.any():
             self.flags["comm_spans"] = True
             np.add.at(r["incomm"], (slot[i], rank[i]), dur[i])

@@ -28,7 +28,8 @@ What each one reads (data-parallel semantics: every rank shares the step time):
   node move memory over loopback with the same CPUs that compute, so they slow down with its
   compute (its stragglers and contention), not with a network.
 * exposed_comm — the shortest comm span over ranks (comm not hidden and not waiting), as a
-  share of the step.
+  share of the step; a pipeline's point-to-point sends and receives left out (they wait out
+  the pipeline's bubble, a matter of its schedule, not of overlap).
 * memory_leak — allocated memory at step end grows at every step of a window.
 """
 
@@ -127,6 +128,8 @@ def _derive(job: JobState, win: dict[str, np.ndarray]) -> dict[str, Any]:
     shape = r["st"].shape
     st, wait = masked(r["st"]), masked(r["wait"])
     comm = masked(r["comm"], r["n_comm"] > 0) if job.flags["comm_spans"] else None
+    # a pipeline's sends and receives wait out its bubble, which no overlap can hide
+    unhidden = comm - masked(r["p2p"]) if comm is not None else None
     coll = masked(r["coll"], r["n_coll"] > 0) if job.flags["coll"] else None
     if job.flags["spans"]:  # less the all-reduce in flight inside backward (DDP)
         comp = masked(r["compute"] - np.minimum(r["incomm"], r["compute"]), r["n_compute"] > 0)
@@ -153,7 +156,7 @@ def _derive(job: JobState, win: dict[str, np.ndarray]) -> dict[str, Any]:
             "pure": np.fmin.reduce(coll if coll is not None else comm, axis=1)
             if (coll is not None or comm is not None)
             else nan_steps,
-            "exposed": np.fmin.reduce(comm, axis=1) if comm is not None else nan_steps,
+            "exposed": np.fmin.reduce(unhidden, axis=1) if unhidden is not None else nan_steps,
         }
         d["excess"] = comp - np.fmin.reduce(comp, axis=1)[:, None]  # over the on-time ranks
         last = slice(-3, None)

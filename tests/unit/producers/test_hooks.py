@@ -232,6 +232,25 @@ def test_nested_activity_and_collectives() -> None:
     assert nested == [("comm", 1)]
 
 
+def test_point_to_point_comm_spans_are_named_after_their_op() -> None:
+    """A pipeline stage's sends and receives: ``comm`` spans named ``send``/``recv``, which
+    the stream tier tells apart from collectives (a pipeline's bubble is no exposed comm)."""
+    tr = _tracer()
+    tr.fetch(0, MS, batch_size=2)
+    tr.collective("recv", MS, 2 * MS, 64, "world", 2, "float32")  # between activities
+    assert tr.forward_begin(2 * MS, training=True)
+    tr.forward_end(3 * MS)
+    tr.collective("send", 3 * MS, 4 * MS, 64, "world", 2, "float32")
+    assert tr.backward_begin(4 * MS)
+    tr.collective("recv", 4 * MS, 5 * MS, 64, "world", 2, "float32")  # inside: depth 1
+    tr.collective("all_reduce", 5 * MS, 6 * MS, 64, "world", 2, "float32")
+    tr.backward_end(7 * MS)
+    tr.optimizer_begin(7 * MS, key=1)
+    assert tr.optimizer_end(8 * MS, key=1) is not None
+    comm = [(name, depth) for _, _, _, phase, name, _, depth in tr.rec._spans if phase == "comm"]
+    assert sorted(comm) == [("comm", 1), ("recv", 0), ("recv", 1), ("send", 0)]
+
+
 # -- the torch layer -----------------------------------------------------------------------
 torch = pytest.importorskip("torch")
 
