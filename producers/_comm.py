@@ -283,6 +283,13 @@ class InFlight:
     >>> w.fut.cb(w.fut)
     >>> [(op, size, step) for op, _, _, size, *_, step in f.take()], f.oldest()
     ([('all_reduce', 4096, 7)], None)
+    >>> class Send:
+    ...     asked = 0
+    ...     def get_future(self):
+    ...         Send.asked += 1
+    ...         raise RuntimeError("no future")
+    >>> [f.watch(Send(), ("send", 1, 0, 64, "world", 2, "", 8)) for _ in range(3)], Send.asked
+    ([False, False, False], 1)
     """
 
     def __init__(self) -> None:
@@ -290,13 +297,21 @@ class InFlight:
         self._done: collections.deque[Done] = collections.deque()
         self._seq = 0
         self._lock = threading.Lock()
+        self._futureless: set[tuple[str, str]] = set()
 
     def watch(self, work: Any, row: Done) -> bool:
         """Time ``work`` to its completion; False when its future cannot tell (then the caller
-        times it to the call's return)."""
+        times it to the call's return). An op whose work had no future in a group is not
+        asked again there (gloo's send and receive: the refusal costs ~14 µs a call, and a
+        pipeline stage makes several a micro-batch). In a group with a backend per device
+        (``cpu:gloo,cuda:nccl``) the first answer stands for both devices' sends."""
+        kind = (row[0], row[4])
+        if kind in self._futureless:
+            return False
         try:
             fut = work.get_future()
         except Exception:  # e.g. gloo's send/recv have no future
+            self._futureless.add(kind)
             return False
         completed = self.begin(row)
         try:
