@@ -71,6 +71,7 @@ from perfloop.producers.training import (
     describe_job,
     launcher_world,
 )
+from perfloop.schemas import P2P_OPS
 
 __all__ = [
     "COLLECTIVES",
@@ -275,7 +276,7 @@ class Session:
             with contextlib.suppress(Exception):
                 self.knobs.close()
         try:
-            for row in _S.unwaited.older():  # functional collectives never waited on
+            for row in (*_S.unwaited.older(), *_S.posted.older()):  # never waited on
                 self.tracer.waited(row, 0, 0)
             done = _S.inflight.take()  # collectives completed since the last drain
             if done:
@@ -396,6 +397,13 @@ class _State:
         self.funcol_groups: dict[Any, tuple[str, int]] = {}
         # functional collectives called, their wait not yet timed
         self.unwaited = Unwaited(_memory_of)
+        # point-to-point works with no future (gloo's), held until their `wait`
+        self.posted = Unwaited(_itself)
+
+
+def _itself(work: Any) -> Any:
+    """A work is its own key in `Unwaited` (held: a new work never takes a waited one's)."""
+    return work
 
 
 def _memory_of(tensor: Any) -> Any:
@@ -475,6 +483,9 @@ def _after_step(rec: StepRecord) -> None:
     s = _S
     if len(s.unwaited):  # functional collectives of earlier steps never waited on
         for row in s.unwaited.older(rec.step):
+            _funcol_done(row, 0, 0)
+    if len(s.posted):  # point-to-point works of earlier steps never waited on
+        for row in s.posted.older(rec.step):
             _funcol_done(row, 0, 0)
     if s.session is not None:
         s.session.boundary(rec)
@@ -892,6 +903,7 @@ def _make_collective(orig: Any, op: str) -> Any:
     g_idx = params.index("group") if "group" in params else -1
     payload = [(params.index(n), n) for n in _PAYLOAD_NAMES if n in params]
     a_idx = params.index("async_op") if "async_op" in params else -1
+    posts = getattr(orig, "__name__", "") in ("isend", "irecv")  # always hands a work back
 
     def describe(args: Any, kwargs: Any) -> tuple[int, str, str, int]:
         tt = _S.torch.Tensor
@@ -909,7 +921,7 @@ def _make_collective(orig: Any, op: str) -> Any:
     def collective(*args: Any, **kwargs: Any) -> Any:
         s = _S
         tr = _traced()
-        is_async = bool(args[a_idx] if 0 <= a_idx < len(args) else kwargs.get("async_op"))
+        is_async = posts or bool(args[a_idx] if 0 <= a_idx < len(args) else kwargs.get("async_op"))
         if tr is None:
             if is_async and s.session is not None and s.enabled and s.pid == os.getpid():
                 # another thread of the traced process (CUDA's autograd threads run DDP's
@@ -936,7 +948,14 @@ def _make_collective(orig: Any, op: str) -> Any:
                 size, dtype, gname, gsize = describe(args, kwargs)
                 row = (op, t0, 0, size, gname, gsize, dtype, tr.rec.step)
                 if not (is_async and work is not None and s.inflight.watch(work, row)):
-                    tr.collective(op, t0, t1, size, gname, gsize, dtype)
+                    if is_async and work is not None and op in P2P_OPS:
+                        # no future (gloo's send and receive): the posting now, the row
+                        # and the wait when the work is waited on (`_make_work_wait`)
+                        tr.comm(t0, t1, op)
+                        for old in s.posted.add(work, (op, t0, t1, *row[3:])):
+                            _funcol_done(old, 0, 0)
+                    else:
+                        tr.collective(op, t0, t1, size, gname, gsize, dtype)
                 _drain(tr)
             except Exception as e:
                 _oops(f"the {op} hook", e)
@@ -1043,6 +1062,39 @@ def _funcol_done(row: Any, w0: int, w1: int) -> None:
     else:
         op, t0, t1, *rest = row
         _S.inflight.done((op, t0, t1 + max(w1 - w0, 0), *rest))
+
+
+def _make_work_wait(orig: Any) -> Any:
+    """``Work.wait``: the wait of a point-to-point op whose work has no future (gloo's send
+    and receive; a pipeline's schedule posts them, then waits) is timed: its row lasts the
+    call plus the wait, the wait is a ``comm`` span named after the op, and the rank blocked
+    in it reads as in that op to the progress reports. Any other work waits untouched."""
+
+    @functools.wraps(orig)
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        s = _S
+        if not len(s.posted) or s.pid != os.getpid():
+            return orig(self, *args, **kwargs)
+        row = s.posted.pop(self)
+        if row is None:
+            return orig(self, *args, **kwargs)
+        w0 = _now()
+        mine = s.waiting is None and s.tid == _get_ident() and s.tracer is not None
+        if mine:
+            s.waiting = ("comm", row[0], w0)
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            w1 = _now()
+            if mine:
+                s.waiting = None
+            try:
+                _funcol_done(row, w0, w1)
+            except Exception as e:
+                _oops("the point-to-point wait hook", e)
+
+    wait.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
+    return wait
 
 
 def _make_funcol_wait(orig: Any) -> Any:
@@ -1332,6 +1384,7 @@ def install(
                 _patch(funcol, fname, _make_funcol, op, funcol)
             if funcol is not None:
                 _patch(funcol, "wait_tensor", _make_funcol_wait)
+            _patch(dist.distributed_c10d.Work, "wait", _make_work_wait)
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             _patch(DDP, "__init__", _make_ddp_init)

@@ -305,9 +305,12 @@ class JobState(Feeds):
         dur = pick(cols["duration_ms"])
         np.add.at(self.ring["coll"], (slot, rank), dur)
         self.ring["n_coll"][slot, rank] = 1
-        # lateness only from collectives of the whole job (a subgroup's ranks meet apart)
+        # lateness only from collectives of the whole job (a subgroup's ranks meet apart; a
+        # send meets its receive, not the k-th op of every rank, and waits out a pipeline's
+        # bubble)
         size = pick(cols["group_size"])
         whole = (size == 0) | (size >= max(2, self.declared_world, self.world))
+        whole &= ~np.isin(pick(cols["op"]), P2P_OPS)
         if whole.any():
             self.flags["arrivals"] = True
             self.arrival.add(slot[whole], rank[whole], pick(cols["ts_ns"])[whole], dur[whole])

@@ -137,7 +137,7 @@ def _derive(job: JobState, win: dict[str, np.ndarray]) -> dict[str, Any]:
         comp = st - wait - r["aside"] - coll
     else:
         comp = np.full(shape, np.nan)
-    late = _lateness(job, r, masked, comm)
+    late = _lateness(job, r, masked, unhidden)
     if late is not None:
         comp = _effective(comp, late - nz(wait) - r["aside"])
     med = nanmedian(comp, 1)
@@ -173,7 +173,8 @@ def _derive(job: JobState, win: dict[str, np.ndarray]) -> dict[str, Any]:
 def _lateness(job: JobState, r: dict[str, np.ndarray], masked: Any, comm: Any) -> Any:
     """(steps, ranks): how long after the first rank each rank arrived at the step's
     collectives (`perfloop.streams._detect_arrival`), else at its comm spans (the rank that
-    spent the least time in them came last); None without either."""
+    spent the least time in them came last; ``comm`` less point-to-point spans); None
+    without either."""
     if job.flags["arrivals"]:
         return masked(job.arrival.lateness(r["slot"]))
     if comm is None:

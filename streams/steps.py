@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from perfloop.exceptions import ConfigError
+from perfloop.schemas import P2P_OPS
 from perfloop.schemas.base import Event
 from perfloop.schemas.codec import Batch
 from perfloop.schemas.job import JobLifecycle
@@ -96,12 +97,13 @@ _RING = (
     "f",
     "phase",
     "incomm",
+    "p2p",
 )
 _OPTIONAL = np.array([[_UNION], [_STREAMS], [_COLL]], np.uint8)  # rows 2-4 of _Job.f
 _KIND_FLAG = {"step": _STEP, "span": _SPAN, "kernel": _UNION, "collective": 0}
 _COLUMNS = {
     "step": ("rank", "step", "ts_ns", "step_time_ms", "data_wait_ms", "node"),
-    "span": ("rank", "step", "phase", "duration_ms", "depth", "ts_ns", "node"),
+    "span": ("rank", "step", "phase", "name", "duration_ms", "depth", "ts_ns", "node"),
     "kernel": ("rank", "step", "stream", "kernel_class", "busy_ms", "node"),
     "collective": ("rank", "step", "duration_ms", "node"),
 }
@@ -158,6 +160,7 @@ class _Job:
         self.f = np.zeros((5, cap, r))  # step_ms, data_wait_ms, busy, streams sum, collective
         self.phase = np.zeros((cap, r, len(PHASE_NAMES)))
         self.incomm = np.zeros((cap, r))  # comm spans nested in a phase (DDP's all-reduce)
+        self.p2p = np.zeros((cap, r))  # point-to-point comm spans (a pipeline's sends, receives)
         for to, frm in (keep or {}).items():
             for n in _RING:
                 if n == "f":
@@ -198,6 +201,7 @@ class _Job:
         self.f = pad(self.f, 2, np.nan)
         self.phase = pad(self.phase, 1, 0.0)
         self.incomm = pad(self.incomm, 1, 0.0)
+        self.p2p = pad(self.p2p, 1, 0.0)
         self.hist = pad(self.hist, 1, np.nan)
 
 
@@ -342,8 +346,9 @@ class StepAnalysis:
                     job.recent.extend(StepRecord(**r) for r in v)
                 else:
                     setattr(job, k, v)
-            if "incomm" not in d:  # a snapshot from before nested comm spans counted
-                job.incomm = np.zeros((job.cap, len(job.ranks)))
+            for name in ("incomm", "p2p"):  # a snapshot from before these counted
+                if name not in d:
+                    setattr(job, name, np.zeros((job.cap, len(job.ranks))))
             self._jobs[job_id] = job
         self._done = [StepRecord(**r) for r in state["done"]]
         self._pending = []
@@ -447,7 +452,11 @@ class StepAnalysis:
             first = (job.flags[slots, cols] & _SPAN) == 0
             job.phase[slots[first], cols[first]] = 0.0
             job.incomm[slots[first], cols[first]] = 0.0
+            job.p2p[slots[first], cols[first]] = 0.0
             job.flags[slots, cols] |= _SPAN
+            p2p = (c["phase"] == "comm") & np.isin(c["name"], P2P_OPS)
+            if p2p.any():
+                np.add.at(job.p2p, (slots[p2p], cols[p2p]), c["duration_ms"][p2p])
             inner = c["depth"] > 0
             if inner.any():
                 np.add.at(job.incomm, (slots[inner], cols[inner]), c["duration_ms"][inner])
@@ -496,6 +505,7 @@ class StepAnalysis:
                 job.f[:, slot] = np.nan
                 job.phase[slot] = np.nan
                 job.incomm[slot] = 0.0
+                job.p2p[slot] = 0.0
                 out[i] = slot
         return out[inv]
 
@@ -550,8 +560,10 @@ class StepAnalysis:
         idle = np.maximum(step_ms - busy, 0.0)  # NaN where busy is unknown
         end = job.end_ns[slot, cols]
         # time blocked in collectives: comm spans, and those nested in a phase (DDP's
-        # all-reduce inside backward), so the rank that waits is not the one that came last
-        comm = np.where(spans, job.phase[slot, cols, _COMM] + job.incomm[slot, cols], 0.0)
+        # all-reduce inside backward), so the rank that waits is not the one that came last;
+        # not in a pipeline's sends and receives (they wait out its bubble)
+        blocked = job.phase[slot, cols, _COMM] + job.incomm[slot, cols] - job.p2p[slot, cols]
+        comm = np.where(spans, blocked, 0.0)
         arrival = end - np.rint(comm * 1e6).astype(np.int64)
         row = job.hist_i % len(job.hist)
         job.hist[row] = np.nan

@@ -458,3 +458,64 @@ def test_a_functional_collective_on_another_thread_is_recorded_too(
     assert colls["size_bytes"] == [128] * 3
     assert sorted(colls["step"]) == [0, 1, 2]
     assert traced.rows("step")["step"] == [0, 1, 2]  # the training thread is the traced one
+
+
+def test_a_receive_without_a_future_is_timed_to_the_end_of_its_wait(
+    traced: FakePublisher, group: None
+) -> None:
+    """gloo's send and receive works have no future: a pipeline stage posts a receive, then
+    waits on its work (here the peer's data comes 30 ms later). The row lasts the posting
+    plus the wait, and the wait is a ``recv`` span: the stage's bubble reads as time blocked
+    in communication, not as time of its own."""
+
+    class Work:  # a gloo point-to-point work
+        def get_future(self) -> Any:
+            raise RuntimeError("no future for point-to-point works")
+
+        def wait(self, timeout: Any = None) -> bool:
+            time.sleep(0.03)
+            return True
+
+    Work.wait = hooks._make_work_wait(Work.wait)  # as `install` wraps torch's Work.wait
+
+    def irecv(
+        tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0
+    ) -> Work:
+        return Work()
+
+    irecv = hooks._make_collective(irecv, "recv")
+    posted: list[Work] = []
+
+    class Stage(torch.nn.Module):  # the last stage: its input comes from the previous one
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x)
+
+    def receive(i: int) -> None:
+        work = irecv(torch.zeros(16, 32), src=0)
+        posted.append(work)
+        work.wait()
+
+    _train(Stage(), 4, before_step=receive)
+    unwaited = irecv(torch.zeros(4), src=0)  # posted and dropped: recorded at the posting
+    _train(Stage(), 2)
+    hooks.uninstall()
+    assert len(posted) == 4 and unwaited is not None
+    colls = traced.rows("collective")
+    assert colls["op"] == ["recv"] * 5, colls
+    waited = sorted(colls["duration_ms"])[1:]
+    assert all(ms >= 29 for ms in waited), colls["duration_ms"]
+    assert sorted(colls["duration_ms"])[0] < 29  # the one never waited on
+    spans = traced.rows("span")
+    recv = [
+        (d, ms)
+        for p, n, d, ms in zip(
+            spans["phase"], spans["name"], spans["depth"], spans["duration_ms"], strict=True
+        )
+        if p == "comm" and n == "recv" and ms >= 29
+    ]
+    # (the first wait came before the first step began: a row, no span, as for any op)
+    assert len(recv) == 3 and {d for d, _ in recv} == {0}, recv

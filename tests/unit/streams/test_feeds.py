@@ -58,3 +58,16 @@ def test_workers_started_after_the_first_reading_are_a_change() -> None:
     _host(job, 1, 0)
     _host(job, 5, 2)
     assert job.rank["changed_ns"][0] == T0 + 5 * NS
+
+
+def test_point_to_point_ops_say_nothing_of_arrival() -> None:
+    """A collective of the whole job is where its ranks meet (the k-th of a step is the same
+    on every rank); a send meets its peer's receive only, and waits out a pipeline's bubble."""
+    for op, arrivals in (("all_reduce", True), ("send", False), ("recv", False)):
+        job = JobState("j")
+        cols = {"ts_ns": [T0, T0 + NS // 10], "rank": [0, 1], "step": [3, 3], "op": [op] * 2,
+                "size_bytes": [64, 64], "group": ["world"] * 2, "group_size": [2, 2],
+                "duration_ms": [100.0, 1.0]}  # fmt: skip
+        batch = decode_batch(encode_batch("collective", cols, job_id="j", node="n0"))
+        job.ingest("collective", "n0", batch.columns, T0 + NS)
+        assert bool(job.flags.get("arrivals")) == arrivals, op

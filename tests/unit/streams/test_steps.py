@@ -285,3 +285,30 @@ def test_a_batch_of_more_steps_than_the_ring_holds_completes_every_step() -> Non
     assert sorted(r.step for r in done) == list(range(n))
     assert sa.dropped_steps == 0 and sa.late_rows == 0
     assert all(list(r.step_ms) == [100.0 + (r.step % 3)] * 2 for r in done)
+
+
+@pytest.mark.parametrize(("name", "late_ms"), [("comm", 30.0), ("recv", 0.0)])
+def test_a_pipelines_receives_are_no_lateness(name: str, late_ms: float) -> None:
+    # Rank 1 spends 30 ms of the step blocked in communication, rank 0 none. In a collective
+    # that makes rank 0 the one rank 1 waited for, 30 ms late; in a pipeline's receive it is
+    # the stage waiting out its bubble, and nobody is late.
+    sa = StepAnalysis(settle_s=0.0)
+    sa.observe(_steps(1, [0, 1], [100.0, 100.0]), T0)
+    phases = [("forward", 40.0), ("backward", 60.0), ("forward", 30.0), ("comm", 30.0)]
+    phases += [("backward", 40.0)]
+    sa.observe(
+        _batch(
+            "span",
+            ts_ns=[T0] * 5,
+            rank=[0, 0, 1, 1, 1],
+            step=[1] * 5,
+            phase=[p for p, _ in phases],
+            name=[name if p == "comm" else p for p, _ in phases],
+            duration_ms=[ms for _, ms in phases],
+        ),
+        T0,
+    )
+    sa.tick(T0 + 1)
+    [rec] = sa.recent("j")
+    early, late = sorted(rec.lateness_ms.tolist())  # (each against the median rank's arrival)
+    assert late - early == pytest.approx(late_ms, abs=0.01)
