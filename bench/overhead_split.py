@@ -13,6 +13,8 @@ perfloop are taken away in turn:
   broker and the job's own perfloop work (its hooks and threads, the launcher's sampler);
 - ``no_ddp_hook``: everything, with ``PERFLOOP_DDP_COMM_HOOK=0`` (DDP keeps its own reducer:
   no bucket timing);
+- ``no_agent``: everything, with ``PERFLOOP_AGENT=0`` (no job agent in the ranks: no control
+  consumer, no knobs);
 - ``no_hooks``: everything but the job's own perfloop: ``perfloop run`` (its node sampler,
   publisher and live-config listener) and the stack as a user runs them, the job's processes
   started with ``PERFLOOP_RUN_HOOKS=0`` (no training hooks, so no telemetry threads, no job
@@ -33,7 +35,7 @@ each pair, also on error or Ctrl-C. Reported per variant: the pairs' observe/pla
 second-half steps/s and their median, and the CPU seconds each stack service used during the
 observe runs (of the whole process, from ``/proc/<pid>/stat``).
 
-    python bench/overhead_split.py            # ~20 min: 6 variants x 4 rounds of 2 x 22 s
+    python bench/overhead_split.py            # ~35 min: 9 variants x 4 rounds of 2 x 22 s
     python bench/overhead_split.py --rounds 2 --seconds 15 --variants full,no_history
 
 The stack is a private one (`bench._common.embedded_stack`, free ports); the result is
@@ -69,13 +71,14 @@ PAUSED = {
     "no_history": ("warehouse", "sink"),
     "broker_only": ("warehouse", "sink", "streams", "actuator"),
     "no_ddp_hook": (),
+    "no_agent": (),
     "no_hooks": (),
     "autogroups": (),
     "loop_idle": (),
     "loop_raised": (),
 }
 HELD = {"loop_idle": True, "loop_raised": False}
-EXTRA_ENV = {"no_ddp_hook": {"PERFLOOP_DDP_COMM_HOOK": "0"}}
+EXTRA_ENV = {"no_ddp_hook": {"PERFLOOP_DDP_COMM_HOOK": "0"}, "no_agent": {"PERFLOOP_AGENT": "0"}}
 
 
 def service_pids(home: Path) -> dict[str, int]:
