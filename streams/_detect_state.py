@@ -310,7 +310,11 @@ class JobState(Feeds):
         # bubble)
         size = pick(cols["group_size"])
         whole = (size == 0) | (size >= max(2, self.declared_world, self.world))
-        whole &= ~np.isin(pick(cols["op"]), P2P_OPS)
+        p2p = np.isin(pick(cols["op"]), P2P_OPS)
+        if p2p.any():  # steps that sent or received: a pipeline's (`_detect_steps.pipeline`)
+            steps = len(np.unique(pick(cols["step"])[p2p]))
+            self.det["p2p_steps"] = self.det.get("p2p_steps", 0) + steps
+        whole &= ~p2p
         if whole.any():
             self.flags["arrivals"] = True
             self.arrival.add(slot[whole], rank[whole], pick(cols["ts_ns"])[whole], dur[whole])

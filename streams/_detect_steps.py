@@ -241,6 +241,7 @@ def step_detectors(job: JobState, cfg: DetectConfig) -> None:
     from perfloop.streams._detect_straggler import straggler_detector  # (they import this)
     from perfloop.streams._detect_threads import thread_detector
 
+    pipe = pipeline(job)
     for name, fn in (
         ("straggler", straggler_detector),
         ("load_imbalance", _load_imbalance),
@@ -250,10 +251,24 @@ def step_detectors(job: JobState, cfg: DetectConfig) -> None:
         ("memory", _memory),
         ("threads", thread_detector),
     ):
-        if getattr(cfg, name).enabled:
+        if getattr(cfg, name).enabled and not (pipe and name in DATA_PARALLEL):
             fn(job, getattr(cfg, name), win, d, new)
         else:
             _replace(job, _PREFIX[name], {})
+
+
+DATA_PARALLEL = frozenset({"straggler", "load_imbalance"})
+"""Detectors that compare the ranks' compute as peers doing the same work (data parallel).
+A pipeline's stages do different work by design, and which ranks are one stage's replicas
+is not known, so these stay off for it (a slow stage is no finding of theirs; a hang still
+is)."""
+PIPELINE_STEPS = 8
+
+
+def pipeline(job: JobState) -> bool:
+    """Whether the job is a pipeline: its ranks sent or received point to point in at least
+    `PIPELINE_STEPS` steps (a data-parallel job's one-off send leaves its detectors on)."""
+    return int(job.det.get("p2p_steps", 0)) >= PIPELINE_STEPS
 
 
 _PREFIX = {

@@ -384,6 +384,21 @@ def test_a_pipelines_sends_and_receives_are_not_exposed_comm(name: str, exposed:
     assert not (roots(diags) - {"exposed_comm"})
 
 
+@pytest.mark.parametrize("spans", [True, False])
+@pytest.mark.parametrize(("name", "named"), [("comm", {3}), ("recv", set())])
+def test_a_pipelines_heavier_stage_is_no_straggler(name: str, named: set[int], spans: bool) -> None:
+    # rank 3 computes twice what the others do, every step: among data-parallel peers it is
+    # the straggler they wait for; a pipeline's stages (ranks that send and receive point to
+    # point) do different work by design, and a heavier stage is no straggler (with spans or
+    # from its collectives alone)
+    job = Synth(comm_name=name, spans=spans)
+    job.steps(20)
+    job.steps(40, compute=lambda s: [90, 90, 90, 180])
+    diags = job.feed(Funnel())
+    assert {r for d in opened(diags, "straggler") for r in d.ranks} == named
+    assert not opened(diags, "load_imbalance")
+
+
 def test_waiting_for_a_straggler_is_not_comm_degradation() -> None:
     job = Synth(comm=20.0)
     job.steps(20)
