@@ -1064,6 +1064,26 @@ def _funcol_done(row: Any, w0: int, w1: int) -> None:
         _S.inflight.done((op, t0, t1 + max(w1 - w0, 0), *rest))
 
 
+def _timed_wait(row: Any, what: str, wait: Any, *args: Any, **kwargs: Any) -> Any:
+    """``wait(*args, **kwargs)`` for the collective of ``row``, timed (`_funcol_done`); the
+    training thread blocked in it reads as in that op to the progress reports."""
+    s = _S
+    w0 = _now()
+    mine = s.waiting is None and s.tid == _get_ident() and s.tracer is not None
+    if mine:
+        s.waiting = ("comm", row[0], w0)
+    try:
+        return wait(*args, **kwargs)
+    finally:
+        w1 = _now()
+        if mine:
+            s.waiting = None
+        try:
+            _funcol_done(row, w0, w1)
+        except Exception as e:
+            _oops(what, e)
+
+
 def _make_work_wait(orig: Any) -> Any:
     """``Work.wait``: the wait of a point-to-point op whose work has no future (gloo's send
     and receive; a pipeline's schedule posts them, then waits) is timed: its row lasts the
@@ -1078,20 +1098,7 @@ def _make_work_wait(orig: Any) -> Any:
         row = s.posted.pop(self)
         if row is None:
             return orig(self, *args, **kwargs)
-        w0 = _now()
-        mine = s.waiting is None and s.tid == _get_ident() and s.tracer is not None
-        if mine:
-            s.waiting = ("comm", row[0], w0)
-        try:
-            return orig(self, *args, **kwargs)
-        finally:
-            w1 = _now()
-            if mine:
-                s.waiting = None
-            try:
-                _funcol_done(row, w0, w1)
-            except Exception as e:
-                _oops("the point-to-point wait hook", e)
+        return _timed_wait(row, "the point-to-point wait hook", orig, self, *args, **kwargs)
 
     wait.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
     return wait
@@ -1115,20 +1122,7 @@ def _make_funcol_wait(orig: Any) -> Any:
             row = None
         if row is None:
             return orig(*args, **kwargs)
-        w0 = _now()
-        mine = s.waiting is None and s.tid == _get_ident() and s.tracer is not None
-        if mine:
-            s.waiting = ("comm", row[0], w0)
-        try:
-            return orig(*args, **kwargs)
-        finally:
-            w1 = _now()
-            if mine:
-                s.waiting = None
-            try:
-                _funcol_done(row, w0, w1)
-            except Exception as e:
-                _oops("the functional collectives' wait hook", e)
+        return _timed_wait(row, "the functional collectives' wait hook", orig, *args, **kwargs)
 
     wait_tensor.__perfloop_wrapped__ = orig  # type: ignore[attr-defined]
     return wait_tensor
