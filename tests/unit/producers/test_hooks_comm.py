@@ -461,19 +461,23 @@ def test_a_functional_collective_on_another_thread_is_recorded_too(
 
 
 def test_a_receive_without_a_future_is_timed_to_the_end_of_its_wait(
-    traced: FakePublisher, group: None
+    traced: FakePublisher, group: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """gloo's send and receive works have no future: a pipeline stage posts a receive, then
-    waits on its work (here the peer's data comes 30 ms later). The row lasts the posting
-    plus the wait, and the wait is a ``recv`` span: the stage's bubble reads as time blocked
-    in communication, not as time of its own."""
+    waits on its work (here the hooks' clock moves on by a second while it waits). The row
+    lasts the posting plus the wait, and the wait is a ``recv`` span: the stage's bubble reads
+    as time blocked in communication, not as time of its own. (No wall time is measured: the
+    second is the clock's, set by the test.)"""
+    waited_ms = 1000.0
+    offset = [0]
+    monkeypatch.setattr(hooks, "_now", lambda: time.perf_counter_ns() + offset[0])
 
     class Work:  # a gloo point-to-point work
         def get_future(self) -> Any:
             raise RuntimeError("no future for point-to-point works")
 
         def wait(self, timeout: Any = None) -> bool:
-            time.sleep(0.03)
+            offset[0] += int(waited_ms * 1e6)  # the peer's data comes a second later
             return True
 
     Work.wait = hooks._make_work_wait(Work.wait)  # as `install` wraps torch's Work.wait
@@ -506,16 +510,15 @@ def test_a_receive_without_a_future_is_timed_to_the_end_of_its_wait(
     assert len(posted) == 4 and unwaited is not None
     colls = traced.rows("collective")
     assert colls["op"] == ["recv"] * 5, colls
-    waited = sorted(colls["duration_ms"])[1:]
-    assert all(ms >= 29 for ms in waited), colls["duration_ms"]
-    assert sorted(colls["duration_ms"])[0] < 29  # the one never waited on
+    with_wait = [ms >= waited_ms for ms in colls["duration_ms"]]
+    assert sorted(with_wait) == [False, True, True, True, True], colls["duration_ms"]
     spans = traced.rows("span")
     recv = [
         (d, ms)
         for p, n, d, ms in zip(
             spans["phase"], spans["name"], spans["depth"], spans["duration_ms"], strict=True
         )
-        if p == "comm" and n == "recv" and ms >= 29
+        if p == "comm" and n == "recv" and ms >= waited_ms
     ]
     # (the first wait came before the first step began: a row, no span, as for any op)
     assert len(recv) == 3 and {d for d, _ in recv} == {0}, recv
