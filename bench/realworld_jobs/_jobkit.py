@@ -23,12 +23,23 @@ import json
 import os
 import random
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Truth", "add_common_args", "all_stop", "cpus", "dist_env", "pin_to_cpu", "train_ranks"]
+__all__ = [
+    "Burner",
+    "Truth",
+    "add_common_args",
+    "all_stop",
+    "cpus",
+    "dist_env",
+    "pin_to_cpu",
+    "train_ranks",
+]
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -103,6 +114,35 @@ def pin_to_cpu(local_rank: int) -> int:
     cpu = sorted(os.sched_getaffinity(0))[local_rank % cpus()]
     os.sched_setaffinity(0, {cpu})
     return cpu
+
+
+# A separate process that burns one CPU until its parent is gone or its time is up.
+_BURN = """
+import os, sys, time
+cpu, until, parent = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+os.sched_setaffinity(0, {cpu})
+x, n = 1.0, 0
+while True:
+    x = x * 1.0000001 + 1e-9
+    n += 1
+    if n % 200000 == 0 and (time.time() > until or os.getppid() != parent):
+        break
+"""
+
+
+class Burner:
+    """CPU contention: a separate process burning ``cpu`` (the CPU a rank was pinned to) for
+    at most ``seconds``, ended by `stop` or by its parent's exit."""
+
+    def __init__(self, cpu: int, seconds: float) -> None:
+        until = str(time.time() + seconds)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-E", "-S", "-c", _BURN, str(cpu), until, str(os.getpid())]
+        )
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 class Truth:

@@ -36,7 +36,6 @@ import itertools
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _jobkit import Truth, add_common_args, all_stop, dist_env, pin_to_cpu
+from _jobkit import Burner, Truth, add_common_args, all_stop, dist_env, pin_to_cpu
 
 KINDS = {
     "none": "none",
@@ -61,19 +60,6 @@ KINDS = {
     "grad_accum": "none",
 }
 SCENARIOS = {"none": "healthy_ddp"}
-
-# A separate process that burns one CPU until its parent is gone or its time is up.
-BURNER = """
-import os, sys, time
-cpu, until, parent = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-os.sched_setaffinity(0, {cpu})
-x, n = 1.0, 0
-while True:
-    x = x * 1.0000001 + 1e-9
-    n += 1
-    if n % 200000 == 0 and (time.time() > until or os.getppid() != parent):
-        break
-"""
 
 
 class Net(nn.Module):
@@ -160,7 +146,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     ckpt_dir = Path(tempfile.mkdtemp(prefix="realworld-ckpt-")) if ckpt_every else None
-    burner: subprocess.Popen[bytes] | None = None
+    burner: Burner | None = None
     if rank == 0:
         print(
             f"{truth.doc['scenario']}: {world} ranks, culprit {culprit}, "
@@ -185,19 +171,7 @@ def main() -> None:
                     truth.fault(slow_ms=round(net.extra_ms, 2))
                 if faulty and args.fault == "straggler_contention" and burner is None:
                     truth.fault(cpu=cpu)
-                    until = time.time() + args.seconds + 60
-                    burner = subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-E",
-                            "-S",
-                            "-c",
-                            BURNER,
-                            str(cpu),
-                            str(until),
-                            str(os.getpid()),
-                        ]
-                    )
+                    burner = Burner(cpu, args.seconds + 60)
                 if faulty and args.fault == "hang":
                     truth.fault()
                     print(f"[rank {rank}] hangs before its backward", flush=True)
@@ -242,8 +216,7 @@ def main() -> None:
         raise
     finally:
         if burner is not None:
-            burner.kill()
-            burner.wait()
+            burner.stop()
         if ckpt_dir is not None:
             shutil.rmtree(ckpt_dir, ignore_errors=True)
         truth.finish(error)
