@@ -1,5 +1,5 @@
-"""A healthy pipeline-parallel CPU training job: ``torch.distributed.pipelining`` with one
-stage per rank (an MLP cut into ``--world`` pieces), the GPipe schedule over ``--microbatches``
+"""A pipeline-parallel CPU training job: ``torch.distributed.pipelining`` with one stage per
+rank (an MLP cut into ``--world`` pieces), the GPipe schedule over ``--microbatches``
 micro-batches, SGD, synthetic data, gloo. It does not import perfloop:
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 \\
@@ -7,8 +7,14 @@ micro-batches, SGD, synthetic data, gloo. It does not import perfloop:
 
 Each step every stage runs a forward and a backward per micro-batch and sends its
 activations (forward) and gradients (backward) to its neighbours point to point: short steps
-made of many small pieces, the hardest shape for a per-call observer. Ground truth: ``none``
-(healthy).
+made of many small pieces, the hardest shape for a per-call observer. ``--fault`` (the
+perfloop ``bottleneck`` a right diagnosis names, and the culprit rank, drawn per seed):
+
+- ``none`` (``none``): healthy;
+- ``stage_contention`` (``load_imbalance``): every rank is pinned to its own CPU
+  (``os.sched_setaffinity`` by ``LOCAL_RANK``); at ``--onset-s`` a separate process that
+  burns CPU starts, pinned to one rank's CPU: that stage computes slower, and the whole
+  pipeline runs at its pace.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _jobkit import Truth, add_common_args, dist_env, train_ranks
+from _jobkit import Burner, Truth, add_common_args, dist_env, pin_to_cpu, train_ranks
+
+KINDS = {"none": "none", "stage_contention": "load_imbalance"}
 
 
 def _stage(rank: int, world: int, width: int) -> nn.Module:
@@ -46,13 +54,24 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=0, help="per step (0: 4-6 by seed)")
     p.add_argument("--microbatch-size", type=int, default=16)
     p.add_argument("--width", type=int, default=256)
+    p.add_argument("--fault", choices=sorted(KINDS), default="none")
+    p.add_argument("--culprit", type=int, default=-1, help="the faulty rank (-1: by seed)")
     args = p.parse_args()
-    rank, world, _ = dist_env()
+    rank, world, local_rank = dist_env()
     shared = random.Random(args.seed)  # the same draws on every rank
     n_micro = args.microbatches or shared.randint(4, 6)
-    truth = Truth(args.truth, scenario="healthy_pp", kind="none", ranks=[], seed=args.seed,
-                  report_s=args.report_s)  # fmt: skip
+    culprit = args.culprit if args.culprit >= 0 else shared.randrange(world)
+    kind = KINDS[args.fault]
+    truth = Truth(
+        args.truth,
+        scenario="healthy_pp" if kind == "none" else f"pp_{args.fault}",
+        kind=kind,
+        ranks=[] if kind == "none" else [culprit],
+        seed=args.seed,
+        report_s=args.report_s,
+    )
     torch.set_num_threads(1)
+    cpu = pin_to_cpu(local_rank) if args.fault == "stage_contention" else -1
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
@@ -61,14 +80,21 @@ def main() -> None:
     stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
     schedule = ScheduleGPipe(stage, n_microbatches=n_micro, loss_fn=nn.CrossEntropyLoss())
     opt = torch.optim.SGD(stage_mod.parameters(), lr=0.01, momentum=0.9)
-    truth.set(world=world, microbatches=n_micro, microbatch_size=args.microbatch_size)
+    truth.set(world=world, microbatches=n_micro, microbatch_size=args.microbatch_size,
+              culprit=culprit, cpu=cpu)  # fmt: skip
     g = torch.Generator().manual_seed(args.seed)  # every rank draws the same batches
     batch = n_micro * args.microbatch_size
     pool_x, pool_y = torch.randn(4096, 64, generator=g), torch.randint(0, 10, (4096,), generator=g)
     if rank == 0:
         print(f"pp (GPipe): {world} stages, {n_micro} micro-batches", flush=True)
 
+    burner: list[Burner] = []
+
     def step() -> None:
+        late = kind != "none" and truth.elapsed_s() >= args.onset_s
+        if late and rank == culprit and not burner:
+            truth.fault(cpu=cpu)
+            burner.append(Burner(cpu, args.seconds + 60))
         idx = torch.randint(0, len(pool_x), (batch,), generator=g)
         if rank == 0:
             schedule.step(pool_x[idx])
@@ -79,7 +105,11 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
 
-    train_ranks(truth, step, args.steps, args.seconds)
+    try:
+        train_ranks(truth, step, args.steps, args.seconds)
+    finally:
+        for b in burner:
+            b.stop()
 
 
 if __name__ == "__main__":

@@ -188,6 +188,16 @@ SCENARIOS: dict[str, Scenario] = {
             description="ranks pinned to a CPU each; a CPU burner joins one rank's CPU",
         ),
         Scenario(
+            "pp_slow_stage",
+            "pp.py",
+            "load_imbalance",
+            ("--fault", "stage_contention"),
+            nprocs=(2,),
+            seconds=30,
+            onset_s=_FAULT,
+            description="a pipeline's ranks pinned to a CPU each; a CPU burner joins one stage's",
+        ),
+        Scenario(
             "hang",
             "ddp.py",
             "hang",
