@@ -99,6 +99,18 @@ class LoadImbalanceParams:
     persist_steps: int = _p(3, 1, 1000, "consecutive imbalanced windows to open")
     clear_steps: int = _p(1, 1, 1000, "balanced windows to resolve")
     warmup_steps: int = _p(20, 0, 100000, _WARMUP)
+    stage_threshold: float = _p(
+        0.15,
+        0.01,
+        0.99,
+        "a pipeline's: 1 - mean/max compute over its ranks (its step's share lost)",
+    )
+    stage_share: float = _p(
+        0.75,
+        0.5,
+        1.0,
+        "a pipeline's: share of imbalanced steps in which the same ranks compute most",
+    )
 
 
 @dataclass(frozen=True)

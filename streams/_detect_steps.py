@@ -18,7 +18,9 @@ What each one reads (data-parallel semantics: every rank shares the step time):
   time is added to it: the rank the others wait for is slow, the ranks that wait are not, and
   a checkpoint saved by one rank is no straggler.
 * load_imbalance — ``1 − median / max`` compute per step stays high while the slowest rank
-  rotates (no rank is persistently slow: that is a straggler).
+  rotates (no rank is persistently slow: that is a straggler). In a pipeline (its ranks send
+  and receive point to point) the other way round: the same ranks compute well above the
+  mean step after step (a stage that costs the whole pipeline its pace; `_stage_imbalance`).
 * dataloader_starvation — data wait / step time per rank, grouped by node; a step is starved
   when that share and the wait itself (``min_wait_ms``) are both large enough.
 * comm_degradation — pure comm time per step: the shortest collective time over ranks (the
@@ -137,6 +139,7 @@ def _derive(job: JobState, win: dict[str, np.ndarray]) -> dict[str, Any]:
         comp = st - wait - r["aside"] - coll
     else:
         comp = np.full(shape, np.nan)
+    raw = comp  # each rank's own compute, before the others' waits for it are read in
     late = _lateness(job, r, masked, unhidden)
     if late is not None:
         comp = _effective(comp, late - nz(wait) - r["aside"])
@@ -148,6 +151,7 @@ def _derive(job: JobState, win: dict[str, np.ndarray]) -> dict[str, Any]:
             "st": st,
             "wait": wait,
             "comp": comp,
+            "raw": raw,
             "comm": comm if comm is not None else np.full(shape, np.nan),
             "med": med,
             "step_ms": step_ms,
@@ -257,11 +261,12 @@ def step_detectors(job: JobState, cfg: DetectConfig) -> None:
             _replace(job, _PREFIX[name], {})
 
 
-DATA_PARALLEL = frozenset({"straggler", "load_imbalance"})
+DATA_PARALLEL = frozenset({"straggler"})
 """Detectors that compare the ranks' compute as peers doing the same work (data parallel).
 A pipeline's stages do different work by design, and which ranks are one stage's replicas
-is not known, so these stay off for it (a slow stage is no finding of theirs; a hang still
-is)."""
+is not known, so these stay off for it (a slow stage is no straggler; a hang still is, and
+a stage that computes well above the others is the pipeline's load imbalance:
+`_stage_imbalance`)."""
 PIPELINE_STEPS = 8
 
 
@@ -283,6 +288,9 @@ _PREFIX = {
 
 
 def _load_imbalance(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
+    if pipeline(job):
+        _stage_imbalance(job, p, win, d)
+        return
     st = job.det.setdefault("load_imbalance", {"active": False})
     comp = d["comp"][-p.window_steps :]
     med, top = d["med"][-p.window_steps :], np.fmax.reduce(comp, axis=1)
@@ -329,6 +337,75 @@ def _load_imbalance(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
             },
             summary=f"compute differs across ranks by {100 * imb[flagged].mean():.0f}% per step, "
             "the slowest rank changing from step to step",
+        )
+    _replace(job, "load_imbalance", found)
+
+
+def _stage_imbalance(job: JobState, p: Any, win: dict, d: dict) -> None:
+    """A pipeline's load imbalance: the same ranks compute well above the others step after
+    step. Every stage of a pipeline runs at the pace of the slowest (its neighbours wait for
+    its sends), so ``1 - mean / max`` compute over the ranks is the share of each step the
+    imbalance costs; it is flagged from ``stage_threshold`` and named when the ranks that
+    compute most are the same in ``stage_share`` of the flagged steps. Read from each rank's
+    own compute (its spans), not from the waits: in a pipeline the others' receives wait for
+    the slow stage, and for its own bubble too."""
+    st = job.det.setdefault("stage_imbalance", {"active": False})
+    comp = d["raw"][-p.window_steps :]
+    n = len(comp)
+    seen = ~np.isnan(comp)
+    whole = seen.sum(axis=1) >= 2  # steps at least two ranks computed in
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean, top = nanmean(comp, axis=1), np.fmax.reduce(comp, axis=1)
+        imb = np.where(whole & (top > 0), 1.0 - mean / top, 0.0)
+    flagged = nz(imb) >= p.stage_threshold
+    count = int(flagged.sum())
+    ranks: list[int] = []
+    if count:
+        # the ranks computing most over the flagged steps (a stage's replicas alike): the
+        # same ranks on top step after step, and above the others over those steps too (a
+        # heaviest rank changing from step to step is noise, nothing to move)
+        per_rank = nanmedian(comp[flagged].T, 1)
+        most = float(np.nanmax(per_rank))
+        heavy = per_rank >= 0.9 * most
+        tops = np.argmax(np.where(seen, comp, -1.0), axis=1)[flagged]
+        if (
+            1.0 - float(nanmean(per_rank)) / most >= p.stage_threshold
+            and np.isin(tops, np.flatnonzero(heavy)).mean() >= p.stage_share
+        ):
+            ranks = [int(x) for x in np.flatnonzero(heavy)]
+    held = bool(n >= p.window_steps and count >= p.min_flagged and ranks)
+    end = int(np.nanmax(win["end"][-1]))
+    pers = _persistence(st.setdefault("persist", {}), p, 1)
+    was = bool(st["active"])
+    st["active"] = bool(pers.update(np.array([held]), start=end, end=end)[0])
+    if was and not held:
+        st["active"] = False
+        pers.stop()
+    found = {}
+    if st["active"]:
+        share = float(np.clip(np.mean(imb[flagged]), 0, 1))
+        heavy_ms = float(np.nanmedian(comp[flagged][:, ranks]))
+        mean_ms = float(np.median(mean[flagged]))
+        first = int(np.argmax(flagged))
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        found["load_imbalance"] = Finding(
+            key="load_imbalance",
+            bottleneck="load_imbalance",
+            onset_ns=int(np.min(_start(win, len(win["step"]) - n + first, slice(None)))),
+            step_share=share,
+            confidence=min(1.0, 0.4 + 0.6 * count / n),
+            ranks=ranks,
+            step=int(win["step"][-1]),
+            evidence={
+                "imbalance": round(share, 4),
+                "imbalanced_steps": float(count),
+                "stage_compute_ms": round(heavy_ms, 3),
+                "mean_compute_ms": round(mean_ms, 3),
+                "pipeline": 1.0,
+            },
+            summary=f"the pipeline stage on {who} computes {heavy_ms:.1f} ms a step against "
+            f"{mean_ms:.1f} ms on average over the ranks: the pipeline runs at its pace, "
+            f"~{100 * share:.0f}% of each step lost (move work off it)",
         )
     _replace(job, "load_imbalance", found)
 
