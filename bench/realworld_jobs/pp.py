@@ -11,10 +11,13 @@ made of many small pieces, the hardest shape for a per-call observer. ``--fault`
 perfloop ``bottleneck`` a right diagnosis names, and the culprit rank, drawn per seed):
 
 - ``none`` (``none``): healthy;
-- ``stage_contention`` (``load_imbalance``): every rank is pinned to its own CPU
+- ``heavy_stage`` (``load_imbalance``): the model is cut unevenly: one stage carries 2-4
+  more hidden layers than the others (drawn per seed), so it computes 2-3x as long and the
+  whole pipeline runs at its pace. A property of the job: from its first step;
+- ``stage_contention`` (``straggler``): every rank is pinned to its own CPU
   (``os.sched_setaffinity`` by ``LOCAL_RANK``); at ``--onset-s`` a separate process that
-  burns CPU starts, pinned to one rank's CPU: that stage computes slower, and the whole
-  pipeline runs at its pace.
+  burns CPU starts, pinned to one rank's CPU: that rank slows from outside (its compute and
+  its point-to-point transfers), and the whole pipeline runs at its pace.
 """
 
 from __future__ import annotations
@@ -32,19 +35,20 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _jobkit import Burner, Truth, add_common_args, dist_env, pin_to_cpu, train_ranks
 
-KINDS = {"none": "none", "stage_contention": "load_imbalance"}
+KINDS = {"none": "none", "heavy_stage": "load_imbalance", "stage_contention": "straggler"}
 
 
-def _stage(rank: int, world: int, width: int) -> nn.Module:
+def _stage(rank: int, world: int, width: int, extra: int = 0) -> nn.Module:
     """Rank ``rank``'s piece: the first takes the 64 input features, the last gives 10
-    classes, each has two linear layers."""
+    classes, each has two linear layers, and ``extra`` more hidden ones."""
     d_in = 64 if rank == 0 else width
     last = (
         nn.Linear(width, 10)
         if rank == world - 1
         else nn.Sequential(nn.Linear(width, width), nn.GELU())
     )
-    return nn.Sequential(nn.Linear(d_in, width), nn.GELU(), last)
+    hidden = [m for _ in range(extra) for m in (nn.Linear(width, width), nn.GELU())]
+    return nn.Sequential(nn.Linear(d_in, width), nn.GELU(), *hidden, last)
 
 
 def main() -> None:
@@ -75,13 +79,14 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
+    extra = shared.randint(2, 4) if args.fault == "heavy_stage" else 0
     torch.manual_seed(args.seed + rank)
-    stage_mod = _stage(rank, world, args.width)
+    stage_mod = _stage(rank, world, args.width, extra if rank == culprit else 0)
     stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
     schedule = ScheduleGPipe(stage, n_microbatches=n_micro, loss_fn=nn.CrossEntropyLoss())
     opt = torch.optim.SGD(stage_mod.parameters(), lr=0.01, momentum=0.9)
     truth.set(world=world, microbatches=n_micro, microbatch_size=args.microbatch_size,
-              culprit=culprit, cpu=cpu)  # fmt: skip
+              culprit=culprit, cpu=cpu, extra_layers=extra)  # fmt: skip
     g = torch.Generator().manual_seed(args.seed)  # every rank draws the same batches
     batch = n_micro * args.microbatch_size
     pool_x, pool_y = torch.randn(4096, 64, generator=g), torch.randint(0, 10, (4096,), generator=g)
@@ -91,7 +96,9 @@ def main() -> None:
     burner: list[Burner] = []
 
     def step() -> None:
-        late = kind != "none" and truth.elapsed_s() >= args.onset_s
+        if args.fault == "heavy_stage" and rank == culprit:
+            truth.fault(extra_layers=extra)  # a property of the job: from its first step
+        late = args.fault == "stage_contention" and truth.elapsed_s() >= args.onset_s
         if late and rank == culprit and not burner:
             truth.fault(cpu=cpu)
             burner.append(Burner(cpu, args.seconds + 60))
