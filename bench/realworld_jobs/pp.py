@@ -14,6 +14,10 @@ perfloop ``bottleneck`` a right diagnosis names, and the culprit rank, drawn per
 - ``heavy_stage`` (``load_imbalance``): the model is cut unevenly: one stage carries 2-4
   more hidden layers than the others (drawn per seed), so it computes 2-3x as long and the
   whole pipeline runs at its pace. A property of the job: from its first step;
+- ``slow_stage`` (``straggler``): at ``--onset-s`` one rank's stage starts computing more in
+  every micro-batch's forward (0.6-1.5x the rank's median step before, over the step's
+  micro-batches; drawn per seed): a rank that really became slower, the whole pipeline at
+  its pace;
 - ``stage_contention`` (``straggler``): every rank is pinned to its own CPU
   (``os.sched_setaffinity`` by ``LOCAL_RANK``); at ``--onset-s`` a separate process that
   burns CPU starts, pinned to one rank's CPU: that rank slows from outside (its compute and
@@ -23,8 +27,10 @@ perfloop ``bottleneck`` a right diagnosis names, and the culprit rank, drawn per
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,10 +41,32 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _jobkit import Burner, Truth, add_common_args, dist_env, pin_to_cpu, train_ranks
 
-KINDS = {"none": "none", "heavy_stage": "load_imbalance", "stage_contention": "straggler"}
+KINDS = {
+    "none": "none",
+    "heavy_stage": "load_imbalance",
+    "slow_stage": "straggler",
+    "stage_contention": "straggler",
+}
 
 
-def _stage(rank: int, world: int, width: int, extra: int = 0) -> nn.Module:
+class _Slowable(nn.Module):
+    """A stage whose forward computes ``extra_ms`` more when set (a slower rank)."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+        self.extra_ms = 0.0
+        self.scratch = torch.randn(128, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.extra_ms:
+            deadline = time.perf_counter() + self.extra_ms / 1e3
+            while time.perf_counter() < deadline:  # a fixed product: no values decaying
+                torch.mm(self.scratch, self.scratch)  # to denormals (slow beyond the deadline)
+        return self.body(x)
+
+
+def _stage(rank: int, world: int, width: int, extra: int = 0) -> _Slowable:
     """Rank ``rank``'s piece: the first takes the 64 input features, the last gives 10
     classes, each has two linear layers, and ``extra`` more hidden ones."""
     d_in = 64 if rank == 0 else width
@@ -48,7 +76,7 @@ def _stage(rank: int, world: int, width: int, extra: int = 0) -> nn.Module:
         else nn.Sequential(nn.Linear(width, width), nn.GELU())
     )
     hidden = [m for _ in range(extra) for m in (nn.Linear(width, width), nn.GELU())]
-    return nn.Sequential(nn.Linear(d_in, width), nn.GELU(), *hidden, last)
+    return _Slowable(nn.Sequential(nn.Linear(d_in, width), nn.GELU(), *hidden, last))
 
 
 def main() -> None:
@@ -80,13 +108,15 @@ def main() -> None:
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     extra = shared.randint(2, 4) if args.fault == "heavy_stage" else 0
+    slow_factor = shared.uniform(0.6, 1.5)
     torch.manual_seed(args.seed + rank)
     stage_mod = _stage(rank, world, args.width, extra if rank == culprit else 0)
     stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
     schedule = ScheduleGPipe(stage, n_microbatches=n_micro, loss_fn=nn.CrossEntropyLoss())
     opt = torch.optim.SGD(stage_mod.parameters(), lr=0.01, momentum=0.9)
     truth.set(world=world, microbatches=n_micro, microbatch_size=args.microbatch_size,
-              culprit=culprit, cpu=cpu, extra_layers=extra)  # fmt: skip
+              culprit=culprit, cpu=cpu, extra_layers=extra,
+              slow_factor=round(slow_factor, 2))  # fmt: skip
     g = torch.Generator().manual_seed(args.seed)  # every rank draws the same batches
     batch = n_micro * args.microbatch_size
     pool_x, pool_y = torch.randn(4096, 64, generator=g), torch.randint(0, 10, (4096,), generator=g)
@@ -98,7 +128,13 @@ def main() -> None:
     def step() -> None:
         if args.fault == "heavy_stage" and rank == culprit:
             truth.fault(extra_layers=extra)  # a property of the job: from its first step
-        late = args.fault == "stage_contention" and truth.elapsed_s() >= args.onset_s
+        due = truth.elapsed_s() >= args.onset_s
+        if args.fault == "slow_stage" and due and rank == culprit and not stage_mod.extra_ms:
+            ends = truth.doc["step_ms"][-201:]  # each step's end, ms after the start
+            gaps = sorted(b - a for a, b in itertools.pairwise(ends)) or [10.0]
+            stage_mod.extra_ms = slow_factor * gaps[len(gaps) // 2] / n_micro
+            truth.fault(extra_ms=round(stage_mod.extra_ms, 3))
+        late = args.fault == "stage_contention" and due
         if late and rank == culprit and not burner:
             truth.fault(cpu=cpu)
             burner.append(Burner(cpu, args.seconds + 60))

@@ -197,6 +197,16 @@ SCENARIOS: dict[str, Scenario] = {
             description="a pipeline cut unevenly: one stage has 2-4 more hidden layers",
         ),
         Scenario(
+            "pp_slow_stage",
+            "pp.py",
+            "straggler",
+            ("--fault", "slow_stage"),
+            nprocs=(2,),
+            seconds=30,
+            onset_s=_FAULT,
+            description="a pipeline; one rank's stage computes 0.6-1.5x its step more",
+        ),
+        Scenario(
             "pp_stage_contention",
             "pp.py",
             "straggler",
