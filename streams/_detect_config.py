@@ -86,6 +86,10 @@ class StragglerParams:
     persist_steps: int = _p(3, 1, 1000, "consecutive slow steps to open")
     clear_steps: int = _p(4, 1, 1000, "consecutive normal steps to resolve")
     warmup_steps: int = _p(20, 0, 100000, _WARMUP)
+    stage_slowdown: float = _p(
+        0.25, 0.05, 10.0, "a pipeline's: rise of a rank's own compute over its baseline"
+    )
+    baseline_steps: int = _p(48, 4, 100000, "a pipeline's: steps that set each rank's baseline")
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ class LoadImbalanceParams:
         0.75,
         0.5,
         1.0,
-        "a pipeline's: share of imbalanced steps in which the same ranks compute most",
+        "a pipeline's: share of the window's steps in which the heaviest ranks compute most",
     )
 
 

@@ -16,11 +16,13 @@ What each one reads (data-parallel semantics: every rank shares the step time):
   spans), the ranks that arrive on time set the compute and a rank's own lateness at the
   collectives (`perfloop.streams._detect_arrival`) less its data wait and checkpoint/eval
   time is added to it: the rank the others wait for is slow, the ranks that wait are not, and
-  a checkpoint saved by one rank is no straggler.
+  a checkpoint saved by one rank is no straggler. In a pipeline, whose stages do different
+  work, a rank is compared with its own past instead (`stage_straggler`).
 * load_imbalance — ``1 − median / max`` compute per step stays high while the slowest rank
   rotates (no rank is persistently slow: that is a straggler). In a pipeline (its ranks send
   and receive point to point) the other way round: the same ranks compute well above the
-  mean step after step (a stage that costs the whole pipeline its pace; `_stage_imbalance`).
+  mean, by their medians over the window (a stage cut heavier than the others costs the whole
+  pipeline its pace; `_stage_imbalance`).
 * dataloader_starvation — data wait / step time per rank, grouped by node; a step is starved
   when that share and the wait itself (``min_wait_ms``) are both large enough.
 * comm_degradation — pure comm time per step: the shortest collective time over ranks (the
@@ -242,7 +244,10 @@ def step_detectors(job: JobState, cfg: DetectConfig) -> None:
         if len(st_all):
             job.det["p99_ms"] = float(np.percentile(st_all, 99))
             job.det["median_step_ms"] = float(np.median(st_all))
-    from perfloop.streams._detect_straggler import straggler_detector  # (they import this)
+    from perfloop.streams._detect_straggler import (  # (they import this)
+        stage_straggler,
+        straggler_detector,
+    )
     from perfloop.streams._detect_threads import thread_detector
 
     pipe = pipeline(job)
@@ -255,24 +260,26 @@ def step_detectors(job: JobState, cfg: DetectConfig) -> None:
         ("memory", _memory),
         ("threads", thread_detector),
     ):
-        if getattr(cfg, name).enabled and not (pipe and name in DATA_PARALLEL):
+        if pipe and name == "straggler":
+            fn = stage_straggler
+        if getattr(cfg, name).enabled:
             fn(job, getattr(cfg, name), win, d, new)
         else:
             _replace(job, _PREFIX[name], {})
 
 
-DATA_PARALLEL = frozenset({"straggler"})
-"""Detectors that compare the ranks' compute as peers doing the same work (data parallel).
-A pipeline's stages do different work by design, and which ranks are one stage's replicas
-is not known, so these stay off for it (a slow stage is no straggler; a hang still is, and
-a stage that computes well above the others is the pipeline's load imbalance:
-`_stage_imbalance`)."""
 PIPELINE_STEPS = 8
 
 
 def pipeline(job: JobState) -> bool:
     """Whether the job is a pipeline: its ranks sent or received point to point in at least
-    `PIPELINE_STEPS` steps (a data-parallel job's one-off send leaves its detectors on)."""
+    `PIPELINE_STEPS` steps (a data-parallel job's one-off send leaves its detectors on).
+
+    The straggler and load-imbalance detectors compare the ranks' compute as peers doing the
+    same work (data parallel). A pipeline's stages do different work by design, and which
+    ranks are one stage's replicas is not known: a pipeline's straggler is a rank whose own
+    compute rose against its own past (`stage_straggler`), its load imbalance a stage that
+    computes well above the others (`_stage_imbalance`)."""
     return int(job.det.get("p2p_steps", 0)) >= PIPELINE_STEPS
 
 
@@ -344,61 +351,71 @@ def _load_imbalance(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
 def _stage_imbalance(job: JobState, p: Any, win: dict, d: dict) -> None:
     """A pipeline's load imbalance: the same ranks compute well above the others step after
     step. Every stage of a pipeline runs at the pace of the slowest (its neighbours wait for
-    its sends), so ``1 - mean / max`` compute over the ranks is the share of each step the
-    imbalance costs; it is flagged from ``stage_threshold`` and named when the ranks that
-    compute most are the same in ``stage_share`` of the flagged steps. Read from each rank's
-    own compute (its spans), not from the waits: in a pipeline the others' receives wait for
-    the slow stage, and for its own bubble too."""
+    its sends), so ``1 - mean / max`` of the ranks' median compute over the window is the
+    share of each step the imbalance costs; it holds from ``stage_threshold`` when the ranks
+    whose median is near the top (a stage's replicas alike) compute most in ``stage_share`` of
+    the window's steps. Medians, not step-by-step flags: an uneven cut is there in every step,
+    and a rank's passing spikes move no median. Read from each rank's own compute (its spans),
+    not from the waits: in a pipeline the others' receives wait for the slow stage, and for
+    its own bubble too."""
     st = job.det.setdefault("stage_imbalance", {"active": False})
-    comp = d["raw"][-p.window_steps :]
-    n = len(comp)
+    comp = d["raw"]
     seen = ~np.isnan(comp)
     whole = seen.sum(axis=1) >= 2  # steps at least two ranks computed in
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean, top = nanmean(comp, axis=1), np.fmax.reduce(comp, axis=1)
-        imb = np.where(whole & (top > 0), 1.0 - mean / top, 0.0)
-    flagged = nz(imb) >= p.stage_threshold
-    count = int(flagged.sum())
+    comp, seen = comp[whole], seen[whole]
+    n = len(comp)
+    if n < p.window_steps or int(job.det.get("steps_seen", 0)) < p.warmup_steps + n:
+        return  # too few whole steps to judge (a rank's rows are late): nothing changes
+    # once open, it holds down to 3/4 of the thresholds (an imbalance near the threshold
+    # must not open and resolve with every window's noise)
+    k = 0.75 if st["active"] else 1.0
     ranks: list[int] = []
-    if count:
-        # the ranks computing most over the flagged steps (a stage's replicas alike): the
-        # same ranks on top step after step, and above the others over those steps too (a
-        # heaviest rank changing from step to step is noise, nothing to move)
-        per_rank = nanmedian(comp[flagged].T, 1)
-        most = float(np.nanmax(per_rank))
+    per_rank = nanmedian(comp.T, 1)
+    most = float(np.nanmax(per_rank)) if np.isfinite(per_rank).any() else 0.0
+    share = 1.0 - float(nanmean(per_rank)) / most if most > 0 else 0.0
+    if most > 0 and share >= k * p.stage_threshold:
         heavy = per_rank >= 0.9 * most
-        tops = np.argmax(np.where(seen, comp, -1.0), axis=1)[flagged]
-        if (
-            1.0 - float(nanmean(per_rank)) / most >= p.stage_threshold
-            and np.isin(tops, np.flatnonzero(heavy)).mean() >= p.stage_share
-        ):
+        tops = np.argmax(np.where(seen, comp, -1.0), axis=1)
+        if np.isin(tops, np.flatnonzero(heavy)).mean() >= k * p.stage_share:
             ranks = [int(x) for x in np.flatnonzero(heavy)]
-    held = bool(n >= p.window_steps and count >= p.min_flagged and ranks)
+        if ranks and _slowed(job, ranks):
+            ranks = []  # it became heavy: a straggler's (`stage_straggler`), not the cut
+    held = bool(ranks)
     end = int(np.nanmax(win["end"][-1]))
-    pers = _persistence(st.setdefault("persist", {}), p, 1)
+    begun = int(np.nanmin(_start(win, len(win["step"]) - len(d["raw"]), slice(None))))
+    pers = Persistence(
+        st.setdefault("persist", {}),
+        width=1,
+        persist_s=p.persist_s,
+        max_persist_s=p.max_persist_s,
+        persist_steps=p.persist_steps,
+        clear_steps=p.clear_steps,
+        warmup_steps=0,
+    )
     was = bool(st["active"])
-    st["active"] = bool(pers.update(np.array([held]), start=end, end=end)[0])
+    st["active"] = bool(pers.update(np.array([held]), start=begun, end=end)[0])
     if was and not held:
         st["active"] = False
         pers.stop()
     found = {}
     if st["active"]:
-        share = float(np.clip(np.mean(imb[flagged]), 0, 1))
-        heavy_ms = float(np.nanmedian(comp[flagged][:, ranks]))
-        mean_ms = float(np.median(mean[flagged]))
-        first = int(np.argmax(flagged))
+        heavy_ms = float(nanmean(per_rank[ranks]))
+        mean_ms = float(nanmean(per_rank))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            per_step = 1.0 - nanmean(comp, axis=1) / np.fmax.reduce(comp, axis=1)
         who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
         found["load_imbalance"] = Finding(
             key="load_imbalance",
             bottleneck="load_imbalance",
-            onset_ns=int(np.min(_start(win, len(win["step"]) - n + first, slice(None)))),
-            step_share=share,
-            confidence=min(1.0, 0.4 + 0.6 * count / n),
+            onset_ns=int(pers.since[0]) or begun,
+            step_share=float(np.clip(share, 0, 1)),
+            confidence=float(min(1.0, 0.4 + 2.0 * share)),
             ranks=ranks,
             step=int(win["step"][-1]),
             evidence={
                 "imbalance": round(share, 4),
-                "imbalanced_steps": float(count),
+                "imbalanced_steps": float(np.sum(nz(per_step) >= p.stage_threshold)),
+                "window_steps": float(n),
                 "stage_compute_ms": round(heavy_ms, 3),
                 "mean_compute_ms": round(mean_ms, 3),
                 "pipeline": 1.0,
@@ -408,6 +425,16 @@ def _stage_imbalance(job: JobState, p: Any, win: dict, d: dict) -> None:
             f"~{100 * share:.0f}% of each step lost (move work off it)",
         )
     _replace(job, "load_imbalance", found)
+
+
+def _slowed(job: JobState, ranks: list[int]) -> bool:
+    """Whether every one of ``ranks`` is slow against its own past now (a slow run of the
+    pipeline straggler's under way, `stage_straggler`: it ran first in this tick): a stage
+    that became heavy while the job ran, not one cut heavy."""
+    since = job.det.get("stage_straggler", {}).get("persist", {}).get("since")
+    if since is None or max(ranks) >= len(since):
+        return False
+    return bool(np.all(np.asarray(since)[ranks] > 0))
 
 
 def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:

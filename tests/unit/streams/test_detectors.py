@@ -439,6 +439,57 @@ def test_a_pipelines_heavier_stage_names_all_its_replicas() -> None:
     assert d.ranks == [1, 3]
 
 
+@pytest.mark.parametrize("spans", [True, False])
+@pytest.mark.parametrize(
+    ("after", "ratio", "others"),
+    [([90, 180, 90, 100], 2.0, 1.0), ([112, 300, 90, 100], 3.33, 1.24)],
+    ids=["alone", "a-neighbour-a-little-too"],
+)
+def test_a_pipeline_rank_slowed_from_outside_is_its_straggler(
+    spans: bool, after: list[int], ratio: float, others: float
+) -> None:
+    # the stages differ by the cut (rank 3 computes 100 ms, the others 90, from the start);
+    # once each rank's own baseline is known, rank 1's compute doubles (another process on
+    # its CPU), or triples while its neighbour's rises by a quarter (the slow rank's work
+    # takes from it): rank 1, and only it, is the straggler, against its own past; a stage
+    # that became heavy is no load imbalance of the cut
+    job = Synth(comm_name="recv", spans=spans)
+    job.steps(90, compute=lambda s: [90, 90, 90, 100])
+    onset = job.t
+    job.steps(60, compute=after)
+    diags = job.feed(Funnel())
+    (d,) = opened(diags, "straggler")
+    assert d.ranks == [1] and d.evidence["pipeline"] == 1
+    assert d.evidence["ratio"] == pytest.approx(ratio, rel=0.1)
+    assert d.evidence["baseline_compute_ms"] == pytest.approx(90, rel=0.05)
+    assert d.evidence["others_ratio"] == pytest.approx(others, abs=0.06)
+    assert d.onset_ns >= onset - 1 * S and d.ts_ns - onset < 10 * S
+    assert not opened(diags, "load_imbalance")
+
+
+@pytest.mark.parametrize(
+    "compute",
+    [
+        pytest.param(lambda s: [135, 135, 135, 150], id="every-stage-slower"),
+        pytest.param(lambda s: [126, 180, 90, 100], id="one-2x-a-neighbour-1.4x"),
+        pytest.param(lambda s: [90, 108, 90, 100], id="one-rank-20pct-slower"),
+        pytest.param(lambda s: [90, 180 if s % 3 == 0 else 90, 90, 100], id="one-step-in-three"),
+    ],
+)
+def test_a_pipeline_slowing_down_alike_or_a_little_has_no_straggler(compute: Any) -> None:
+    # every stage 1.5x slower (a busier machine, a new phase: nobody's), one rank twice as
+    # slow while its neighbour is 1.4x (more than a quarter of its rise: a shared cause),
+    # one rank 20 % slower
+    # (below the 25 % a stage must slow by), or one rank slow in a third of the steps only
+    job = Synth(comm_name="recv")
+    job.steps(90, compute=lambda s: [90, 90, 90, 100])
+    job.steps(80, compute=compute)
+    diags = job.feed(Funnel())
+    assert not opened(diags, "straggler")
+    # the stages are uneven now: only the rank that computes most may be called heavy
+    assert all(d.ranks == [1] for d in opened(diags, "load_imbalance"))
+
+
 def test_waiting_for_a_straggler_is_not_comm_degradation() -> None:
     job = Synth(comm=20.0)
     job.steps(20)

@@ -215,7 +215,7 @@ def test_a_setting_for_one_job_applies_to_that_job_alone() -> None:
     [
         ("straggler.score_threshold", 0.5, "start with detect."),
         ("detect.nope.x", 1, "valid detectors"),
-        ("detect.straggler.nope", 1, "valid: clear_steps"),
+        ("detect.straggler.nope", 1, "valid: baseline_steps, clear_steps"),
         ("detect.straggler.score_threshold", 2.0, "must be in [0.01, 0.99], got 2.0"),
         ("detect.straggler.score_threshold", "high", "must be a number"),
         ("detect.straggler.persist_steps", 2.5, "whole number"),
