@@ -428,13 +428,14 @@ def _stage_imbalance(job: JobState, p: Any, win: dict, d: dict) -> None:
 
 
 def _slowed(job: JobState, ranks: list[int]) -> bool:
-    """Whether every one of ``ranks`` is slow against its own past now (a slow run of the
-    pipeline straggler's under way, `stage_straggler`: it ran first in this tick): a stage
-    that became heavy while the job ran, not one cut heavy."""
-    since = job.det.get("stage_straggler", {}).get("persist", {}).get("since")
-    if since is None or max(ranks) >= len(since):
+    """Whether every one of ``ranks`` is a pipeline straggler now (`stage_straggler`, which
+    ran first in this tick): a stage that became heavy while the job ran, not one cut heavy.
+    Its open diagnosis, not a slow run still unconfirmed: a stage cut heavy whose compute
+    wanders above its early baseline for a moment stays the imbalance it is."""
+    active = job.det.get("stage_straggler", {}).get("persist", {}).get("active")
+    if active is None or max(ranks) >= len(active):
         return False
-    return bool(np.all(np.asarray(since)[ranks] > 0))
+    return bool(np.all(np.asarray(active)[ranks]))
 
 
 def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:

@@ -184,8 +184,8 @@ def stage_straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
     time's median is up by ``stage_slowdown / 2`` (the pipeline runs at the slow rank's
     pace). `Persistence` then holds it as for any straggler.
     The others' waits are not read: in a pipeline they wait for the slow rank's sends and for
-    the schedule's bubble alike, so a rank slowed in its transfers rather than its compute
-    (another process on its CPU delays both) is named by the part of its compute that slowed.
+    the schedule's bubble alike. So a rank slowed in its transfers and not in its compute
+    (on this machine, another process on its CPU) is not named.
     """
     st = job.det.setdefault("stage_straggler", {"seen": 0, "learn": [], "learn_st": []})
     raw, step_ms = d["raw"], d["step_ms"]
