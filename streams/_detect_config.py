@@ -205,8 +205,8 @@ class DetectConfig:
     Traceback (most recent call last):
     ...
     perfloop.exceptions.ConfigError: unknown setting detect.straggler.nope; valid: \
-clear_steps, enabled, level_persist_s, max_persist_s, median_steps, persist_s, persist_steps, \
-score_threshold, warmup_steps
+baseline_steps, clear_steps, enabled, level_persist_s, max_persist_s, median_steps, persist_s, \
+persist_steps, score_threshold, stage_slowdown, warmup_steps
     """
 
     funnel: FunnelParams = field(default_factory=FunnelParams)
