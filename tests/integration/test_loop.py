@@ -177,6 +177,14 @@ def test_command_reaches_the_job_and_is_acked(stack: StackSettings) -> None:
         30,
         "the ack and the verdict in the warehouse",
     )
+    for table in ("recommendations", "commands"):  # each table lands on its own flush
+        wait_for(
+            lambda t=table: (
+                _count(stack, f"SELECT count() FROM {t} WHERE job_id = {{j:String}}", **q) > 0
+            ),
+            30,
+            f"the job's row in {table}",
+        )
     ch = client(stack)
     try:
         rec_id, to_value = ch.query(
