@@ -17,12 +17,12 @@ What each one reads (data-parallel semantics: every rank shares the step time):
   collectives (`perfloop.streams._detect_arrival`) less its data wait and checkpoint/eval
   time is added to it: the rank the others wait for is slow, the ranks that wait are not, and
   a checkpoint saved by one rank is no straggler. In a pipeline, whose stages do different
-  work, a rank is compared with its own past instead (`stage_straggler`).
+  work, a rank is compared with its own past instead (`perfloop.streams._detect_pipeline`).
 * load_imbalance — ``1 − median / max`` compute per step stays high while the slowest rank
   rotates (no rank is persistently slow: that is a straggler). In a pipeline (its ranks send
   and receive point to point) the other way round: the same ranks compute well above the
   mean, by their medians over the window (a stage cut heavier than the others costs the whole
-  pipeline its pace; `_stage_imbalance`).
+  pipeline its pace; `perfloop.streams._detect_pipeline`).
 * dataloader_starvation — data wait / step time per rank, grouped by node; a step is starved
   when that share and the wait itself (``min_wait_ms``) are both large enough.
 * comm_degradation — pure comm time per step: the shortest collective time over ranks (the
@@ -244,10 +244,11 @@ def step_detectors(job: JobState, cfg: DetectConfig) -> None:
         if len(st_all):
             job.det["p99_ms"] = float(np.percentile(st_all, 99))
             job.det["median_step_ms"] = float(np.median(st_all))
-    from perfloop.streams._detect_straggler import (  # (they import this)
+    from perfloop.streams._detect_pipeline import (  # (they import this)
+        stage_imbalance,
         stage_straggler,
-        straggler_detector,
     )
+    from perfloop.streams._detect_straggler import straggler_detector
     from perfloop.streams._detect_threads import thread_detector
 
     pipe = pipeline(job)
@@ -260,8 +261,8 @@ def step_detectors(job: JobState, cfg: DetectConfig) -> None:
         ("memory", _memory),
         ("threads", thread_detector),
     ):
-        if pipe and name == "straggler":
-            fn = stage_straggler
+        if pipe:  # its stages do different work: each rank against its own past
+            fn = {"straggler": stage_straggler, "load_imbalance": stage_imbalance}.get(name, fn)
         if getattr(cfg, name).enabled:
             fn(job, getattr(cfg, name), win, d, new)
         else:
@@ -279,7 +280,7 @@ def pipeline(job: JobState) -> bool:
     same work (data parallel). A pipeline's stages do different work by design, and which
     ranks are one stage's replicas is not known: a pipeline's straggler is a rank whose own
     compute rose against its own past (`stage_straggler`), its load imbalance a stage that
-    computes well above the others (`_stage_imbalance`)."""
+    computes well above the others (`stage_imbalance`)."""
     return int(job.det.get("p2p_steps", 0)) >= PIPELINE_STEPS
 
 
@@ -295,9 +296,6 @@ _PREFIX = {
 
 
 def _load_imbalance(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
-    if pipeline(job):
-        _stage_imbalance(job, p, win, d)
-        return
     st = job.det.setdefault("load_imbalance", {"active": False})
     comp = d["comp"][-p.window_steps :]
     med, top = d["med"][-p.window_steps :], np.fmax.reduce(comp, axis=1)
@@ -346,96 +344,6 @@ def _load_imbalance(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
             "the slowest rank changing from step to step",
         )
     _replace(job, "load_imbalance", found)
-
-
-def _stage_imbalance(job: JobState, p: Any, win: dict, d: dict) -> None:
-    """A pipeline's load imbalance: the same ranks compute well above the others step after
-    step. Every stage of a pipeline runs at the pace of the slowest (its neighbours wait for
-    its sends), so ``1 - mean / max`` of the ranks' median compute over the window is the
-    share of each step the imbalance costs; it holds from ``stage_threshold`` when the ranks
-    whose median is near the top (a stage's replicas alike) compute most in ``stage_share`` of
-    the window's steps. Medians, not step-by-step flags: an uneven cut is there in every step,
-    and a rank's passing spikes move no median. Read from each rank's own compute (its spans),
-    not from the waits: in a pipeline the others' receives wait for the slow stage, and for
-    its own bubble too."""
-    st = job.det.setdefault("stage_imbalance", {"active": False})
-    comp = d["raw"]
-    seen = ~np.isnan(comp)
-    whole = seen.sum(axis=1) >= 2  # steps at least two ranks computed in
-    comp, seen = comp[whole], seen[whole]
-    n = len(comp)
-    if n < p.window_steps or int(job.det.get("steps_seen", 0)) < p.warmup_steps + n:
-        return  # too few whole steps to judge (a rank's rows are late): nothing changes
-    # once open, it holds down to 3/4 of the thresholds (an imbalance near the threshold
-    # must not open and resolve with every window's noise)
-    k = 0.75 if st["active"] else 1.0
-    ranks: list[int] = []
-    per_rank = nanmedian(comp.T, 1)
-    most = float(np.nanmax(per_rank)) if np.isfinite(per_rank).any() else 0.0
-    share = 1.0 - float(nanmean(per_rank)) / most if most > 0 else 0.0
-    if most > 0 and share >= k * p.stage_threshold:
-        heavy = per_rank >= 0.9 * most
-        tops = np.argmax(np.where(seen, comp, -1.0), axis=1)
-        if np.isin(tops, np.flatnonzero(heavy)).mean() >= k * p.stage_share:
-            ranks = [int(x) for x in np.flatnonzero(heavy)]
-        if ranks and _slowed(job, ranks):
-            ranks = []  # it became heavy: a straggler's (`stage_straggler`), not the cut
-    held = bool(ranks)
-    end = int(np.nanmax(win["end"][-1]))
-    begun = int(np.nanmin(_start(win, len(win["step"]) - len(d["raw"]), slice(None))))
-    pers = Persistence(
-        st.setdefault("persist", {}),
-        width=1,
-        persist_s=p.persist_s,
-        max_persist_s=p.max_persist_s,
-        persist_steps=p.persist_steps,
-        clear_steps=p.clear_steps,
-        warmup_steps=0,
-    )
-    was = bool(st["active"])
-    st["active"] = bool(pers.update(np.array([held]), start=begun, end=end)[0])
-    if was and not held:
-        st["active"] = False
-        pers.stop()
-    found = {}
-    if st["active"]:
-        heavy_ms = float(nanmean(per_rank[ranks]))
-        mean_ms = float(nanmean(per_rank))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            per_step = 1.0 - nanmean(comp, axis=1) / np.fmax.reduce(comp, axis=1)
-        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-        found["load_imbalance"] = Finding(
-            key="load_imbalance",
-            bottleneck="load_imbalance",
-            onset_ns=int(pers.since[0]) or begun,
-            step_share=float(np.clip(share, 0, 1)),
-            confidence=float(min(1.0, 0.4 + 2.0 * share)),
-            ranks=ranks,
-            step=int(win["step"][-1]),
-            evidence={
-                "imbalance": round(share, 4),
-                "imbalanced_steps": float(np.sum(nz(per_step) >= p.stage_threshold)),
-                "window_steps": float(n),
-                "stage_compute_ms": round(heavy_ms, 3),
-                "mean_compute_ms": round(mean_ms, 3),
-                "pipeline": 1.0,
-            },
-            summary=f"the pipeline stage on {who} computes {heavy_ms:.1f} ms a step against "
-            f"{mean_ms:.1f} ms on average over the ranks: the pipeline runs at its pace, "
-            f"~{100 * share:.0f}% of each step lost (move work off it)",
-        )
-    _replace(job, "load_imbalance", found)
-
-
-def _slowed(job: JobState, ranks: list[int]) -> bool:
-    """Whether every one of ``ranks`` is a pipeline straggler now (`stage_straggler`, which
-    ran first in this tick): a stage that became heavy while the job ran, not one cut heavy.
-    Its open diagnosis, not a slow run still unconfirmed: a stage cut heavy whose compute
-    wanders above its early baseline for a moment stays the imbalance it is."""
-    active = job.det.get("stage_straggler", {}).get("persist", {}).get("active")
-    if active is None or max(ranks) >= len(active):
-        return False
-    return bool(np.all(np.asarray(active)[ranks]))
 
 
 def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:

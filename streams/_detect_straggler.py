@@ -35,9 +35,9 @@ import numpy as np
 
 from perfloop.streams._detect_persist import Persistence
 from perfloop.streams._detect_state import Finding, JobState
-from perfloop.streams._detect_steps import _replace, _start, nanmean, nanmedian, node_of, nz
+from perfloop.streams._detect_steps import _replace, _start, nanmean, nanmedian, node_of
 
-__all__ = ["stage_straggler", "straggler_detector"]
+__all__ = ["straggler_detector"]
 
 
 def straggler_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
@@ -169,111 +169,4 @@ def _cpu_note(job: JobState, rank: int) -> str:
     return ""
 
 
-def stage_straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
-    """A pipeline's straggler: a rank whose own compute rose well above its own baseline
-    while the other ranks' did not, and the pipeline's step time rose with it.
-
-    A pipeline's stages do different work, so a rank is compared with its own past, not with
-    its peers: after the warm-up each rank's compute (its spans, before anyone's waits) over
-    ``baseline_steps`` steps sets its baseline, and the step time's too; both follow slow
-    drift while nothing is slow. A rank is slow in a step when the median over its last
-    ``median_steps`` steps is at least ``1 + stage_slowdown`` times its baseline, no other
-    rank's rose by more than ``stage_slowdown / 2`` or a quarter of its rise (a slowdown every
-    rank shares, a new phase or a busier machine, is nobody's; a neighbour's compute moves a
-    little when a slow rank's work takes CPU or memory bandwidth from it), and the step
-    time's median is up by ``stage_slowdown / 2`` (the pipeline runs at the slow rank's
-    pace). `Persistence` then holds it as for any straggler.
-    The others' waits are not read: in a pipeline they wait for the slow rank's sends and for
-    the schedule's bubble alike. So a rank slowed in its transfers and not in its compute
-    (on this machine, another process on its CPU) is not named.
-    """
-    st = job.det.setdefault("stage_straggler", {"seen": 0, "learn": [], "learn_st": []})
-    raw, step_ms = d["raw"], d["step_ms"]
-    n, w = raw.shape
-    k, up = p.median_steps, p.stage_slowdown
-    pers = Persistence(
-        st.setdefault("persist", {}),
-        width=w,
-        persist_s=p.persist_s,
-        max_persist_s=p.max_persist_s,
-        persist_steps=p.persist_steps,
-        clear_steps=p.clear_steps,
-        warmup_steps=0,
-        bridge_steps=p.clear_steps,
-    )
-    base, base_st = st.get("base"), float(st.get("base_st", 0.0))
-    if base is not None and len(base) < w:
-        base = np.pad(base, (0, w - len(base)), constant_values=np.nan)
-    hist = st.get("hist", np.zeros((0, w)))
-    hist = np.pad(hist, ((0, 0), (0, max(0, w - hist.shape[1]))), constant_values=np.nan)[:, :w]
-    hist_st = st.get("hist_st", np.zeros(0))
-    for i in np.flatnonzero(new):
-        c, s = raw[i], float(step_ms[i])
-        if not (s > 0) or int(np.sum(~np.isnan(c))) < 2:
-            continue
-        st["seen"] += 1
-        if st["seen"] <= p.warmup_steps:
-            continue
-        if base is None:
-            st["learn"].append(c.tolist())
-            st["learn_st"].append(s)
-            if len(st["learn"]) >= p.baseline_steps:
-                base = nanmedian(np.array(st["learn"], dtype=np.float64).T, 1)
-                base_st = float(np.median(st["learn_st"]))
-                st["learn"], st["learn_st"] = [], []
-            continue
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ratio = np.where(base > 0, c / base, np.nan)
-        hist = np.vstack([hist, ratio[None, :]])[-k:]
-        hist_st = np.append(hist_st, s / base_st)[-k:]
-        med = nanmedian(hist.T, 1)
-        med_st = float(np.median(hist_st))
-        rise = nz(med) - 1
-        others = np.array([np.nanmax(np.delete(rise, r), initial=0.0) for r in range(w)])
-        alone = others <= np.maximum(up / 2, rise / 4)  # the others rose far less, if at all
-        slow = (rise >= up) & alone & (med_st >= 1 + up / 2)
-        end = int(np.nanmax(win["end"][i]))
-        begun = int(np.nanmin(_start(win, i, slice(None))))
-        pers.update(slow, start=begun, end=end)
-        calm = np.all(np.abs(nz(ratio) - 1) < up / 2) and abs(s / base_st - 1) < up / 2
-        if calm and not pers.active.any():  # healthy: follow slow drift
-            base = np.where(np.isnan(c), base, base + 0.02 * (c - base))
-            base_st += 0.02 * (s - base_st)
-    if base is not None:
-        st["base"], st["base_st"] = base, base_st
-        st["hist"], st["hist_st"] = hist, hist_st
-    active = pers.active if base is not None else np.zeros(w, bool)
-    found = {}
-    for r in np.flatnonzero(active):
-        since = int(pers.since[r])
-        recent = raw[-8:, r]
-        comp = float(nanmean(recent))
-        step_now = float(nanmean(step_ms[-8:]))
-        ratio_r = comp / float(base[r])
-        others = float(np.nanmax(np.delete(nanmedian(hist.T, 1), r), initial=0.0))
-        found[f"straggler:r{r}"] = Finding(
-            key=f"straggler:r{r}",
-            bottleneck="straggler",
-            onset_ns=since if since > 0 else int(_start(win, max(n - 8, 0), r)),
-            step_share=float(np.clip(1.0 - base_st / step_now, 0, 1)) if step_now > 0 else 0.0,
-            confidence=float(np.clip(0.5 + (ratio_r - 1.0) / 2, 0, 1)),
-            ranks=[int(r)],
-            nodes=node_of(job, int(r)),
-            rank=int(r),
-            step=int(win["step"][-1]),
-            evidence={
-                "compute_ms": round(comp, 3),
-                "baseline_compute_ms": round(float(base[r]), 3),
-                "ratio": round(ratio_r, 3),
-                "others_ratio": round(others, 3),
-                "step_time_ms": round(step_now, 3),
-                "baseline_step_ms": round(base_st, 3),
-                "pipeline": 1.0,
-                **_cpu_evidence(job, int(r)),
-            },
-            summary=f"rank {r} computes {ratio_r:.2f}x its own baseline ({comp:.1f} ms a step "
-            f"against {float(base[r]):.1f} ms) while the other ranks stay near theirs; the "
-            f"pipeline runs at its pace: {step_now:.1f} ms a step against {base_st:.1f} ms"
-            + _cpu_note(job, int(r)),
-        )
-    _replace(job, "straggler:", found)
+# END

@@ -1,0 +1,228 @@
+"""A pipeline's step detectors: its straggler and its load imbalance.
+
+A pipeline's ranks send and receive point to point (`perfloop.streams._detect_steps.pipeline`)
+and its stages do different work by design, so the data-parallel detectors, which compare the
+ranks' compute as peers, would call a stage cut heavier than the others a straggler. Here:
+
+* straggler (`stage_straggler`) — a rank whose own compute rose well above its own past while
+  the other ranks' did not, and the pipeline's step time rose with it;
+* load_imbalance (`stage_imbalance`) — the same ranks compute well above the others over the
+  detectors' window (a stage cut heavier costs the whole pipeline its pace); a stage the
+  straggler detector holds open is not also an imbalance.
+
+Both read each rank's own compute (its spans, before anyone's waits): in a pipeline the
+others' receives wait for the slow stage and for the schedule's bubble alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from perfloop.streams._detect_persist import Persistence
+from perfloop.streams._detect_state import Finding, JobState
+from perfloop.streams._detect_steps import _replace, _start, nanmean, nanmedian, node_of, nz
+from perfloop.streams._detect_straggler import _cpu_evidence, _cpu_note
+
+__all__ = ["stage_imbalance", "stage_straggler"]
+
+
+def stage_straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
+    """A pipeline's straggler: a rank whose own compute rose well above its own baseline
+    while the other ranks' did not, and the pipeline's step time rose with it.
+
+    A pipeline's stages do different work, so a rank is compared with its own past, not with
+    its peers: after the warm-up each rank's compute (its spans, before anyone's waits) over
+    ``baseline_steps`` steps sets its baseline, and the step time's too; both follow slow
+    drift while nothing is slow. A rank is slow in a step when the median over its last
+    ``median_steps`` steps is at least ``1 + stage_slowdown`` times its baseline, no other
+    rank's rose by more than ``stage_slowdown / 2`` or a quarter of its rise (a slowdown every
+    rank shares, a new phase or a busier machine, is nobody's; a neighbour's compute moves a
+    little when a slow rank's work takes CPU or memory bandwidth from it), and the step
+    time's median is up by ``stage_slowdown / 2`` (the pipeline runs at the slow rank's
+    pace). `Persistence` then holds it as for any straggler.
+    The others' waits are not read: in a pipeline they wait for the slow rank's sends and for
+    the schedule's bubble alike. So a rank slowed in its transfers and not in its compute
+    (on this machine, another process on its CPU) is not named.
+    """
+    st = job.det.setdefault("stage_straggler", {"seen": 0, "learn": [], "learn_st": []})
+    raw, step_ms = d["raw"], d["step_ms"]
+    n, w = raw.shape
+    k, up = p.median_steps, p.stage_slowdown
+    pers = Persistence(
+        st.setdefault("persist", {}),
+        width=w,
+        persist_s=p.persist_s,
+        max_persist_s=p.max_persist_s,
+        persist_steps=p.persist_steps,
+        clear_steps=p.clear_steps,
+        warmup_steps=0,
+        bridge_steps=p.clear_steps,
+    )
+    base, base_st = st.get("base"), float(st.get("base_st", 0.0))
+    if base is not None and len(base) < w:
+        base = np.pad(base, (0, w - len(base)), constant_values=np.nan)
+    hist = st.get("hist", np.zeros((0, w)))
+    hist = np.pad(hist, ((0, 0), (0, max(0, w - hist.shape[1]))), constant_values=np.nan)[:, :w]
+    hist_st = st.get("hist_st", np.zeros(0))
+    for i in np.flatnonzero(new):
+        c, s = raw[i], float(step_ms[i])
+        if not (s > 0) or int(np.sum(~np.isnan(c))) < 2:
+            continue
+        st["seen"] += 1
+        if st["seen"] <= p.warmup_steps:
+            continue
+        if base is None:
+            st["learn"].append(c.tolist())
+            st["learn_st"].append(s)
+            if len(st["learn"]) >= p.baseline_steps:
+                base = nanmedian(np.array(st["learn"], dtype=np.float64).T, 1)
+                base_st = float(np.median(st["learn_st"]))
+                st["learn"], st["learn_st"] = [], []
+            continue
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = np.where(base > 0, c / base, np.nan)
+        hist = np.vstack([hist, ratio[None, :]])[-k:]
+        hist_st = np.append(hist_st, s / base_st)[-k:]
+        med = nanmedian(hist.T, 1)
+        med_st = float(np.median(hist_st))
+        rise = nz(med) - 1
+        others = np.array([np.nanmax(np.delete(rise, r), initial=0.0) for r in range(w)])
+        alone = others <= np.maximum(up / 2, rise / 4)  # the others rose far less, if at all
+        slow = (rise >= up) & alone & (med_st >= 1 + up / 2)
+        end = int(np.nanmax(win["end"][i]))
+        begun = int(np.nanmin(_start(win, i, slice(None))))
+        pers.update(slow, start=begun, end=end)
+        calm = np.all(np.abs(nz(ratio) - 1) < up / 2) and abs(s / base_st - 1) < up / 2
+        if calm and not pers.active.any():  # healthy: follow slow drift
+            base = np.where(np.isnan(c), base, base + 0.02 * (c - base))
+            base_st += 0.02 * (s - base_st)
+    if base is not None:
+        st["base"], st["base_st"] = base, base_st
+        st["hist"], st["hist_st"] = hist, hist_st
+    active = pers.active if base is not None else np.zeros(w, bool)
+    found = {}
+    for r in np.flatnonzero(active):
+        since = int(pers.since[r])
+        recent = raw[-8:, r]
+        comp = float(nanmean(recent))
+        step_now = float(nanmean(step_ms[-8:]))
+        ratio_r = comp / float(base[r])
+        others = float(np.nanmax(np.delete(nanmedian(hist.T, 1), r), initial=0.0))
+        found[f"straggler:r{r}"] = Finding(
+            key=f"straggler:r{r}",
+            bottleneck="straggler",
+            onset_ns=since if since > 0 else int(_start(win, max(n - 8, 0), r)),
+            step_share=float(np.clip(1.0 - base_st / step_now, 0, 1)) if step_now > 0 else 0.0,
+            confidence=float(np.clip(0.5 + (ratio_r - 1.0) / 2, 0, 1)),
+            ranks=[int(r)],
+            nodes=node_of(job, int(r)),
+            rank=int(r),
+            step=int(win["step"][-1]),
+            evidence={
+                "compute_ms": round(comp, 3),
+                "baseline_compute_ms": round(float(base[r]), 3),
+                "ratio": round(ratio_r, 3),
+                "others_ratio": round(others, 3),
+                "step_time_ms": round(step_now, 3),
+                "baseline_step_ms": round(base_st, 3),
+                "pipeline": 1.0,
+                **_cpu_evidence(job, int(r)),
+            },
+            summary=f"rank {r} computes {ratio_r:.2f}x its own baseline ({comp:.1f} ms a step "
+            f"against {float(base[r]):.1f} ms) while the other ranks stay near theirs; the "
+            f"pipeline runs at its pace: {step_now:.1f} ms a step against {base_st:.1f} ms"
+            + _cpu_note(job, int(r)),
+        )
+    _replace(job, "straggler:", found)
+
+
+def stage_imbalance(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
+    """A pipeline's load imbalance: the same ranks compute well above the others step after
+    step. Every stage of a pipeline runs at the pace of the slowest (its neighbours wait for
+    its sends), so ``1 - mean / max`` of the ranks' median compute over the window is the
+    share of each step the imbalance costs; it holds from ``stage_threshold`` when the ranks
+    whose median is near the top (a stage's replicas alike) compute most in ``stage_share`` of
+    the window's steps. Medians, not step-by-step flags: an uneven cut is there in every step,
+    and a rank's passing spikes move no median. Read from each rank's own compute (its spans),
+    not from the waits: in a pipeline the others' receives wait for the slow stage, and for
+    its own bubble too."""
+    st = job.det.setdefault("stage_imbalance", {"active": False})
+    comp = d["raw"]
+    seen = ~np.isnan(comp)
+    whole = seen.sum(axis=1) >= 2  # steps at least two ranks computed in
+    comp, seen = comp[whole], seen[whole]
+    n = len(comp)
+    if n < p.window_steps or int(job.det.get("steps_seen", 0)) < p.warmup_steps + n:
+        return  # too few whole steps to judge (a rank's rows are late): nothing changes
+    # once open, it holds down to 3/4 of the thresholds (an imbalance near the threshold
+    # must not open and resolve with every window's noise)
+    k = 0.75 if st["active"] else 1.0
+    ranks: list[int] = []
+    per_rank = nanmedian(comp.T, 1)
+    most = float(np.nanmax(per_rank)) if np.isfinite(per_rank).any() else 0.0
+    share = 1.0 - float(nanmean(per_rank)) / most if most > 0 else 0.0
+    if most > 0 and share >= k * p.stage_threshold:
+        heavy = per_rank >= 0.9 * most
+        tops = np.argmax(np.where(seen, comp, -1.0), axis=1)
+        if np.isin(tops, np.flatnonzero(heavy)).mean() >= k * p.stage_share:
+            ranks = [int(x) for x in np.flatnonzero(heavy)]
+        if ranks and _slowed(job, ranks):
+            ranks = []  # it became heavy: a straggler's (`stage_straggler`), not the cut
+    held = bool(ranks)
+    end = int(np.nanmax(win["end"][-1]))
+    begun = int(np.nanmin(_start(win, len(win["step"]) - len(d["raw"]), slice(None))))
+    pers = Persistence(
+        st.setdefault("persist", {}),
+        width=1,
+        persist_s=p.persist_s,
+        max_persist_s=p.max_persist_s,
+        persist_steps=p.persist_steps,
+        clear_steps=p.clear_steps,
+        warmup_steps=0,
+    )
+    was = bool(st["active"])
+    st["active"] = bool(pers.update(np.array([held]), start=begun, end=end)[0])
+    if was and not held:
+        st["active"] = False
+        pers.stop()
+    found = {}
+    if st["active"]:
+        heavy_ms = float(nanmean(per_rank[ranks]))
+        mean_ms = float(nanmean(per_rank))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            per_step = 1.0 - nanmean(comp, axis=1) / np.fmax.reduce(comp, axis=1)
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        found["load_imbalance"] = Finding(
+            key="load_imbalance",
+            bottleneck="load_imbalance",
+            onset_ns=int(pers.since[0]) or begun,
+            step_share=float(np.clip(share, 0, 1)),
+            confidence=float(min(1.0, 0.4 + 2.0 * share)),
+            ranks=ranks,
+            step=int(win["step"][-1]),
+            evidence={
+                "imbalance": round(share, 4),
+                "imbalanced_steps": float(np.sum(nz(per_step) >= p.stage_threshold)),
+                "window_steps": float(n),
+                "stage_compute_ms": round(heavy_ms, 3),
+                "mean_compute_ms": round(mean_ms, 3),
+                "pipeline": 1.0,
+            },
+            summary=f"the pipeline stage on {who} computes {heavy_ms:.1f} ms a step against "
+            f"{mean_ms:.1f} ms on average over the ranks: the pipeline runs at its pace, "
+            f"~{100 * share:.0f}% of each step lost (move work off it)",
+        )
+    _replace(job, "load_imbalance", found)
+
+
+def _slowed(job: JobState, ranks: list[int]) -> bool:
+    """Whether every one of ``ranks`` is a pipeline straggler now (`stage_straggler`, which
+    ran first in this tick): a stage that became heavy while the job ran, not one cut heavy.
+    Its open diagnosis, not a slow run still unconfirmed: a stage cut heavy whose compute
+    wanders above its early baseline for a moment stays the imbalance it is."""
+    active = job.det.get("stage_straggler", {}).get("persist", {}).get("active")
+    if active is None or max(ranks) >= len(active):
+        return False
+    return bool(np.all(np.asarray(active)[ranks]))
