@@ -741,3 +741,14 @@ MIGRATIONS = (
         ),
     ),
 )
+
+
+# -- migration 15: how long a process's threads waited for a CPU --------------------------------
+MIGRATIONS = (
+    *MIGRATIONS,
+    Migration(
+        15,
+        "host_samples: how long each process's threads waited for a CPU (run-queue delay)",
+        (_add_columns("host_samples", "    proc_run_delay_pct Float32"),),
+    ),
+)

@@ -3,11 +3,12 @@
 `HostSampler.sample()` returns one row per watched process (keys are `HostSample` fields):
 system CPU and iowait (share of the whole machine since the previous sample), 1-minute load,
 memory, disk and network throughput (bytes/s since the previous sample; loopback excluded),
-the process's CPU (percent of one core), RSS and threads, the room it has under a memory limit
-of its own (`perfloop.producers._memroom`: its address-space limit or its cgroup's), and its
-descendants — the data-loader workers a PyTorch ``DataLoader`` forks — as a count, summed CPU
-and summed RSS. With no process to watch it returns one node-level row (``pid`` 0, ``rank``
--1).
+the process's CPU (percent of one core), RSS and threads, how long its threads waited for a
+CPU (`run_delay_ns`: runnable but not running, in percent of one core), the room it has under a
+memory limit of its own (`perfloop.producers._memroom`: its address-space limit or its
+cgroup's), and its descendants — the data-loader workers a PyTorch ``DataLoader`` forks — as a
+count, summed CPU and summed RSS. With no process to watch it returns one node-level row
+(``pid`` 0, ``rank`` -1).
 
 A watched process's rank is the one given, else the ``RANK`` its launcher put in its
 environment (torchrun, ``perfloop run``), else -1. A process that exits is dropped and logged
@@ -29,11 +30,20 @@ import psutil
 
 from perfloop.producers._memroom import cgroup_dirs, memory_room
 
-__all__ = ["HOST_SIGNALS", "HostSampler", "rank_of"]
+__all__ = ["HOST_SIGNALS", "HostSampler", "rank_of", "run_delay_ns"]
 
 log = logging.getLogger("perfloop.producers.host")
 
-HOST_SIGNALS = ("cpu", "memory", "load", "disk_io", "net_io", "process", "loader_workers")
+HOST_SIGNALS = (
+    "cpu",
+    "memory",
+    "load",
+    "disk_io",
+    "net_io",
+    "process",
+    "run_delay",
+    "loader_workers",
+)
 """What the host sampler reads; the capability report lists those it cannot."""
 
 
@@ -99,6 +109,7 @@ class HostSampler:
         self._watched_any = bool(watch)
         self._checked: set[int] = set()  # descendants already checked for a launcher's RANK
         self._proc_cpu: dict[int, tuple[float, float]] = {}  # pid -> (cpu seconds, at)
+        self._delay: dict[int, tuple[dict[int, int], float]] = {}  # pid -> ({tid: ns}, at)
         self._children: dict[int, psutil.Process] = {}
         self._cgroups: dict[int, list[tuple[Any, bool]]] = {}  # pid -> its memory cgroups
         self._proc_children = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
@@ -133,6 +144,8 @@ class HostSampler:
             os.getloadavg()
         except OSError:
             self.missing["load"] = "no load average on this platform"
+        if run_delay_ns(os.getpid()) is None:
+            self.missing["run_delay"] = "the kernel reports no scheduler statistics (schedstat)"
         if not self._watched_any:
             self.missing["process"] = "no training process watched (node-level only)"
             self.missing["loader_workers"] = "no training process watched"
@@ -178,6 +191,23 @@ class HostSampler:
             return 0.0
         return max(0.0, 100.0 * (seconds - prev[0]) / (now - prev[1]))
 
+    def _run_delay_pct(self, pid: int, now: float) -> float:
+        """How long the process's threads waited for a CPU since the previous sample, summed
+        over its threads, in percent of one core (two threads each waiting half the time read
+        100). A thread that started in between counts from its start, one that exited drops
+        out. 0 on the first sample and where the kernel keeps no scheduler statistics."""
+        if "run_delay" in self.missing:
+            return 0.0
+        now_ns = run_delay_ns(pid)
+        if now_ns is None:
+            return 0.0
+        prev = self._delay.get(pid)
+        self._delay[pid] = (now_ns, now)
+        if prev is None or now <= prev[1]:
+            return 0.0
+        waited = sum(max(0, ns - prev[0].get(tid, 0)) for tid, ns in now_ns.items())
+        return 100.0 * waited / 1e9 / (now - prev[1])
+
     def _process(self, pid: int, p: psutil.Process, now: float, seen: set[int]) -> dict[str, Any]:
         with p.oneshot():
             if p.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped by its parent
@@ -192,6 +222,7 @@ class HostSampler:
             "proc_cpu_pct": self._cpu_pct(pid, cpu_s, now),
             "proc_rss_bytes": int(mem.rss),
             "proc_threads": int(threads),
+            "proc_run_delay_pct": self._run_delay_pct(pid, now),
         }
         dirs = self._cgroups.get(pid)
         if dirs is None:
@@ -296,6 +327,7 @@ class HostSampler:
             except psutil.Error:
                 del self._procs[pid]
                 self._proc_cpu.pop(pid, None)
+                self._delay.pop(pid, None)
                 self._cgroups.pop(pid, None)
                 log.warning("watched process %d exited; it is no longer sampled", pid)
                 continue
@@ -310,6 +342,31 @@ class HostSampler:
             self._proc_cpu.pop(k, None)
         self.children = frozenset(seen_children)
         return rows
+
+
+def run_delay_ns(pid: int) -> dict[int, int] | None:
+    """Per thread of process ``pid``, the nanoseconds it has spent runnable but waiting for a
+    CPU (the second field of ``/proc/<pid>/task/<tid>/schedstat``); None where the kernel
+    keeps no such statistics or the process is gone.
+
+    >>> import os
+    >>> waited = run_delay_ns(os.getpid())
+    >>> waited is None or all(ns >= 0 for ns in waited.values())
+    True
+    """
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    out: dict[int, int] = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                fields = f.read().split()
+            out[int(tid)] = int(fields[1])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that just exited, or a kernel without the statistics
+    return out or None
 
 
 def _cpu_total(ct: Any) -> float:

@@ -127,9 +127,9 @@ class HostSample(Event):
     """
 
     KIND: ClassVar[str] = "host"
-    SCHEMA_VERSION: ClassVar[int] = 2
+    SCHEMA_VERSION: ClassVar[int] = 3
     MIN_SCHEMA_VERSION: ClassVar[int] = 1
-    schema_version: int = Field(2, ge=1)
+    schema_version: int = Field(3, ge=1)
 
     pid: int = Field(0, ge=0)
     proc_cpu_pct: float = Field(0.0, ge=0, allow_inf_nan=False)
@@ -155,6 +155,10 @@ class HostSample(Event):
     mem_room_limit: str = Field("", max_length=32)
     """(v2) ``address_space``, ``cgroup``, or empty: no such limit (the host's memory is the
     bound)."""
+    proc_run_delay_pct: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """(v3) How long the process's threads were runnable but waited for a CPU, summed over its
+    threads, in percent of one core (the kernel's scheduler statistics): another process on
+    its CPUs shows here before anywhere else."""
 
 
 class StepEvent(Event):

@@ -57,7 +57,8 @@ def test_sample_lands_host_rows_and_capabilities(
     host = wait_for(
         lambda: _rows(
             stack,
-            "SELECT rank, pid, proc_rss_bytes, sys_mem_total_bytes FROM host_samples "
+            "SELECT rank, pid, proc_rss_bytes, sys_mem_total_bytes, proc_run_delay_pct "
+            "FROM host_samples "
             "WHERE job_id = {job:String} AND node = 'it-node'",
             job=job,
         ),
@@ -67,6 +68,7 @@ def test_sample_lands_host_rows_and_capabilities(
     assert len(host) >= 4  # 1 s interval over 3 s, two processes
     assert {r[1] for r in host} == {os.getpid(), capped.pid}
     assert all(r[2] > 0 and r[3] > 0 for r in host)
+    assert all(0 <= r[4] < 10_000 for r in host)  # its threads' wait for a CPU, % of a core
     room = _rows(
         stack,
         "SELECT mem_room_limit, min(mem_room_bytes) FROM host_samples "

@@ -270,3 +270,42 @@ def test_a_process_s_address_space_limit_is_its_memory_room_and_bad_cgroup_files
     assert cgroup_memory_room(dirs) == 2 << 30
     (job / "memory.usage_in_bytes").unlink()
     assert cgroup_memory_room(dirs) is None, "a limit without its usage is no room to count"
+
+
+BURN = """import os, sys
+os.sched_setaffinity(0, {int(sys.argv[1])})
+print("ready", flush=True)
+while True:
+    pass
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+def test_a_process_that_shares_its_cpu_reads_its_run_queue_wait() -> None:
+    # three busy processes pinned to one CPU wait for it whenever they do not run (each about
+    # two thirds of the time on a quiet machine); a process that sleeps waits for nothing; the
+    # first sample of a rate reads 0
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    busy = [
+        subprocess.Popen([sys.executable, "-c", BURN, str(cpu)], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for p in busy:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        s = HostSampler({**{p.pid: r for r, p in enumerate(busy)}, idle.pid: 3})
+        if "run_delay" in s.missing:
+            pytest.skip(s.missing["run_delay"])
+        assert {r["proc_run_delay_pct"] for r in s.sample()} == {0.0}
+        time.sleep(1.0)
+        rows = {r["rank"]: r for r in s.sample()}
+    finally:
+        for p in (*busy, idle):
+            p.kill()
+            p.wait()
+    for r in (0, 1, 2):  # each is always runnable: it runs, or it waits (for the others)
+        assert rows[r]["proc_run_delay_pct"] > 50, rows[r]
+        assert rows[r]["proc_run_delay_pct"] + rows[r]["proc_cpu_pct"] == pytest.approx(100, abs=15)
+    assert rows[3]["proc_run_delay_pct"] < 5
+    HostSample(ts_ns=1, job_id="j", node="n", **rows[0])  # a valid sample
