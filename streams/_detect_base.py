@@ -55,6 +55,7 @@ _RANK: dict[str, tuple[Any, Any]] = {
     "node": (np.int64, -1),
     "last_step": (np.int64, -1),
     "proc_cpu": (np.float64, np.nan),
+    "run_delay": (np.float64, np.nan),  # host samples: its threads' wait for a CPU, % of a core
     # host samples: loader workers, their CPU (100 = one core; smoothed) and memory
     "loader_workers": (np.float64, np.nan),
     "loader_cpu": (np.float64, np.nan),

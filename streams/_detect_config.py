@@ -90,6 +90,9 @@ class StragglerParams:
         0.25, 0.05, 10.0, "a pipeline's: rise of a rank's own compute over its baseline"
     )
     baseline_steps: int = _p(48, 4, 100000, "a pipeline's: steps that set each rank's baseline")
+    stage_wait_pct: float = _p(
+        20.0, 1.0, 10000.0, "a pipeline's: rise of a rank's wait for a CPU (% of a core)"
+    )
 
 
 @dataclass(frozen=True)
@@ -206,7 +209,7 @@ class DetectConfig:
     ...
     perfloop.exceptions.ConfigError: unknown setting detect.straggler.nope; valid: \
 baseline_steps, clear_steps, enabled, level_persist_s, max_persist_s, median_steps, persist_s, \
-persist_steps, score_threshold, stage_slowdown, warmup_steps
+persist_steps, score_threshold, stage_slowdown, stage_wait_pct, warmup_steps
     """
 
     funnel: FunnelParams = field(default_factory=FunnelParams)

@@ -32,6 +32,7 @@ _LOADER_COLUMNS = (
     "proc_rss_bytes",
     "mem_room_bytes",
     "mem_room_limit",
+    "proc_run_delay_pct",
 )
 MEM_LIMITS = ("", "address_space", "cgroup")
 """`HostSample.mem_room_limit` values, by the code a rank's ``mem_room_limit`` holds."""
@@ -149,6 +150,7 @@ class Feeds:
         a second one comes the workers' CPU is unknown (NaN)."""
         rk = self.rank
         rk["proc_cpu"][rank] = cols["proc_cpu_pct"]
+        rk["run_delay"][rank] = cols["proc_run_delay_pct"]
         limit = np.array([MEM_LIMITS.index(v) if v in MEM_LIMITS else 0 for v in
                           cols["mem_room_limit"]], dtype=np.int8)  # fmt: skip
         rk["mem_room_limit"][rank] = limit

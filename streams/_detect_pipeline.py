@@ -43,12 +43,22 @@ def stage_straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
     time's median is up by ``stage_slowdown / 2`` (the pipeline runs at the slow rank's
     pace). `Persistence` then holds it as for any straggler.
     The others' waits are not read: in a pipeline they wait for the slow rank's sends and for
-    the schedule's bubble alike. So a rank slowed in its transfers and not in its compute
-    (on this machine, another process on its CPU) is not named.
+    the schedule's bubble alike. A rank slowed from outside may not compute any slower,
+    though: another process on its CPU gives way whenever the rank wakes to compute, and
+    takes the CPU from the threads that move its sends and receives (gloo's). Its threads'
+    wait for a CPU says so (`HostSample.proc_run_delay_pct`, learned into a baseline with the
+    compute's): a rank whose wait rose by ``stage_wait_pct`` points of a core over its own
+    baseline, no other rank's by more than half that or a quarter of its rise, is slow too
+    when the step time's median is up as above.
     """
     st = job.det.setdefault("stage_straggler", {"seen": 0, "learn": [], "learn_st": []})
     raw, step_ms = d["raw"], d["step_ms"]
     n, w = raw.shape
+    delay = np.full(w, np.nan)  # each rank's threads' latest wait for a CPU, % of a core
+    known = job.rank["run_delay"][:w]
+    delay[: len(known)] = known
+    base_wait = _widen(st.get("base_wait"), w)
+    why = _widen(st.get("why"), w)  # per rank, 1: its compute rose; 2: its wait for a CPU
     k, up = p.median_steps, p.stage_slowdown
     pers = Persistence(
         st.setdefault("persist", {}),
@@ -76,10 +86,12 @@ def stage_straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
         if base is None:
             st["learn"].append(c.tolist())
             st["learn_st"].append(s)
+            st.setdefault("learn_wait", []).append(delay.tolist())
             if len(st["learn"]) >= p.baseline_steps:
                 base = nanmedian(np.array(st["learn"], dtype=np.float64).T, 1)
                 base_st = float(np.median(st["learn_st"]))
-                st["learn"], st["learn_st"] = [], []
+                base_wait = nanmedian(np.array(st["learn_wait"], dtype=np.float64).T, 1)
+                st["learn"], st["learn_st"], st["learn_wait"] = [], [], []
             continue
         with np.errstate(invalid="ignore", divide="ignore"):
             ratio = np.where(base > 0, c / base, np.nan)
@@ -90,52 +102,106 @@ def stage_straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
         rise = nz(med) - 1
         others = np.array([np.nanmax(np.delete(rise, r), initial=0.0) for r in range(w)])
         alone = others <= np.maximum(up / 2, rise / 4)  # the others rose far less, if at all
-        slow = (rise >= up) & alone & (med_st >= 1 + up / 2)
+        slower = med_st >= 1 + up / 2  # the pipeline runs at some rank's pace
+        computes = (rise >= up) & alone & slower
+        rising = _waits_for_cpu(delay - base_wait, p.stage_wait_pct)
+        waits = rising & slower
+        why = np.where(computes, 1, np.where(waits, 2, why))
         end = int(np.nanmax(win["end"][i]))
         begun = int(np.nanmin(_start(win, i, slice(None))))
-        pers.update(slow, start=begun, end=end)
+        pers.update(computes | waits, start=begun, end=end)
         calm = np.all(np.abs(nz(ratio) - 1) < up / 2) and abs(s / base_st - 1) < up / 2
         if calm and not pers.active.any():  # healthy: follow slow drift
             base = np.where(np.isnan(c), base, base + 0.02 * (c - base))
             base_st += 0.02 * (s - base_st)
+        if not pers.active.any() and not rising.any():
+            base_wait = np.where(
+                np.isnan(base_wait), delay, np.where(np.isnan(delay), base_wait,
+                                                     base_wait + 0.02 * (delay - base_wait))
+            )  # fmt: skip
     if base is not None:
         st["base"], st["base_st"] = base, base_st
         st["hist"], st["hist_st"] = hist, hist_st
+        st["base_wait"], st["why"] = base_wait, why
     active = pers.active if base is not None else np.zeros(w, bool)
     found = {}
     for r in np.flatnonzero(active):
         since = int(pers.since[r])
-        recent = raw[-8:, r]
-        comp = float(nanmean(recent))
+        comp = float(nanmean(raw[-8:, r]))
         step_now = float(nanmean(step_ms[-8:]))
         ratio_r = comp / float(base[r])
         others = float(np.nanmax(np.delete(nanmedian(hist.T, 1), r), initial=0.0))
+        evidence = {
+            "compute_ms": round(comp, 3),
+            "baseline_compute_ms": round(float(base[r]), 3),
+            "ratio": round(ratio_r, 3),
+            "others_ratio": round(others, 3),
+            "step_time_ms": round(step_now, 3),
+            "baseline_step_ms": round(base_st, 3),
+            "pipeline": 1.0,
+            **_cpu_evidence(job, int(r)),
+        }
+        pace = f"the pipeline runs at its pace: {step_now:.1f} ms a step against {base_st:.1f} ms"
+        if why[r] == 2 and ratio_r < 1 + up:  # slowed by waiting for a CPU, not by its work
+            wait, was = float(delay[r]), float(base_wait[r])
+            others_wait = float(np.nanmax(np.delete(delay, r), initial=0.0))
+            evidence |= {
+                "run_delay_pct": round(wait, 1),
+                "baseline_run_delay_pct": round(was, 1),
+                "others_run_delay_pct": round(others_wait, 1),
+            }
+            confidence = 0.5 + (wait - was) / 200
+            summary = (
+                f"rank {r}'s threads wait for a CPU {wait:.0f}% of a core against {was:.0f}% "
+                f"before ({others_wait:.0f}% on the other ranks): something else runs on its "
+                f"CPUs; {pace}"
+            )
+        else:
+            confidence = 0.5 + (ratio_r - 1.0) / 2
+            summary = (
+                f"rank {r} computes {ratio_r:.2f}x its own baseline ({comp:.1f} ms a step "
+                f"against {float(base[r]):.1f} ms) while the other ranks stay near theirs; "
+                f"{pace}" + _cpu_note(job, int(r))
+            )
         found[f"straggler:r{r}"] = Finding(
             key=f"straggler:r{r}",
             bottleneck="straggler",
             onset_ns=since if since > 0 else int(_start(win, max(n - 8, 0), r)),
             step_share=float(np.clip(1.0 - base_st / step_now, 0, 1)) if step_now > 0 else 0.0,
-            confidence=float(np.clip(0.5 + (ratio_r - 1.0) / 2, 0, 1)),
+            confidence=float(np.clip(confidence, 0, 1)),
             ranks=[int(r)],
             nodes=node_of(job, int(r)),
             rank=int(r),
             step=int(win["step"][-1]),
-            evidence={
-                "compute_ms": round(comp, 3),
-                "baseline_compute_ms": round(float(base[r]), 3),
-                "ratio": round(ratio_r, 3),
-                "others_ratio": round(others, 3),
-                "step_time_ms": round(step_now, 3),
-                "baseline_step_ms": round(base_st, 3),
-                "pipeline": 1.0,
-                **_cpu_evidence(job, int(r)),
-            },
-            summary=f"rank {r} computes {ratio_r:.2f}x its own baseline ({comp:.1f} ms a step "
-            f"against {float(base[r]):.1f} ms) while the other ranks stay near theirs; the "
-            f"pipeline runs at its pace: {step_now:.1f} ms a step against {base_st:.1f} ms"
-            + _cpu_note(job, int(r)),
+            evidence=evidence,
+            summary=summary,
         )
     _replace(job, "straggler:", found)
+
+
+def _widen(a: np.ndarray | None, w: int) -> np.ndarray:
+    """A per-rank state array for ``w`` ranks (NaN for ranks it did not know)."""
+    out = np.full(w, np.nan)
+    if a is not None:
+        out[: min(w, len(a))] = a[:w]
+    return out
+
+
+def _waits_for_cpu(rise: np.ndarray, points: float) -> np.ndarray:
+    """Ranks whose threads' wait for a CPU rose by ``points`` (of a core) or more over their
+    baseline while no other rank's rose by more than half that or a quarter of its rise (a
+    busier machine makes every rank wait).
+
+    >>> _waits_for_cpu(np.array([35.0, -5.0]), 20).tolist()
+    [True, False]
+    >>> _waits_for_cpu(np.array([35.0, 15.0]), 20).tolist()  # both wait more: nobody's
+    [False, False]
+    >>> _waits_for_cpu(np.array([35.0, np.nan]), 20).tolist()  # one rank not measured
+    [True, False]
+    """
+    rise = nz(rise)
+    others = np.array([np.max(np.delete(rise, r), initial=0.0) for r in range(len(rise))])
+    return (rise >= points) & (others <= np.maximum(points / 2, rise / 4))
 
 
 def stage_imbalance(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:

@@ -147,24 +147,34 @@ def _run_start(slow: np.ndarray, begun: np.ndarray) -> np.ndarray:
 
 
 def _cpu_evidence(job: JobState, rank: int) -> dict[str, float]:
-    """The rank's process CPU against the median of the others' (when the host sampler
-    reports them)."""
-    cpu = job.rank["proc_cpu"]
-    if not (0 <= rank < len(cpu)) or cpu[rank] != cpu[rank] or len(cpu) < 2:
-        return {}
-    others = np.delete(cpu, rank)
-    others = others[~np.isnan(others)]
-    if not len(others):
-        return {}
-    return {"proc_cpu_pct": float(cpu[rank]), "others_proc_cpu_pct": float(np.median(others))}
+    """The rank's process CPU and its threads' wait for a CPU against the median of the
+    others' (what the host sampler reports of them)."""
+    out: dict[str, float] = {}
+    for col, mine, theirs in (
+        ("proc_cpu", "proc_cpu_pct", "others_proc_cpu_pct"),
+        ("run_delay", "run_delay_pct", "others_run_delay_pct"),
+    ):
+        v = job.rank[col]
+        if not (0 <= rank < len(v)) or v[rank] != v[rank] or len(v) < 2:
+            continue
+        others = np.delete(v, rank)
+        others = others[~np.isnan(others)]
+        if len(others):
+            out[mine], out[theirs] = float(v[rank]), float(np.median(others))
+    return out
 
 
 def _cpu_note(job: JobState, rank: int) -> str:
     ev = _cpu_evidence(job, rank)
-    if ev and ev["proc_cpu_pct"] < 0.8 * ev["others_proc_cpu_pct"]:
+    if "proc_cpu_pct" in ev and ev["proc_cpu_pct"] < 0.8 * ev["others_proc_cpu_pct"]:
         return (
             f"; its process gets {ev['proc_cpu_pct']:.0f}% CPU against "
             f"{ev['others_proc_cpu_pct']:.0f}% for the others: something else runs on its CPUs"
+        )
+    if "run_delay_pct" in ev and ev["run_delay_pct"] >= ev["others_run_delay_pct"] + 20:
+        return (
+            f"; its threads wait for a CPU {ev['run_delay_pct']:.0f}% of a core against "
+            f"{ev['others_run_delay_pct']:.0f}% for the others: something else runs on its CPUs"
         )
     return ""
 

@@ -55,6 +55,7 @@ class Synth:
         self.gpu_xid = np.zeros(self.world, dtype=np.int64)
         self.gpu_rank = np.arange(self.world)  # -1: a GPU no rank claims
         self.cpu = np.full(nodes, 20.0)
+        self.run_delay = np.full(self.world, 10.0)  # each rank's wait for a CPU, % of a core
 
     def node(self, n: int) -> str:
         return f"{self.job}-node-{n}"
@@ -186,6 +187,7 @@ class Synth:
                 "rank": np.arange(w),
                 "sys_cpu_pct": np.repeat(self.cpu, self.per_node),
                 "proc_cpu_pct": np.full(w, 100.0),
+                "proc_run_delay_pct": self.run_delay.copy(),
             },
             int(ticks[-1]),
         )

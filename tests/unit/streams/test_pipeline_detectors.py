@@ -128,3 +128,39 @@ def test_a_pipeline_slowing_down_alike_or_a_little_has_no_straggler(compute: Any
     assert not opened(diags, "straggler")
     # the stages are uneven now: only the rank that computes most may be called heavy
     assert all(d.ranks == [1] for d in opened(diags, "load_imbalance"))
+
+
+@pytest.mark.parametrize(
+    ("wait", "comm", "named"),
+    [
+        pytest.param([10, 60, 5, 10], 40.0, True, id="one-rank-waits-pipeline-slower"),
+        pytest.param([45, 60, 40, 45], 40.0, False, id="every-rank-waits-more"),
+        pytest.param([10, 60, 5, 10], 10.0, False, id="one-rank-waits-pipeline-not-slower"),
+    ],
+)
+def test_a_pipeline_rank_whose_threads_wait_for_a_cpu_is_its_straggler(
+    wait: list[float], comm: float, named: bool
+) -> None:
+    # another process joins rank 1's CPU: rank 1 computes as fast as before (it takes the CPU
+    # back whenever it wakes to compute) but its threads wait for a CPU 60 % of a core
+    # against 10 % before, and the pipeline's transfers through it slow every step by 30 %:
+    # rank 1 is the straggler, by its wait. The same wait on every rank is a busier machine
+    # (nobody's); a rank that waits while the pipeline keeps its pace costs nothing
+    job = Synth(comm_name="recv")
+    job.steps(90, compute=lambda s: [90, 90, 90, 100])
+    onset = job.t
+    job.run_delay[:] = wait
+    job.steps(60, compute=lambda s: [90, 90, 90, 100], comm=comm)
+    diags = job.feed(Funnel())
+    stragglers = opened(diags, "straggler")
+    assert not opened(diags, "load_imbalance")
+    if not named:
+        assert not stragglers
+        return
+    (d,) = stragglers
+    assert d.ranks == [1] and d.evidence["pipeline"] == 1
+    assert d.evidence["run_delay_pct"] == 60 and d.evidence["baseline_run_delay_pct"] == 10
+    assert d.evidence["others_run_delay_pct"] == 10
+    assert d.evidence["ratio"] == pytest.approx(1.0, abs=0.05)
+    assert "wait for a CPU 60% of a core" in d.summary
+    assert d.onset_ns >= onset - 1 * S and d.ts_ns - onset < 10 * S
