@@ -161,8 +161,12 @@ def test_a_scripts_tunable_becomes_a_knob() -> None:
         module._TUNABLES.pop("train.grad_accum_steps", None)
 
 
-def test_the_explicit_monitor_runs_a_job_agent_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A script instrumented with `Monitor` gets commands for its threads and its tunables."""
+def test_the_explicit_monitor_runs_a_job_agent_too(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A script instrumented with `Monitor` gets commands for its threads and its tunables.
+    With no broker to take its result, closing it waits 5 s for one, then drops it and says
+    so (closing with the ack still queued waited 9 s more)."""
     from perfloop.producers import knobs as module
     from perfloop.producers.training import Monitor
 
@@ -184,4 +188,5 @@ def test_the_explicit_monitor_runs_a_job_agent_too(monkeypatch: pytest.MonkeyPat
         module._TUNABLES.pop("train.grad_accum_steps", None)
         torch.set_num_threads(before)
     assert [r.status for r in agent.results] == ["applied"]
+    assert "1 command results not delivered" in caplog.text, "dropped, and said so"
     assert mon.agent is None, "closing the monitor stops its agent"
