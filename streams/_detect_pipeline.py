@@ -142,7 +142,7 @@ def stage_straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
             **_cpu_evidence(job, int(r)),
         }
         pace = f"the pipeline runs at its pace: {step_now:.1f} ms a step against {base_st:.1f} ms"
-        if why[r] == 2 and ratio_r < 1 + up:  # slowed by waiting for a CPU, not by its work
+        if why[r] == 2:  # its compute's median did not rise: its threads waited for a CPU
             wait, was = float(delay[r]), float(base_wait[r])
             others_wait = float(np.nanmax(np.delete(delay, r), initial=0.0))
             evidence |= {
