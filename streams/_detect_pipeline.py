@@ -49,7 +49,9 @@ def stage_straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
     wait for a CPU says so (`HostSample.proc_run_delay_pct`, learned into a baseline with the
     compute's): a rank whose wait rose by ``stage_wait_pct`` points of a core over its own
     baseline, no other rank's by more than half that or a quarter of its rise, is slow too
-    when the step time's median is up as above.
+    when the step time's median is up as above; while it is held, another rank's compute
+    rising is not a straggler of its own (what the crowded CPU no longer runs lands on the
+    others': on this machine a neighbour's compute rose 1.6x for a few seconds).
     """
     st = job.det.setdefault("stage_straggler", {"seen": 0, "learn": [], "learn_st": []})
     raw, step_ms = d["raw"], d["step_ms"]
@@ -103,9 +105,13 @@ def stage_straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
         others = np.array([np.nanmax(np.delete(rise, r), initial=0.0) for r in range(w)])
         alone = others <= np.maximum(up / 2, rise / 4)  # the others rose far less, if at all
         slower = med_st >= 1 + up / 2  # the pipeline runs at some rank's pace
-        computes = (rise >= up) & alone & slower
         rising = _waits_for_cpu(delay - base_wait, p.stage_wait_pct)
         waits = rising & slower
+        # a rank held for its wait for a CPU explains its neighbours' compute rising: the
+        # work its CPU no longer runs (the job's other threads, perfloop's) lands on theirs
+        held = pers.active & (why == 2)
+        crowded = np.array([np.delete(held, r).any() for r in range(w)])
+        computes = (rise >= up) & alone & slower & ~crowded
         why = np.where(computes, 1, np.where(waits, 2, why))
         end = int(np.nanmax(win["end"][i]))
         begun = int(np.nanmin(_start(win, i, slice(None))))

@@ -164,3 +164,17 @@ def test_a_pipeline_rank_whose_threads_wait_for_a_cpu_is_its_straggler(
     assert d.evidence["ratio"] == pytest.approx(1.0, abs=0.05)
     assert "wait for a CPU 60% of a core" in d.summary
     assert d.onset_ns >= onset - 1 * S and d.ts_ns - onset < 10 * S
+
+
+def test_a_neighbour_computing_more_while_a_rank_waits_for_a_cpu_is_no_second_straggler() -> None:
+    # rank 1 waits for its CPU (named by that wait); then what its CPU no longer runs lands
+    # on rank 2's, whose compute rises 1.6x: the one cause is rank 1's crowded CPU, one
+    # straggler. A rank whose compute rises with nobody held for a wait is named (the test
+    # above with its wait left alone)
+    job = Synth(comm_name="recv")
+    job.steps(90, compute=lambda s: [90, 90, 90, 100])
+    job.run_delay[:] = [10, 60, 5, 10]
+    job.steps(40, compute=lambda s: [90, 90, 90, 100], comm=40.0)
+    job.steps(40, compute=lambda s: [90, 90, 144, 100], comm=40.0)
+    diags = job.feed(Funnel())
+    assert {r for d in opened(diags, "straggler") for r in d.ranks} == {1}
