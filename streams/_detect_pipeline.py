@@ -148,7 +148,7 @@ def stage_straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
             **_cpu_evidence(job, int(r)),
         }
         pace = f"the pipeline runs at its pace: {step_now:.1f} ms a step against {base_st:.1f} ms"
-        if why[r] == 2:  # its compute's median did not rise: its threads waited for a CPU
+        if why[r] == 2 and delay[r] == delay[r]:  # its threads waited for a CPU (still read)
             wait, was = float(delay[r]), float(base_wait[r])
             others_wait = float(np.nanmax(np.delete(delay, r), initial=0.0))
             evidence |= {
