@@ -148,14 +148,10 @@ def stage_straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
             **_cpu_evidence(job, int(r)),
         }
         pace = f"the pipeline runs at its pace: {step_now:.1f} ms a step against {base_st:.1f} ms"
-        if why[r] == 2 and delay[r] == delay[r]:  # its threads waited for a CPU (still read)
-            wait, was = float(delay[r]), float(base_wait[r])
-            others_wait = float(np.nanmax(np.delete(delay, r), initial=0.0))
-            evidence |= {
-                "run_delay_pct": round(wait, 1),
-                "baseline_run_delay_pct": round(was, 1),
-                "others_run_delay_pct": round(others_wait, 1),
-            }
+        if why[r] == 2 and "run_delay_pct" in evidence:  # its threads waited for a CPU
+            wait, others_wait = evidence["run_delay_pct"], evidence["others_run_delay_pct"]
+            was = float(base_wait[r])
+            evidence["baseline_run_delay_pct"] = round(was, 1)
             confidence = 0.5 + (wait - was) / 200
             summary = (
                 f"rank {r}'s threads wait for a CPU {wait:.0f}% of a core against {was:.0f}% "
