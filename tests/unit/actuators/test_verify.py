@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from perfloop.actuators.verify import ChangeVerifier, mann_whitney_p
@@ -188,6 +188,10 @@ kept_or_not = st.lists(st.floats(1, 1000, allow_nan=False), min_size=5, max_size
 
 @settings(max_examples=150, deadline=None)
 @given(kept_or_not, kept_or_not)
+@example(
+    before=[2.0, 1.0, 2.0, 2.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+    after=[1.0, 1.0, 2.0, 2.0, 2.0],
+)  # a level shift 5 steps in: judged on the 6 steps since it (CI found it)
 def test_a_kept_change_is_never_slower_than_3_pct_by_the_median_it_was_judged_on(
     before: list[float], after: list[float]
 ) -> None:
@@ -200,5 +204,9 @@ def test_a_kept_change_is_never_slower_than_3_pct_by_the_median_it_was_judged_on
     assert verdict is not None
     if not verdict.rollback:
         assert verdict.evidence["ratio"] <= 1.03
-    wide = min(max(verdict.evidence["n_after"], 5), len(before))
-    assert verdict.evidence["n_before"] in (wide, min(5, len(before)))
+    # judged on the newest steps before it (as many as after), the newest 5 when those ran
+    # at another level, or the steps since a clear level shift among them
+    wide = min(max(int(verdict.evidence["n_after"]), 5), len(before))
+    cut = v._level_shift(before[-wide:])
+    since_shift = () if cut is None else (wide - cut,)
+    assert verdict.evidence["n_before"] in (wide, min(5, len(before)), *since_shift)
