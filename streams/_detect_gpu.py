@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from perfloop.streams._detect_common import replace_findings
 from perfloop.streams._detect_state import (
     COMPUTE_CLASSES,
     MEMORY_CLASSES,
@@ -30,7 +31,6 @@ from perfloop.streams._detect_state import (
     Finding,
     JobState,
 )
-from perfloop.streams._detect_steps import _replace
 
 if TYPE_CHECKING:
     from perfloop.streams._detect_config import DetectConfig
@@ -45,19 +45,19 @@ def device_detectors(job: JobState, cfg: DetectConfig) -> None:
         if cfg.throttle.enabled:
             _throttle(job, cfg, bottleneck, prefix)
         else:
-            _replace(job, bottleneck + ":", {})
+            replace_findings(job, bottleneck + ":", {})
     if cfg.gpu_error.enabled:
         _gpu_error(job, cfg)
     else:
-        _replace(job, "gpu_error:", {})
+        replace_findings(job, "gpu_error:", {})
     if cfg.cpu.enabled:
         _cpu(job, cfg)
     else:
-        _replace(job, "cpu_saturation:", {})
+        replace_findings(job, "cpu_saturation:", {})
     if cfg.roofline.enabled:
         _roofline(job, cfg)
     else:
-        _replace(job, "roofline:", {})
+        replace_findings(job, "roofline:", {})
 
 
 def _rank_share(job: JobState, rank: int) -> float:
@@ -80,7 +80,7 @@ def _throttle(job: JobState, cfg: DetectConfig, bottleneck: str, p: str) -> None
         st["active"] = np.concatenate([st["active"], np.zeros(n - len(st["active"]), bool)])
     start, on, off = d[p + "start"], d[p + "on"], d[p + "off"]
     if not st["active"].any() and not (start > 0).any():
-        _replace(job, bottleneck + ":", {})
+        replace_findings(job, bottleneck + ":", {})
         return
     ongoing = start > 0
     lasting = ongoing & (on - start >= t.persist_s * NS)
@@ -125,13 +125,13 @@ def _throttle(job: JobState, cfg: DetectConfig, bottleneck: str, p: str) -> None
             summary=f"GPU {dev} on {node} (rank {rank}) is {what}-throttled"
             + (f" to {100 * ratio:.0f}% of its clock" if ratio == ratio else ""),
         )
-    _replace(job, bottleneck + ":", found)
+    replace_findings(job, bottleneck + ":", found)
 
 
 def _gpu_error(job: JobState, cfg: DetectConfig) -> None:
     d = job.dev
     if not (d["err_ns"] > 0).any():
-        _replace(job, "gpu_error:", {})
+        replace_findings(job, "gpu_error:", {})
         return
     now = int(d["ts"].max())
     active = (d["err_ns"] > 0) & (now - d["err_ns"] < cfg.gpu_error.clear_s * NS)
@@ -157,13 +157,13 @@ def _gpu_error(job: JobState, cfg: DetectConfig) -> None:
             summary=f"GPU {dev} on {node} reported hardware errors (XID {d['last_xid'][i]}, "
             f"{d['dbe'][i]} ECC double-bit errors)",
         )
-    _replace(job, "gpu_error:", found)
+    replace_findings(job, "gpu_error:", found)
 
 
 def _cpu(job: JobState, cfg: DetectConfig) -> None:
     nd, c = job.node, cfg.cpu
     if not (job.gpus or len(job.dev["node"])):
-        _replace(job, "cpu_saturation:", {})
+        replace_findings(job, "cpu_saturation:", {})
         return
     n = len(nd["ts"])
     st = job.det.setdefault("cpu", {"active": np.zeros(0, dtype=bool)})
@@ -171,7 +171,7 @@ def _cpu(job: JobState, cfg: DetectConfig) -> None:
         st["active"] = np.concatenate([st["active"], np.zeros(n - len(st["active"]), bool)])
     start, on, off = nd["cpu_start"], nd["cpu_on"], nd["cpu_off"]
     if not st["active"].any() and not (start > 0).any():
-        _replace(job, "cpu_saturation:", {})
+        replace_findings(job, "cpu_saturation:", {})
         return
     lasting = (start > 0) & (on - start >= c.persist_s * NS)
     cleared = (off > on) & (off - on >= c.clear_s * NS)
@@ -202,7 +202,7 @@ def _cpu(job: JobState, cfg: DetectConfig) -> None:
             evidence={"sys_cpu_pct": float(nd["cpu"][i]), "sys_iowait_pct": float(nd["iowait"][i])},
             summary=f"node {name} CPU at {nd['cpu'][i]:.0f}%",
         )
-    _replace(job, "cpu_saturation:", found)
+    replace_findings(job, "cpu_saturation:", found)
 
 
 def _roofline(job: JobState, cfg: DetectConfig) -> None:
@@ -233,7 +233,7 @@ def _roofline(job: JobState, cfg: DetectConfig) -> None:
         ev = {"sm_util_pct": round(float(sm), 2), "mem_util_pct": round(float(mem), 2)}
         kind, conf = ("memory_bound" if mem >= 0.75 * sm else "compute_bound"), 0.3
     else:
-        _replace(job, "roofline:", {})
+        replace_findings(job, "roofline:", {})
         return
     found[f"roofline:{kind}"] = Finding(
         key=f"roofline:{kind}",
@@ -244,4 +244,4 @@ def _roofline(job: JobState, cfg: DetectConfig) -> None:
         evidence=ev,
         summary=f"kernels look {kind.replace('_', '-')} (context, not a fault)",
     )
-    _replace(job, "roofline:", found)
+    replace_findings(job, "roofline:", found)

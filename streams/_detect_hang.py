@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from perfloop.schemas.job import PROGRESS_PHASES
+from perfloop.streams._detect_common import nanmean, replace_findings
 from perfloop.streams._detect_state import NS, Finding, JobState
-from perfloop.streams._detect_steps import _replace, nanmean
 
 if TYPE_CHECKING:
     from perfloop.streams._detect_config import DetectConfig
@@ -53,13 +53,13 @@ def hang_detector(job: JobState, cfg: DetectConfig, now_ns: int) -> None:
     st = job.det.setdefault("hang", {"active": False, "at_ns": 0})
     if job.ended or not h.enabled:
         st["active"] = False
-        _replace(job, "hang", {})
+        replace_findings(job, "hang", {})
         return
     if st["active"] and job.last_step_ns > st["at_ns"]:  # progress again
         st["active"] = False
     p99 = job.det.get("p99_ms", 0.0)
     if job.det.get("steps_seen", 0) < h.min_steps or p99 <= 0:
-        _replace(job, "hang", {})
+        replace_findings(job, "hang", {})
         return
     gap_s = (now_ns - job.last_step_ns) / NS
     fast_s = max(h.floor_s, h.k * p99 / 1000)
@@ -69,7 +69,7 @@ def hang_detector(job: JobState, cfg: DetectConfig, now_ns: int) -> None:
         _from_reports(job, h, st, said, gap_s=gap_s, fast_s=fast_s, slow_s=slow_s, p99=p99)
         return
     if not st["active"] and gap_s < min(fast_s, slow_s):  # no timeout can have passed
-        _replace(job, "hang", {})
+        replace_findings(job, "hang", {})
         return
     dev = job.dev
     recent = dev["ts"] > job.last_step_ns
@@ -80,7 +80,7 @@ def hang_detector(job: JobState, cfg: DetectConfig, now_ns: int) -> None:
     if not st["active"] and gap_s >= timeout:
         st.update(active=True, at_ns=job.last_step_ns)
     if not st["active"]:
-        _replace(job, "hang", {})
+        replace_findings(job, "hang", {})
         return
     idle = recent & (dev["util"] <= h.idle_util_pct) & (dev["rank"] >= 0) & spin
     culprits = sorted({int(x) for x in dev["rank"][idle]})
@@ -134,7 +134,7 @@ def _from_reports(
     """Decide from the ranks' own word (see the module docstring)."""
     if said["pause"].any():  # a checkpoint or an evaluation: the others wait for it
         st["active"] = False
-        _replace(job, "hang", {})
+        replace_findings(job, "hang", {})
         return
     known, waiting = said["known"] | said["fresh"], said["waiting"]
     if said["long_pause"].any():
@@ -150,7 +150,7 @@ def _from_reports(
     if not st["active"] and gap_s >= timeout:
         st.update(active=True, at_ns=job.last_step_ns)
     if not st["active"]:
-        _replace(job, "hang", {})
+        replace_findings(job, "hang", {})
         return
     ranks = [int(r) for r in culprits]
     phase = job.rank["p_phase"]
@@ -185,7 +185,7 @@ def _found(
     confidence: float,
 ) -> None:
     expected = job.det.get("median_step_ms", 0.0) * 1e6
-    _replace(
+    replace_findings(
         job,
         "hang",
         {

@@ -20,9 +20,16 @@ from typing import Any
 
 import numpy as np
 
+from perfloop.streams._detect_common import (
+    nanmean,
+    nanmedian,
+    node_of,
+    nz,
+    replace_findings,
+    step_start,
+)
 from perfloop.streams._detect_persist import Persistence
 from perfloop.streams._detect_state import Finding, JobState
-from perfloop.streams._detect_steps import _replace, _start, nanmean, nanmedian, node_of, nz
 from perfloop.streams._detect_straggler import _cpu_evidence, _cpu_note
 
 __all__ = ["stage_imbalance", "stage_straggler"]
@@ -114,7 +121,7 @@ def stage_straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
         computes = (rise >= up) & alone & slower & ~crowded
         why = np.where(computes, 1, np.where(waits, 2, why))
         end = int(np.nanmax(win["end"][i]))
-        begun = int(np.nanmin(_start(win, i, slice(None))))
+        begun = int(np.nanmin(step_start(win, i, slice(None))))
         pers.update(computes | waits, start=begun, end=end)
         calm = np.all(np.abs(nz(ratio) - 1) < up / 2) and abs(s / base_st - 1) < up / 2
         if calm and not pers.active.any():  # healthy: follow slow drift
@@ -168,7 +175,7 @@ def stage_straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
         found[f"straggler:r{r}"] = Finding(
             key=f"straggler:r{r}",
             bottleneck="straggler",
-            onset_ns=since if since > 0 else int(_start(win, max(n - 8, 0), r)),
+            onset_ns=since if since > 0 else int(step_start(win, max(n - 8, 0), r)),
             step_share=float(np.clip(1.0 - base_st / step_now, 0, 1)) if step_now > 0 else 0.0,
             confidence=float(np.clip(confidence, 0, 1)),
             ranks=[int(r)],
@@ -178,7 +185,7 @@ def stage_straggler(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
             evidence=evidence,
             summary=summary,
         )
-    _replace(job, "straggler:", found)
+    replace_findings(job, "straggler:", found)
 
 
 def _widen(a: np.ndarray | None, w: int) -> np.ndarray:
@@ -240,7 +247,7 @@ def stage_imbalance(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
             ranks = []  # it became heavy: a straggler's (`stage_straggler`), not the cut
     held = bool(ranks)
     end = int(np.nanmax(win["end"][-1]))
-    begun = int(np.nanmin(_start(win, len(win["step"]) - len(d["raw"]), slice(None))))
+    begun = int(np.nanmin(step_start(win, len(win["step"]) - len(d["raw"]), slice(None))))
     pers = Persistence(
         st.setdefault("persist", {}),
         width=1,
@@ -282,7 +289,7 @@ def stage_imbalance(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
             f"{mean_ms:.1f} ms on average over the ranks: the pipeline runs at its pace, "
             f"~{100 * share:.0f}% of each step lost (move work off it)",
         )
-    _replace(job, "load_imbalance", found)
+    replace_findings(job, "load_imbalance", found)
 
 
 def _slowed(job: JobState, ranks: list[int]) -> bool:

@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 
 from perfloop.streams._detect_base import NS, Finding
+from perfloop.streams._detect_common import node_of, replace_findings
 from perfloop.streams._detect_state import JobState
-from perfloop.streams._detect_steps import _replace, node_of
 
 __all__ = ["HISTORY", "rss_leak_detector"]
 
@@ -104,7 +104,7 @@ def rss_leak_detector(job: JobState, p: Any, win: dict) -> None:
             summary=f"rank {r}'s memory (RSS) grows {rate / 2**20:.1f} MiB a second"
             + (f"; out of {bound} in about {tto:.0f} s" if tto == tto else ""),
         )
-    _replace(job, "memory_leak:", found)
+    replace_findings(job, "memory_leak:", found)
 
 
 def _fold(a: dict[str, np.ndarray], win: dict, w: int) -> np.ndarray:

@@ -43,56 +43,29 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from perfloop.streams._detect_common import (
+    nanmean,
+    nanmedian,
+    node_of,
+    nz,
+    replace_findings,
+    step_start,
+    trailing,
+)
 from perfloop.streams._detect_loader import loader_evidence
 from perfloop.streams._detect_persist import Persistence
+from perfloop.streams._detect_pipeline import stage_imbalance, stage_straggler
+from perfloop.streams._detect_rss import rss_leak_detector
 from perfloop.streams._detect_state import NS, Finding, JobState
+from perfloop.streams._detect_straggler import straggler_detector
+from perfloop.streams._detect_threads import thread_detector
 
 if TYPE_CHECKING:
     from perfloop.streams._detect_config import DetectConfig
 
-__all__ = ["nanmean", "nanmedian", "nz", "step_detectors", "trailing"]
+__all__ = ["pipeline", "step_detectors"]
 
 WINDOW = 16  # complete steps the detectors look at
-
-
-def trailing(flag: np.ndarray) -> np.ndarray:
-    """Length of the run of True at the end of each column (axis 0).
-
-    >>> trailing(np.array([[1, 0], [1, 1], [0, 1], [1, 1]], dtype=bool)).tolist()
-    [1, 3]
-    """
-    if not len(flag):
-        return np.zeros(flag.shape[1:], dtype=np.int64)
-    return np.cumprod(flag[::-1], axis=0).sum(axis=0)
-
-
-def nanmedian(a: np.ndarray, axis: int) -> np.ndarray:
-    """Median along ``axis`` (0 or 1) of a 2-D array, ignoring NaN; NaN where all are NaN.
-
-    Much cheaper than `numpy.nanmedian` on the small matrices the detectors use.
-
-    >>> nanmedian(np.array([[1.0, np.nan, 3.0], [np.nan, np.nan, np.nan]]), 1).tolist()
-    [2.0, nan]
-    """
-    if axis == 0:
-        a = a.T
-    s = np.sort(a, axis=1)  # NaN sorts last, so with no value both picks are NaN
-    n = a.shape[1] - np.isnan(a).sum(axis=1)
-    rows = np.arange(len(s))
-    return 0.5 * (s[rows, (n - 1) // 2] + s[rows, n // 2])
-
-
-def nz(x: Any) -> Any:
-    """NaN → 0 (cheaper than `numpy.nan_to_num` on small arrays)."""
-    return np.where(x == x, x, 0.0)
-
-
-def nanmean(a: np.ndarray, axis: int | None = None) -> Any:
-    """Mean ignoring NaN, without the warning numpy gives for an all-NaN slice."""
-    ok = ~np.isnan(a)
-    n = ok.sum(axis=axis)
-    total = np.where(ok, a, 0.0).sum(axis=axis)
-    return np.where(n > 0, total / np.maximum(n, 1), np.nan)
 
 
 def _active(state: dict[str, Any], key: str, n: int) -> np.ndarray:
@@ -106,17 +79,6 @@ def _active(state: dict[str, Any], key: str, n: int) -> np.ndarray:
 
 def _hysteresis(active: np.ndarray, run_on: Any, run_off: Any, need: int, clear: int) -> Any:
     return (active | (run_on >= need)) & ~(active & (run_off >= clear))
-
-
-def _replace(job: JobState, prefix: str, found: dict[str, Finding]) -> None:
-    """Set ``prefix`` findings to ``found``, keeping each open one's first onset."""
-    for key in [k for k in job.findings if k.startswith(prefix) and k not in found]:
-        del job.findings[key]
-    for key, f in found.items():
-        old = job.findings.get(key)
-        if old is not None:
-            f.onset_ns = old.onset_ns
-        job.findings[key] = f
 
 
 def _derive(job: JobState, win: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -221,11 +183,6 @@ def _persistence(state: dict[str, Any], p: Any, width: int) -> Persistence:
     )
 
 
-def _start(win: dict[str, np.ndarray], i: int, r: Any) -> Any:
-    """Event time at which step row ``i`` of rank(s) ``r`` started."""
-    return win["end"][i, r] - np.nan_to_num(win["st"][i, r] * 1e6).astype(np.int64)
-
-
 def step_detectors(job: JobState, cfg: DetectConfig) -> None:
     """Run the step-based detectors if new steps completed since the last call."""
     if not job.complete_steps():
@@ -244,13 +201,6 @@ def step_detectors(job: JobState, cfg: DetectConfig) -> None:
         if len(st_all):
             job.det["p99_ms"] = float(np.percentile(st_all, 99))
             job.det["median_step_ms"] = float(np.median(st_all))
-    from perfloop.streams._detect_pipeline import (  # (they import this)
-        stage_imbalance,
-        stage_straggler,
-    )
-    from perfloop.streams._detect_straggler import straggler_detector
-    from perfloop.streams._detect_threads import thread_detector
-
     pipe = pipeline(job)
     for name, fn in (
         ("straggler", straggler_detector),
@@ -266,7 +216,7 @@ def step_detectors(job: JobState, cfg: DetectConfig) -> None:
         if getattr(cfg, name).enabled:
             fn(job, getattr(cfg, name), win, d, new)
         else:
-            _replace(job, _PREFIX[name], {})
+            replace_findings(job, _PREFIX[name], {})
 
 
 PIPELINE_STEPS = 8
@@ -303,7 +253,7 @@ def _load_imbalance(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
     flagged = imb >= p.threshold
     count = int(flagged.sum())
     if not st["active"] and count < p.min_flagged:
-        _replace(job, "load_imbalance", {})
+        replace_findings(job, "load_imbalance", {})
         return
     slow = d["score"][-p.window_steps :] >= job.det.get("straggler_threshold", 0.12)
     # rotating: no single rank is slow in most of the flagged steps (that is a straggler)
@@ -330,7 +280,9 @@ def _load_imbalance(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
         found["load_imbalance"] = Finding(
             key="load_imbalance",
             bottleneck="load_imbalance",
-            onset_ns=int(np.min(_start(win, len(win["step"]) - len(comp) + first, slice(None)))),
+            onset_ns=int(
+                np.min(step_start(win, len(win["step"]) - len(comp) + first, slice(None)))
+            ),
             step_share=float(np.clip(np.mean(((top - med) / step_ms)[flagged]), 0, 1)),
             confidence=min(1.0, 0.4 + 0.6 * count / len(comp)),
             ranks=sorted({int(x) for x in argmax}),
@@ -343,7 +295,7 @@ def _load_imbalance(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
             summary=f"compute differs across ranks by {100 * imb[flagged].mean():.0f}% per step, "
             "the slowest rank changing from step to step",
         )
-    _replace(job, "load_imbalance", found)
+    replace_findings(job, "load_imbalance", found)
 
 
 def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
@@ -356,13 +308,13 @@ def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> N
     flag = (share >= p.share_threshold) & (nz(d["wait"]) >= p.min_wait_ms)
     active = _active(st, "active", w)[:w]
     if not flag.any() and not active.any():
-        _replace(job, "dataloader_starvation:", {})
+        replace_findings(job, "dataloader_starvation:", {})
         return
     run_on, run_off = trailing(flag), trailing(~flag)
     # fed for clear_steps steps and clear_s of event time: a loader that keeps up for a
     # moment between two slow batches is still starving
     first_fed = np.clip(n - run_off, 0, n - 1)
-    fed_ns = win["end"][-1, :w] - _start(win, first_fed, np.arange(w))
+    fed_ns = win["end"][-1, :w] - step_start(win, first_fed, np.arange(w))
     run_off = np.where((run_off >= n) | (fed_ns >= p.clear_s * NS), run_off, 0)
     st["active"][:w] = act = _hysteresis(active, run_on, run_off, p.persist_steps, p.clear_steps)
     found = {}
@@ -372,7 +324,7 @@ def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> N
         k = int(min(n, 3))
         sh = np.nan_to_num(share[-k:, ranks].mean(axis=0))
         runs = np.clip(run_on[ranks], 1, n)
-        onset = int(min(_start(win, n - int(x), r) for x, r in zip(runs, ranks, strict=True)))
+        onset = int(min(step_start(win, n - int(x), r) for x, r in zip(runs, ranks, strict=True)))
         name = job.nodes[int(node)] if node >= 0 else "unknown"
         key = f"dataloader_starvation:{name}"
         loader, words = loader_evidence(job, ranks, int(node))
@@ -400,7 +352,7 @@ def _dataloader(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> N
             "of each step" + (f"; {words}" if words else ""),
             mark=_mark(st, key, loader, max(sh.max(), window) >= 2 * p.share_threshold),
         )
-    _replace(job, "dataloader_starvation:", found)
+    replace_findings(job, "dataloader_starvation:", found)
 
 
 def _mark(st: dict[str, Any], key: str, loader: dict[str, float], high: bool) -> str:
@@ -419,12 +371,6 @@ def _mark(st: dict[str, Any], key: str, loader: dict[str, float], high: bool) ->
     return mark
 
 
-def node_of(job: JobState, rank: int) -> list[str]:
-    """The name of the node ``rank`` runs on, as a list (empty when unknown)."""
-    n = int(job.rank["node"][rank]) if 0 <= rank < len(job.rank["node"]) else -1
-    return [job.nodes[n]] if 0 <= n < len(job.nodes) else []
-
-
 def _node_evidence(job: JobState, node: int) -> dict[str, float]:
     out = {}
     for key, name in (("iowait", "sys_iowait_pct"), ("cpu", "sys_cpu_pct")):
@@ -439,7 +385,7 @@ def _comm(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
         "comm", {"base": 0.0, "exp_base": 0.0, "learn": [], "learn_exp": [], "active": False}
     )
     if not (job.gpus or len(job.dev["node"]) or len(job.nodes) > 1):
-        _replace(job, "comm_degradation", {})
+        replace_findings(job, "comm_degradation", {})
         return
     pure, exposed = d["pure"], d["exposed"]
     for v, e in zip(pure[new], exposed[new], strict=True):
@@ -464,7 +410,7 @@ def _comm(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
         run_on = int(trailing(flag))
         pers = _persistence(st.setdefault("persist", {}), p, 1)
         for i in np.flatnonzero(new):
-            start = int(np.nanmin(_start(win, i, slice(None))))
+            start = int(np.nanmin(step_start(win, i, slice(None))))
             pers.update(flag[i : i + 1], start=start, end=int(np.nanmax(win["end"][i])))
         st["active"] = bool(pers.active[0])
         if st["active"]:
@@ -480,7 +426,7 @@ def _comm(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
             found["comm_degradation"] = Finding(
                 key="comm_degradation",
                 bottleneck="comm_degradation",
-                onset_ns=int(np.min(_start(win, n - k, slice(None)))),
+                onset_ns=int(np.min(step_start(win, n - k, slice(None)))),
                 step_share=float(np.clip(extra / step_ms, 0, 1)),
                 confidence=float(min(1.0, 0.5 + 0.25 * (ratio[recent].mean() - 1))),
                 step=int(win["step"][-1]),
@@ -495,7 +441,7 @@ def _comm(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
                 summary=f"collectives take {ratio[recent].mean():.1f}x their baseline "
                 f"({pure[recent].mean():.1f} ms vs {st['base']:.1f} ms), not waiting on a rank",
             )
-    _replace(job, "comm_degradation", found)
+    replace_findings(job, "comm_degradation", found)
 
 
 def _exposed(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
@@ -505,7 +451,7 @@ def _exposed(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None
     run_on = int(trailing(flag))
     pers = _persistence(st.setdefault("persist", {}), p, 1)
     for i in np.flatnonzero(new):
-        start = int(np.nanmin(_start(win, i, slice(None))))
+        start = int(np.nanmin(step_start(win, i, slice(None))))
         pers.update(flag[i : i + 1], start=start, end=int(np.nanmax(win["end"][i])))
     st["active"] = bool(pers.active[0])
     found = {}
@@ -516,7 +462,7 @@ def _exposed(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None
         found["exposed_comm"] = Finding(
             key="exposed_comm",
             bottleneck="exposed_comm",
-            onset_ns=int(np.min(_start(win, n - k, slice(None)))),
+            onset_ns=int(np.min(step_start(win, n - k, slice(None)))),
             step_share=float(np.clip(sh, 0, 1)),
             confidence=float(min(1.0, 0.5 + sh)),
             step=int(win["step"][-1]),
@@ -527,13 +473,11 @@ def _exposed(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None
             },
             summary=f"{100 * sh:.0f}% of each step is communication no rank hides",
         )
-    _replace(job, "exposed_comm", found)
+    replace_findings(job, "exposed_comm", found)
 
 
 def _memory(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
     if job.flags.get("rss"):  # a CPU job: its processes' RSS, judged over time
-        from perfloop.streams._detect_rss import rss_leak_detector
-
         rss_leak_detector(job, p, win)
         return
     st = job.det.setdefault("memory", {})
@@ -545,13 +489,13 @@ def _memory(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
     delta = np.diff(mem, axis=0)
     up = delta > 0
     if not up[-1].any() and not active.any():
-        _replace(job, "memory_leak:", {})
+        replace_findings(job, "memory_leak:", {})
         return
     run = trailing(up)
     slope = nanmedian(np.where(up, delta, np.nan)[-p.window_steps + 1 :], 0)
     grows = (run >= p.window_steps - 1) & (nz(slope) >= p.min_growth_bytes)
     flat = trailing(~up)  # steps without growth; and how long (RSS grows in chunks)
-    flat_ns = win["end"][-1, :w] - _start(win, np.clip(n - 1 - flat, 0, n - 1), np.arange(w))
+    flat_ns = win["end"][-1, :w] - step_start(win, np.clip(n - 1 - flat, 0, n - 1), np.arange(w))
     still = (flat < p.clear_steps) | ((flat < n - 1) & (flat_ns < p.clear_s * NS))
     st["active"][:w] = act = (active | grows) & still
     found = {}
@@ -575,7 +519,7 @@ def _memory(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
         found[f"memory_leak:r{r}"] = Finding(
             key=f"memory_leak:r{r}",
             bottleneck="memory_leak",
-            onset_ns=int(_start(win, n - k, r)),
+            onset_ns=int(step_start(win, n - k, r)),
             step_share=0.0,
             confidence=float(min(1.0, 0.5 + 0.5 * run[r] / (2 * p.window_steps))),
             ranks=[int(r)],
@@ -586,7 +530,7 @@ def _memory(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) -> None:
             summary=f"rank {r} keeps {rate / 2**20:.1f} MiB more each step"
             + (f"; out of memory in about {tto:.0f} s" if tto == tto else ""),
         )
-    _replace(job, "memory_leak:", found)
+    replace_findings(job, "memory_leak:", found)
 
 
 def _device_total(job: JobState, rank: int) -> float:

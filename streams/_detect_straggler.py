@@ -33,9 +33,15 @@ from typing import Any
 
 import numpy as np
 
+from perfloop.streams._detect_common import (
+    nanmean,
+    nanmedian,
+    node_of,
+    replace_findings,
+    step_start,
+)
 from perfloop.streams._detect_persist import Persistence
 from perfloop.streams._detect_state import Finding, JobState
-from perfloop.streams._detect_steps import _replace, _start, nanmean, nanmedian, node_of
 
 __all__ = ["straggler_detector"]
 
@@ -85,7 +91,7 @@ def straggler_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarra
         state["history"], state["history_begun"] = shares[keep:], begun[keep:]
     active = pers.active
     if not active.any():
-        _replace(job, "straggler:", {})
+        replace_findings(job, "straggler:", {})
         return
     score, comp, med = d["score"], d["comp"], d["med"]
     steps = pers.st["steps"]
@@ -95,7 +101,7 @@ def straggler_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarra
         sc = float(nanmean(score[-k:, r]))
         late = float(nanmean(excess[-k:, r]))
         since = int(pers.since[r])
-        onset = since if since > 0 else int(_start(win, n - k, r))
+        onset = since if since > 0 else int(step_start(win, n - k, r))
         found[f"straggler:r{r}"] = Finding(
             key=f"straggler:r{r}",
             bottleneck="straggler",
@@ -118,7 +124,7 @@ def straggler_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarra
             summary=f"rank {r} computes {1 / max(1e-9, 1 - sc):.2f}x the job median per step; "
             f"the others wait {late:.0f} ms a step for it" + _cpu_note(job, int(r)),
         )
-    _replace(job, "straggler:", found)
+    replace_findings(job, "straggler:", found)
 
 
 def _history(state: dict[str, Any], width: int) -> tuple[np.ndarray, np.ndarray]:

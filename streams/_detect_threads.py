@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from perfloop.streams._detect_common import nanmean, replace_findings, step_start
 from perfloop.streams._detect_state import Finding, JobState
-from perfloop.streams._detect_steps import _replace, _start, nanmean
 
 __all__ = ["thread_detector"]
 
@@ -41,7 +41,7 @@ def thread_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
     known = (threads >= 1) & (budget >= 1)
     st = job.det.setdefault("threads", {})
     if not known.any():
-        _replace(job, "thread_oversubscription:", {})
+        replace_findings(job, "thread_oversubscription:", {})
         return
     # the loader runs the workers its steps say (the host sees every child process of the rank:
     # a tool or a compiler the script started is no loader worker)
@@ -78,7 +78,7 @@ def thread_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
         found[key] = Finding(
             key=key,
             bottleneck="thread_oversubscription",
-            onset_ns=int(np.min(_start(win, max(0, n - int(run[ranks].max())), ranks))),
+            onset_ns=int(np.min(step_start(win, max(0, n - int(run[ranks].max())), ranks))),
             step_share=float(np.clip(share, 0, 1)),
             confidence=0.8,
             ranks=[int(r) for r in ranks],
@@ -99,7 +99,7 @@ def thread_detector(job: JobState, p: Any, win: dict, d: dict, new: np.ndarray) 
             + f" on {budget[r0]:.0f} CPU(s) each while compute is {100 * compute[r0]:.0f}% "
             "of the step: parallel ops wait for descheduled threads",
         )
-    _replace(job, "thread_oversubscription:", found)
+    replace_findings(job, "thread_oversubscription:", found)
 
 
 def _count(
