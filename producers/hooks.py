@@ -69,8 +69,8 @@ from perfloop.producers.training import (
     Pipeline,
     StepRecord,
     describe_job,
-    launcher_world,
 )
+from perfloop.producers.world import launcher_world
 from perfloop.schemas import P2P_OPS
 
 __all__ = [

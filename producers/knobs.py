@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from perfloop.exceptions import ConfigError
 from perfloop.producers._cpu import cpu_budget
-from perfloop.producers.training import launcher_world
+from perfloop.producers.world import launcher_world
 
 __all__ = ["TorchKnobs", "Tunable", "start_agent", "tunable", "tunables", "use_patch"]
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from perfloop.exceptions import ConfigError
 from perfloop.producers.emitter import Emitter, Sends
-from perfloop.producers.scenarios import Fault
+from perfloop.producers.faults import Fault
 from perfloop.schemas import GroundTruth, JobInfo, JobLifecycle, KnobValue
 
 __all__ = ["PHASES", "SimConfig", "SimulatedJob", "StepReport"]
