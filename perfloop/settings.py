@@ -12,9 +12,9 @@ they are unset, the embedded stack's loopback addresses (``PERFLOOP_KAFKA_PORT``
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "StackSettings",
     "StreamsSettings",
     "WarehouseServerSettings",
+    "load_settings",
 ]
 
 _CONFIG = SettingsConfigDict(
@@ -327,3 +328,29 @@ class ActuatorSettings(BaseServiceSettings):
             except ConfigError as e:  # one line naming what is wrong
                 raise ValueError(str(e)) from None
         return value
+
+
+_S = TypeVar("_S", bound=BaseSettings)
+
+
+def load_settings(cls: type[_S]) -> _S:
+    """``cls()`` from the environment; a bad ``PERFLOOP_*`` value is one `ConfigError` line.
+
+    >>> import os; os.environ["PERFLOOP_ALLOWED_LATENESS_S"] = "zero"
+    >>> from perfloop.exceptions import ConfigError
+    >>> try:
+    ...     load_settings(StreamsSettings)
+    ... except ConfigError as e:
+    ...     print(str(e).split(":")[0])
+    invalid setting PERFLOOP_ALLOWED_LATENESS_S
+    >>> del os.environ["PERFLOOP_ALLOWED_LATENESS_S"]
+    """
+    from perfloop.exceptions import ConfigError
+
+    try:
+        return cls()
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(
+            f"invalid setting PERFLOOP_{str(err['loc'][0]).upper()}: {err['msg']}"
+        ) from None

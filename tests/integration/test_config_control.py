@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from perfloop._config_cli import build_change
+from perfloop.cli.config import build_change
 from perfloop.actuators.agent import ConfigListener
 from perfloop.catalog import Topics
 from perfloop.kafka import consumer, producer

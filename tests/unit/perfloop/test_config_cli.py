@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from perfloop._config_cli import ISSUER_JOB_ID, build_change, default_target, parse_value
+from perfloop.cli.config import ISSUER_JOB_ID, build_change, default_target, parse_value
 from perfloop.cli import build_parser, main
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import ConfigChange, decode_event, encode_event

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from perfloop._config_cli import build_change, parse_value
+from perfloop.cli.config import build_change, parse_value
 from perfloop.cli import build_parser, main
 from perfloop.exceptions import ConfigError
 from perfloop.settings import ActuatorSettings, ProducerSettings
@@ -115,8 +115,8 @@ def test_the_action_hook_is_not_a_live_setting() -> None:
 def test_run_passes_the_pins_to_the_command_and_publishes_them_for_the_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import perfloop._config_cli as config_cli
-    from perfloop.producers.launch import run_command
+    import perfloop.cli.config as config_cli
+    from perfloop.cli.run import run_command
 
     published: list[Any] = []
     monkeypatch.setattr(
@@ -133,7 +133,7 @@ def test_run_passes_the_pins_to_the_command_and_publishes_them_for_the_job(
         PERFLOOP_KAFKA_BOOTSTRAP=f"127.0.0.1:{closed_port()}", home=tmp_path,
         message_timeout_ms=1000,
     )  # fmt: skip
-    monkeypatch.setattr("perfloop.producers.launch._start_sampler", lambda *a, **k: (None, None))
+    monkeypatch.setattr("perfloop.cli.run._start_sampler", lambda *a, **k: (None, None))
     assert run_command(args, settings) == 0
     assert out.read_text() == "dataloader.num_workers,torch.num_threads"
     assert [(c.key, c.value, c.applies_to, c.reason) for c in published] == [

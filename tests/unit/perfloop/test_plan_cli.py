@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from perfloop._plan_cli import parse_count
+from perfloop.cli.plan import parse_count
 from perfloop.cli import main
 from perfloop.exceptions import ConfigError
 from perfloop.models.devices import device

@@ -17,7 +17,8 @@ from perfloop.catalog import KIND_TOPICS
 from perfloop.exceptions import ConfigError
 from perfloop.producers.adaptive import OverheadMeter
 from perfloop.producers.emitter import Emitter
-from perfloop.producers.node import NodeSampler, sample_command
+from perfloop.cli.sample import sample_command
+from perfloop.producers.node import NodeSampler
 from perfloop.schemas import decode_batch, decode_event
 from perfloop.schemas.job import CapabilityReport, ProducerStats
 from perfloop.settings import ProducerSettings

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 
 from perfloop.catalog import Topics
+from perfloop.cli.replay import replay_command
 from perfloop.producers import replay as replay_mod
 from perfloop.producers.replay import (
     TraceError,
     default_job_id,
-    replay_command,
     replay_trace,
     tile_step,
 )
@@ -563,7 +563,7 @@ def test_an_invalid_job_id_is_a_config_error(fake_publisher: list[Collect]) -> N
 
 
 def test_module_exports() -> None:
-    assert set(replay_mod.__all__) >= {"replay_command", "replay_trace", "index_trace"}
+    assert set(replay_mod.__all__) >= {"replay_trace", "index_trace", "default_job_id"}
 
 
 def test_a_trace_without_profiler_steps_replays_whole_by_default(

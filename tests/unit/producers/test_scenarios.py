@@ -13,7 +13,7 @@ from perfloop.catalog import Topics
 from perfloop.cli import build_parser
 from perfloop.exceptions import ConfigError
 from perfloop.producers import SCENARIOS, Fault, SimulatedJob, plan_faults, scenario_config
-from perfloop.producers.scenarios import simulate_command
+from perfloop.cli.simulate import simulate_command
 from perfloop.producers.simulator import THROTTLE_SW_THERMAL
 from perfloop.schemas import decode_batch, decode_event
 

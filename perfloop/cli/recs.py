@@ -24,8 +24,9 @@ import time
 from typing import Any, TextIO
 
 from perfloop.exceptions import PerfloopError
+from perfloop.settings import load_settings
 
-__all__ = ["add_recs_parsers", "approve_command", "recs_command"]
+__all__ = ["approve_command", "recs_command"]
 
 _RECS_COLUMNS = (
     "ts",
@@ -52,23 +53,6 @@ _LATEST = (
 _DONE = {"approve": ("issued", "dry_run"), "reject": ("rejected",)}
 
 
-def add_recs_parsers(sub: Any) -> None:
-    """Register ``recs``, ``approve`` and ``reject`` on the CLI's subparsers."""
-    recs = sub.add_parser("recs", help="recommendations pending approval (--all: every one)")
-    recs.add_argument("--job", metavar="JOB", help="this job's only")
-    recs.add_argument("--all", action="store_true", help="every recommendation and its state")
-    recs.add_argument("--limit", type=int, default=50, metavar="N", help="newest N (50)")
-    recs.add_argument("--json", action="store_true", help="print JSON")
-    for verb, what in (("approve", "issue its command"), ("reject", "drop it")):
-        p = sub.add_parser(verb, help=f"{verb} a pending recommendation: {what}")
-        p.add_argument("rec_id", metavar="REC_ID", help="from `perfloop recs`")
-        p.add_argument("--reason", default="", metavar="TEXT", help="why (kept in the audit)")
-        p.add_argument(
-            "--wait-s", type=float, default=15.0, metavar="S",
-            help="wait this long for the actuator's decision (15; 0: do not wait)",
-        )  # fmt: skip
-
-
 def _query(settings: Any, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
     from clickhouse_connect.driver.exceptions import ClickHouseError
 
@@ -90,14 +74,13 @@ def _query(settings: Any, sql: str, params: dict[str, Any]) -> list[tuple[Any, .
 
 def recs_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     """``perfloop recs``."""
-    from perfloop.cli import _settings
     from perfloop.demo import format_table
     from perfloop.settings import ActuatorSettings
 
     out = out or sys.stdout
     if not 1 <= args.limit <= 100_000:
         raise PerfloopError(f"--limit {args.limit} is outside [1, 100000]")
-    settings = _settings(ActuatorSettings)
+    settings = load_settings(ActuatorSettings)
     # a pending recommendation past the approval horizon can no longer be approved: expired
     cutoff = time.time_ns() - int(settings.approval_ttl_s * 1e9)
     where, params = [], {"limit": args.limit, "cutoff": cutoff}
@@ -135,8 +118,8 @@ def recs_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
 def _stored_value(text: str, knob: str = "") -> Any:
     """A knob value as the tables keep it (text) back as the value it was (None for ''); the
     value of a hook knob (a node's name, e.g. "1e5" or "007") stays the text it is."""
-    from perfloop._config_cli import parse_value
     from perfloop.actuators.allowlist import HOOK_KNOBS
+    from perfloop.cli.config import parse_value
 
     if text == "":
         return None
@@ -145,11 +128,10 @@ def _stored_value(text: str, knob: str = "") -> Any:
 
 def approve_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     """``perfloop approve`` and ``perfloop reject``."""
-    from perfloop._config_cli import _author
     from perfloop.actuators.service import SIGNING_KEY_ID
     from perfloop.actuators.signing import sign
     from perfloop.catalog import Topics
-    from perfloop.cli import _settings
+    from perfloop.cli.config import _author
     from perfloop.exceptions import BrokerError
     from perfloop.kafka import ping, producer
     from perfloop.schemas import Approval, encode_event
@@ -158,7 +140,7 @@ def approve_command(args: argparse.Namespace, *, out: TextIO | None = None) -> i
 
     out = out or sys.stdout
     verdict = args.command
-    settings = _settings(ActuatorSettings)
+    settings = load_settings(ActuatorSettings)
     rec_id = args.rec_id
     found = _query(
         settings,

@@ -27,10 +27,10 @@ import time
 from typing import Any, TextIO
 
 from perfloop.exceptions import ConfigError, PerfloopError, WarehouseError
+from perfloop.settings import load_settings
 
 __all__ = [
     "ISSUER_JOB_ID",
-    "add_config_parser",
     "build_change",
     "config_command",
     "default_target",
@@ -158,33 +158,11 @@ def build_change(
         raise ConfigError(f"invalid {label} {shown!r}: {err['msg']}") from None
 
 
-def add_config_parser(sub: Any, parser_class: type[argparse.ArgumentParser]) -> None:
-    """Register ``config set`` and ``config history`` on the CLI's subparsers."""
-    cfg = sub.add_parser("config", help="change thresholds, windows or sampling live; history")
-    cfg_sub = cfg.add_subparsers(dest="config_command", required=True, parser_class=parser_class)
-    st = cfg_sub.add_parser("set", help="publish a live change on perfloop.control")
-    st.add_argument("key", metavar="KEY", help="e.g. detect.straggler.score_threshold")
-    st.add_argument("value", metavar="VALUE", help="int, float, true/false, or text")
-    st.add_argument(
-        "--target",
-        choices=("streams", "producers", "actuator"),
-        help="who applies it (default: producers for sampling.* keys, actuator for "
-        "actuator.* keys, else streams)",
-    )
-    st.add_argument("--job", default="*", metavar="JOB", help="job id, or * for every job")
-    st.add_argument("--reason", default="", metavar="TEXT", help="why (kept in the history)")
-    hist = cfg_sub.add_parser("history", help="live changes recorded in the warehouse")
-    hist.add_argument("--job", metavar="JOB", help="changes for this job (and for every job)")
-    hist.add_argument("--limit", type=int, default=100, metavar="N", help="newest N (100)")
-    hist.add_argument("--json", action="store_true", help="print JSON")
-
-
 def config_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     """``perfloop config set|history``."""
-    from perfloop.cli import _settings
     from perfloop.settings import StackSettings
 
-    settings = _settings(StackSettings)
+    settings = load_settings(StackSettings)
     if args.config_command == "set":
         return _set(args, settings, out or sys.stdout)
     return _history(args, settings, out or sys.stdout)

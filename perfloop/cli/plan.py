@@ -15,11 +15,11 @@ import json
 import re
 import sys
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
-from typing import Any, TextIO
+from typing import TextIO
 
 from perfloop.exceptions import ConfigError
 
-__all__ = ["add_plan_parser", "parse_count", "plan_command"]
+__all__ = ["parse_count", "plan_command"]
 
 _COUNT = re.compile(r"\s*([0-9][0-9_,]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([kmbgtKMBGT]?)\s*")
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
@@ -45,49 +45,6 @@ def parse_count(text: str, flag: str = "--params") -> int:
     if count < 1:
         raise ConfigError(f"{flag} {text!r} is not a positive count; e.g. 7e9, 7B, 1.3b, 350M")
     return count
-
-
-def add_plan_parser(sub: Any) -> None:
-    """Register ``plan`` on the CLI's subparsers."""
-    p = sub.add_parser(
-        "plan",
-        help="memory per GPU and communication of DDP, ZeRO-1/2/3 and FSDP; the one to use",
-        description="Model states, activations and communication per GPU for each strategy "
-        "(ZeRO, Rajbhandari et al. SC'20; activations, Korthikanti et al. 2022), and the "
-        "recommended one: the least communication among those that fit, else the least memory.",
-    )
-    p.add_argument("--params", required=True, metavar="N", help="parameters: 7e9, 7B, 350M, …")
-    p.add_argument("--world", required=True, type=int, metavar="W", help="data-parallel GPUs")
-    p.add_argument("--optimizer", required=True, metavar="adam|adamw|sgd")
-    p.add_argument("--precision", required=True, metavar="fp32|bf16|fp16")
-    p.add_argument("--momentum", type=float, default=0.0, metavar="M", help="SGD momentum (0)")
-    p.add_argument(
-        "--param-tensors",
-        type=int,
-        default=0,
-        metavar="T",
-        help="parameter tensors, for Adam's 4-byte step counters (default 0: not counted)",
-    )
-    p.add_argument("--gpu", metavar="NAME", help="device for the memory limit: h100, a100-80gb, …")
-    p.add_argument(
-        "--bandwidth-gbps",
-        type=float,
-        metavar="B",
-        help="per-GPU, one-direction bandwidth in GB/s (1e9 bytes/s), e.g. the inter-node "
-        "link per GPU for multi-node jobs (default: the --gpu interconnect)",
-    )
-    p.add_argument("--headroom", type=float, metavar="F", help="share of memory kept free")
-    p.add_argument(
-        "--fsdp-unit-params", metavar="N", help="largest FSDP unit (default: params / layers)"
-    )
-    acts = p.add_argument_group("activations (all five, for an estimate)")
-    acts.add_argument("--layers", type=int, metavar="L")
-    acts.add_argument("--hidden", type=int, metavar="H")
-    acts.add_argument("--heads", type=int, metavar="A")
-    acts.add_argument("--seq-len", type=int, metavar="S")
-    acts.add_argument("--micro-batch", type=int, metavar="B")
-    acts.add_argument("--recompute", default="none", metavar="none|selective|full")
-    p.add_argument("--json", action="store_true", help="print JSON")
 
 
 def plan_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
