@@ -66,7 +66,6 @@ from perfloop.actuators.allowlist import (
 from perfloop.actuators.patch import ConfigPatch
 from perfloop.actuators.signing import verify
 from perfloop.actuators.verify import ChangeVerifier, Verdict
-from perfloop.catalog import Topics
 from perfloop.exceptions import ConfigError
 from perfloop.kafka import consumer, producer, tail
 from perfloop.schemas import (
@@ -78,6 +77,7 @@ from perfloop.schemas import (
     decode_event,
     encode_event,
 )
+from perfloop.schemas.topics import Topics
 from perfloop.settings import BaseServiceSettings
 
 __all__ = ["ConfigHandler", "ConfigListener", "JobAgent", "KnobHandler", "apply_config"]

@@ -49,7 +49,6 @@ from confluent_kafka import KafkaError, KafkaException
 from perfloop.actuators.hook import render, run_hook
 from perfloop.actuators.policy import HOOK_KNOBS, KNOB_BOUNDS, JobRules, Policy
 from perfloop.actuators.signing import sign
-from perfloop.catalog import Topics
 from perfloop.exceptions import ConfigError
 from perfloop.kafka import consumer, producer
 from perfloop.schemas import (
@@ -65,6 +64,7 @@ from perfloop.schemas import (
     decode_event,
     encode_event,
 )
+from perfloop.schemas.topics import Topics
 from perfloop.settings import ActuatorSettings
 
 __all__ = ["KNOB_BOUNDS", "ActuatorService", "JobRules", "Policy"]

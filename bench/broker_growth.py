@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     isolate_env(home, port, free_port())  # this process is the entry point
 
     from perfloop.broker import broker_argv
-    from perfloop.catalog import Topics
     from perfloop.kafka import ensure_topics
     from perfloop.producers import Publisher
     from perfloop.schemas import BatchBuilder
+    from perfloop.schemas.topics import Topics
     from perfloop.settings import BaseServiceSettings
 
     settings = BaseServiceSettings()

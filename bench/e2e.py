@@ -278,8 +278,8 @@ def bench_engine(payloads: list[tuple[str, bytes, int]], rate: float) -> dict[st
 
 
 def bench_batched(args: argparse.Namespace, settings: Any, home: Path) -> dict[str, Any]:
-    from perfloop.catalog import Topics
     from perfloop.producers import Publisher
+    from perfloop.schemas.topics import Topics
     from perfloop.settings import StreamsSettings
     from perfloop.warehouse import client
 
@@ -573,8 +573,8 @@ def _published_ms(settings: Any, topic: str, event_id: str, timeout_s: float = 1
 
 
 def bench_loop(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
-    from perfloop.catalog import Topics
     from perfloop.demo import run_demo
+    from perfloop.schemas.topics import Topics
     from perfloop.settings import ActuatorSettings
     from perfloop.warehouse import client
 

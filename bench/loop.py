@@ -143,7 +143,7 @@ def _q(values: list[float]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from perfloop.catalog import Topics
+    from perfloop.schemas.topics import Topics
     from perfloop.settings import ActuatorSettings, StackSettings
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -76,8 +76,8 @@ def _messages(args: argparse.Namespace, **kw: Any) -> list[tuple[str, bytes]]:
 
 
 def _decode(messages: list[tuple[str, bytes]]) -> tuple[list[Any], float]:
-    from perfloop.catalog import Topics
     from perfloop.schemas import decode_batch, decode_event
+    from perfloop.schemas.topics import Topics
 
     t = time.perf_counter()
     out = [decode_event(v) if topic == Topics.JOB else decode_batch(v) for topic, v in messages]
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": _messages(args),
         "long": _messages(args, **LONG),
     }
-    from perfloop.catalog import Topics
+    from perfloop.schemas.topics import Topics
 
     mixes["gpu_only"] = [
         (t, v) for t, v in mixes["long"] if t != Topics.SPAN or b'"kind":"span"' not in v[:200]

@@ -178,8 +178,8 @@ def bench_throughput(args: argparse.Namespace, pub: Any, say_stats: bool = True)
 
 
 def bench_steady(args: argparse.Namespace, pub: Any) -> dict[str, Any]:
-    from perfloop.catalog import Topics
     from perfloop.schemas import encode_batch
+    from perfloop.schemas.topics import Topics
 
     cols = {
         "ts_ns": np.arange(10, dtype=np.int64) + time.time_ns(),
@@ -232,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         isolate_env(home, free_port(), free_port())  # this process is the entry point
 
     from perfloop.broker import broker_argv
-    from perfloop.catalog import Topics
     from perfloop.kafka import ensure_topics
     from perfloop.producers.publisher import Publisher
+    from perfloop.schemas.topics import Topics
     from perfloop.settings import ProducerSettings
 
     settings = ProducerSettings(spool_dir=home / "spool")

@@ -129,8 +129,8 @@ class Follower:
     ``events[job_id]`` holds ``(arrival_ns, kafka_ts_ns, event)``."""
 
     def __init__(self, settings: Any) -> None:
-        from perfloop.catalog import Topics
         from perfloop.kafka import consumer
+        from perfloop.schemas.topics import Topics
 
         self.topics = [Topics.DIAGNOSES, Topics.RECOMMENDATIONS, Topics.CONTROL, Topics.ACTUATIONS]
         # half a second of fetch wait: a consumer polling every 50 ms costs the embedded

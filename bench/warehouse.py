@@ -46,7 +46,7 @@ PACE = 220_000.0
 def _batches(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The sink's batches, one dict (table → `Pending`) per flush."""
     from bench.e2e import _simulated_messages
-    from perfloop.catalog import Topics
+    from perfloop.schemas.topics import Topics
     from perfloop.settings import StreamsSettings
     from perfloop.streams._sink_batch import Pending, Source
     from perfloop.streams._sink_rows import part_rows, rows_from_message

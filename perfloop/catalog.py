@@ -20,11 +20,13 @@ from perfloop._rollups import (
     legacy_rollup_statements,
     rollup_statements,
 )
+from perfloop.deprecation import moved
+from perfloop.schemas.topics import KIND_TOPICS as _KIND_TOPICS
+from perfloop.schemas.topics import Topics as _Topics
 
 __all__ = [
     "DEAD_LETTER_PAYLOAD_BYTES",
     "KIND_TABLES",
-    "KIND_TOPICS",
     "MIGRATIONS",
     "RAW_TTL_DAYS",
     "ROLLUPS",
@@ -32,59 +34,14 @@ __all__ = [
     "ROLLUP_SECONDS",
     "ROLLUP_TTL_DAYS",
     "TABLES",
-    "TOPICS",
     "WINDOW_KEY",
     "Migration",
-    "Topics",
 ]
 
 
-class Topics:
-    """Topic names (DESIGN.md)."""
-
-    GPU = "perfloop.telemetry.gpu"
-    HOST = "perfloop.telemetry.host"
-    STEP = "perfloop.telemetry.step"
-    SPAN = "perfloop.telemetry.span"
-    JOB = "perfloop.telemetry.job"
-    WINDOWS = "perfloop.windows"
-    PHASES = "perfloop.phases"
-    DIAGNOSES = "perfloop.diagnoses"
-    PREDICTIONS = "perfloop.predictions"
-    RECOMMENDATIONS = "perfloop.recommendations"
-    CONTROL = "perfloop.control"
-    ACTUATIONS = "perfloop.actuations"
-    DLQ = "perfloop.dlq"
-
-
-TOPICS: tuple[str, ...] = tuple(
-    v for k, v in vars(Topics).items() if k.isupper() and isinstance(v, str)
+__getattr__ = moved(
+    __name__, {n: "perfloop.schemas.topics" for n in ("KIND_TOPICS", "TOPICS", "Topics")}
 )
-
-# Where each event kind travels (producers publish with `KIND_TOPICS[kind]`).
-KIND_TOPICS: dict[str, str] = {
-    "gpu": Topics.GPU,
-    "host": Topics.HOST,
-    "step": Topics.STEP,
-    "span": Topics.SPAN,
-    "collective": Topics.SPAN,
-    "kernel": Topics.SPAN,
-    "job_info": Topics.JOB,
-    "lifecycle": Topics.JOB,
-    "capability": Topics.JOB,
-    "producer": Topics.JOB,
-    "ground_truth": Topics.JOB,
-    "progress": Topics.JOB,
-    "recommendation": Topics.RECOMMENDATIONS,
-    "command": Topics.CONTROL,
-    "actuation": Topics.ACTUATIONS,
-    "approval": Topics.RECOMMENDATIONS,
-    "decision": Topics.ACTUATIONS,
-    "phase": Topics.PHASES,
-    "diagnosis": Topics.DIAGNOSES,
-    "prediction": Topics.PREDICTIONS,
-    "config": Topics.CONTROL,
-}
 
 # The table each event kind lands in (the sink picks it by the message's kind).
 KIND_TABLES: dict[str, str] = {
@@ -113,9 +70,9 @@ KIND_TABLES: dict[str, str] = {
 
 # Tables the sink fills, by the topic they come from (a topic may carry several kinds).
 TABLES: dict[str, tuple[str, ...]] = {}
-for _kind, _topic in KIND_TOPICS.items():
+for _kind, _topic in _KIND_TOPICS.items():
     TABLES[_topic] = (*TABLES.get(_topic, ()), KIND_TABLES[_kind])
-TABLES[Topics.WINDOWS] = ("windows",)
+TABLES[_Topics.WINDOWS] = ("windows",)
 
 _MERGE_TREE = """ENGINE = MergeTree
 PARTITION BY toDate(ts)
@@ -509,7 +466,7 @@ MIGRATIONS = (
     ),
 )
 
-TABLES[Topics.DLQ] = ("dead_letters",)  # the sink lands perfloop.dlq too
+TABLES[_Topics.DLQ] = ("dead_letters",)  # the sink lands perfloop.dlq too
 
 
 # -- migration 4: merge less often --------------------------------------------------------------

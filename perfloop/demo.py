@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from perfloop.actuators.agent import JobAgent
-from perfloop.catalog import Topics
 from perfloop.exceptions import PerfloopError
 from perfloop.kafka import consumer
 from perfloop.producers.publisher import Publisher
 from perfloop.producers.scenarios import Fault
 from perfloop.producers.simulator import SimConfig, SimulatedJob, StepReport
 from perfloop.schemas import ActuationResult, Command, Recommendation, SchemaError, decode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import SinkSettings, StackSettings
 from perfloop.warehouse import client, wait_settled
 

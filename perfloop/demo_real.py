@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from perfloop.catalog import Topics
 from perfloop.kafka import consumer, tail
 from perfloop.schemas import (
     ActuationResult,
@@ -35,6 +34,7 @@ from perfloop.schemas import (
     SchemaError,
     decode_event,
 )
+from perfloop.schemas.topics import Topics
 from perfloop.settings import SinkSettings, StackSettings
 from perfloop.warehouse import client, wait_settled
 

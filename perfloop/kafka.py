@@ -21,8 +21,8 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from perfloop.catalog import TOPICS
 from perfloop.exceptions import BrokerError
+from perfloop.schemas.topics import TOPICS
 from perfloop.settings import BaseServiceSettings, ProducerSettings
 
 __all__ = [
@@ -193,7 +193,7 @@ def dead_letter_counts(
     Reasons are grouped with their numbers masked (``sample N``), so one kind of bad input is
     one line however many times it came.
     """
-    from perfloop.catalog import Topics
+    from perfloop.schemas.topics import Topics
 
     ping(settings)
     c = consumer(

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from perfloop.catalog import KIND_TOPICS
 from perfloop.schemas import BatchBuilder, Event, encode_batch, encode_event
+from perfloop.schemas.topics import KIND_TOPICS
 
 __all__ = ["Emitter", "Sends"]
 

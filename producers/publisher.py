@@ -59,12 +59,12 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from perfloop.catalog import KIND_TOPICS
 from perfloop.exceptions import ConfigError
 from perfloop.kafka import producer
 from perfloop.producers.spool import Position, Spool, SpoolError, SpoolLocked, SpoolRecord
 from perfloop.schemas import ProducerStats, encode_event
 from perfloop.schemas._arrow_batch import arrow_rows, is_arrow
+from perfloop.schemas.topics import KIND_TOPICS
 from perfloop.settings import BaseServiceSettings, ProducerSettings
 
 __all__ = ["Publisher", "PublisherStats", "count_samples"]

@@ -61,7 +61,6 @@ from typing import Any
 
 import numpy as np
 
-from perfloop.catalog import KIND_TOPICS, Topics
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import (
     ActuationResult,
@@ -79,6 +78,7 @@ from perfloop.schemas import (
     decode_event,
 )
 from perfloop.schemas.base import Event
+from perfloop.schemas.topics import KIND_TOPICS, Topics
 from perfloop.settings import StreamsSettings
 from perfloop.streams._phase_clock import JobClock, QueueEntry
 from perfloop.streams._phase_steps import DERIVED_METRICS

@@ -62,11 +62,12 @@ from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError, OperationalError
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
-from perfloop.catalog import TABLES, Topics
+from perfloop.catalog import TABLES
 from perfloop.exceptions import PerfloopError
 from perfloop.kafka import consumer, dlq_headers, producer
 from perfloop.schemas import SchemaError
 from perfloop.schemas._arrow_batch import warm_up
+from perfloop.schemas.topics import Topics
 from perfloop.settings import SinkSettings
 from perfloop.streams._heap import libc_trim
 from perfloop.streams._sink_batch import Flight, Pending, RecentIds, Source

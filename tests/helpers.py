@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from perfloop.catalog import Topics
 from perfloop.producers.scenarios import scenario_config
 from perfloop.producers.simulator import SimulatedJob
 from perfloop.schemas import decode_batch, decode_event
+from perfloop.schemas.topics import Topics
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 """The real PyTorch-profiler traces, beside the repository (``../shared/data/traces``)."""

@@ -171,9 +171,9 @@ def config_command(args: argparse.Namespace, *, out: TextIO | None = None) -> in
 def publish_change(settings: Any, change: Any, timeout_s: float = 10.0) -> str:
     """Publish a `ConfigChange` on ``perfloop.control`` (keyed by whom it applies to) and wait
     for the broker to take it; return why it was not delivered ("" when it was)."""
-    from perfloop.catalog import Topics
     from perfloop.kafka import producer
     from perfloop.schemas import encode_event
+    from perfloop.schemas.topics import Topics
 
     errors: list[str] = []
 
@@ -196,9 +196,9 @@ def publish_change(settings: Any, change: Any, timeout_s: float = 10.0) -> str:
 
 
 def _set(args: argparse.Namespace, settings: Any, out: TextIO) -> int:
-    from perfloop.catalog import Topics
     from perfloop.exceptions import BrokerError
     from perfloop.kafka import ping
+    from perfloop.schemas.topics import Topics
 
     change = build_change(
         args.key, parse_value(args.value), target=args.target, job=args.job, reason=args.reason

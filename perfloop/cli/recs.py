@@ -130,11 +130,11 @@ def approve_command(args: argparse.Namespace, *, out: TextIO | None = None) -> i
     """``perfloop approve`` and ``perfloop reject``."""
     from perfloop.actuators.service import SIGNING_KEY_ID
     from perfloop.actuators.signing import sign
-    from perfloop.catalog import Topics
     from perfloop.cli.config import _author
     from perfloop.exceptions import BrokerError
     from perfloop.kafka import ping, producer
     from perfloop.schemas import Approval, encode_event
+    from perfloop.schemas.topics import Topics
     from perfloop.settings import ActuatorSettings
     from perfloop.warehouse import unix_ns
 

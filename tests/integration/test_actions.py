@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 
 from perfloop.actuators import sign
-from perfloop.catalog import Topics
 from perfloop.kafka import producer
 from perfloop.schemas import Command, encode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import DEV_SIGNING_KEY, StackSettings
 from tests.helpers import recommendation
 

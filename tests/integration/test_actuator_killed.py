@@ -29,10 +29,10 @@ import pytest
 from confluent_kafka import TopicPartition
 
 from perfloop.actuators import JobAgent
-from perfloop.catalog import Topics
 from perfloop.kafka import consumer, producer
 from perfloop.producers import SimConfig, SimulatedJob
 from perfloop.schemas import ActuationResult, Recommendation, encode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
 from tests.helpers import Collect, recommendation
 

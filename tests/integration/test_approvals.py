@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from perfloop.actuators import sign
-from perfloop.catalog import Topics
 from perfloop.kafka import producer
 from perfloop.schemas import Approval, Recommendation, encode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
 
 from .conftest import perfloop_cli, wait_for

@@ -12,8 +12,8 @@ import pytest
 from confluent_kafka import Producer
 
 from perfloop.actuators import JobAgent, sign
-from perfloop.catalog import Topics
 from perfloop.schemas import Command, encode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
 from perfloop.warehouse import client
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from perfloop.catalog import TOPICS
 from perfloop.kafka import cluster_id
+from perfloop.schemas.topics import TOPICS
 from perfloop.stack import read_state
 
 from .conftest import perfloop_cli, pid_alive, settings_for, stack_env, wait_for

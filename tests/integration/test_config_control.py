@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from perfloop.cli.config import build_change
 from perfloop.actuators.agent import ConfigListener
-from perfloop.catalog import Topics
+from perfloop.cli.config import build_change
 from perfloop.kafka import consumer, producer
 from perfloop.producers.node import NodeSampler
 from perfloop.schemas import ConfigChange, decode_event, encode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import ProducerSettings, StackSettings
 from perfloop.testing import FakeGpuBackend
 from perfloop.warehouse import client

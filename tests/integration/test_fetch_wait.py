@@ -13,8 +13,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
-from perfloop.catalog import Topics
 from perfloop.kafka import ensure_topics
+from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
 from perfloop.streams.app import pace_fetches, set_fetch_wait
 

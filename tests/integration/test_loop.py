@@ -12,10 +12,10 @@ import pytest
 from confluent_kafka import Producer
 
 from perfloop.actuators import JobAgent
-from perfloop.catalog import Topics
 from perfloop.kafka import consumer
 from perfloop.producers import Fault, Publisher, SimConfig, SimulatedJob
 from perfloop.schemas import BatchBuilder
+from perfloop.schemas.topics import Topics
 from perfloop.settings import ActuatorSettings, StackSettings
 from perfloop.stack import status
 from perfloop.streams import KNOB_NUM_WORKERS

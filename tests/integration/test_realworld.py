@@ -73,8 +73,8 @@ class _Follow:
     """Records the job's diagnoses and recommendations as they arrive (wall clock)."""
 
     def __init__(self, settings: StackSettings, job: str) -> None:
-        from perfloop.catalog import Topics
         from perfloop.kafka import consumer
+        from perfloop.schemas.topics import Topics
 
         self.job = job
         self.topics = [Topics.DIAGNOSES, Topics.RECOMMENDATIONS]

@@ -22,17 +22,11 @@ import pyarrow as pa
 import pytest
 from clickhouse_connect.driver.client import Client
 
-from perfloop.catalog import (
-    MERGE_SELECTOR_BASE,
-    MIGRATIONS,
-    ROLLUP_RESOLUTIONS,
-    ROLLUPS,
-    Migration,
-    Topics,
-)
+from perfloop.catalog import MERGE_SELECTOR_BASE, MIGRATIONS, ROLLUP_RESOLUTIONS, ROLLUPS, Migration
 from perfloop.exceptions import WarehouseError
 from perfloop.kafka import dlq_headers
 from perfloop.schemas import ConfigChange, Diagnosis, PhaseChange, encode_batch, encode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import SinkSettings
 from perfloop.streams._windows_wire import encode_windows
 from perfloop.streams.sink import rows_from_dead_letter, rows_from_message

@@ -16,10 +16,10 @@ import uuid
 import pytest
 from confluent_kafka import Producer
 
-from perfloop.catalog import Topics
 from perfloop.producers.scenarios import scenario_config
 from perfloop.producers.simulator import SimConfig, SimulatedJob
 from perfloop.schemas import GroundTruth, decode_batch, decode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
 from perfloop.warehouse import client
 from tests.helpers import Collect

@@ -17,7 +17,7 @@ from confluent_kafka import Producer
 
 from perfloop._autogroup import CATCH_UP_NICE
 from perfloop._cpugroup import CATCH_UP_SHARES, cpu_dir
-from perfloop.catalog import Topics
+from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
 from perfloop.stack import AUTOGROUP_NICE, read_state
 

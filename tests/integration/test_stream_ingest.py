@@ -11,9 +11,9 @@ import orjson
 import pytest
 from confluent_kafka import Producer
 
-from perfloop.catalog import Topics
 from perfloop.kafka import consumer
 from perfloop.schemas import BatchBuilder, ConfigChange, encode_batch, encode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
 from perfloop.stack import status
 from perfloop.warehouse import client

@@ -12,7 +12,7 @@ import orjson
 import pytest
 from confluent_kafka import Producer
 
-from perfloop.catalog import KIND_TABLES, Topics
+from perfloop.catalog import KIND_TABLES
 from perfloop.kafka import consumer
 from perfloop.producers.emitter import Emitter
 from perfloop.producers.publisher import Publisher
@@ -25,6 +25,7 @@ from perfloop.schemas import (
     RankProgress,
     encode_batch,
 )
+from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
 from perfloop.warehouse import client
 

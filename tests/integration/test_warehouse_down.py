@@ -24,9 +24,9 @@ import pyarrow as pa
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from perfloop.catalog import Topics
 from perfloop.kafka import producer
 from perfloop.schemas import decode_batch, encode_batch
+from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
 from perfloop.stack import read_state
 from perfloop.streams.sink import PREFETCH_KIB, rows_from_message

@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from perfloop.actuators import ActuatorService, verify
-from perfloop.catalog import Topics
 from perfloop.schemas import Command, ConfigChange, JobLifecycle, encode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import ActuatorSettings
 from tests.helpers import recommendation
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from perfloop.actuators import ActuatorService, sign
-from perfloop.catalog import Topics
 from perfloop.schemas import Approval, Command, Decision, JobLifecycle, encode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import ActuatorSettings
 from tests.helpers import recommendation
 

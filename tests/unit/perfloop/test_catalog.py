@@ -7,8 +7,9 @@ import re
 
 import pytest
 
-from perfloop.catalog import KIND_TABLES, KIND_TOPICS, MIGRATIONS, TABLES, TOPICS, Topics
+from perfloop.catalog import KIND_TABLES, MIGRATIONS, TABLES
 from perfloop.schemas import BATCH_KINDS, EVENT_KINDS
+from perfloop.schemas.topics import KIND_TOPICS, TOPICS, Topics
 
 STATEMENTS = [s for m in MIGRATIONS for s in m.statements]
 

@@ -16,8 +16,8 @@ from perfloop.catalog import (
     ROLLUPS,
     TABLES,
     WINDOW_KEY,
-    Topics,
 )
+from perfloop.schemas.topics import Topics
 
 M3 = MIGRATIONS[2]
 

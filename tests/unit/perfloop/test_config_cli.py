@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from perfloop.cli.config import ISSUER_JOB_ID, build_change, default_target, parse_value
 from perfloop.cli import build_parser, main
+from perfloop.cli.config import ISSUER_JOB_ID, build_change, default_target, parse_value
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import ConfigChange, decode_event, encode_event
 from tests.helpers import clean_env, closed_port, one_line  # noqa: F401 (fixture)

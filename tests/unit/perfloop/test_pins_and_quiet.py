@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from perfloop.cli.config import build_change, parse_value
 from perfloop.cli import build_parser, main
+from perfloop.cli.config import build_change, parse_value
 from perfloop.exceptions import ConfigError
 from perfloop.settings import ActuatorSettings, ProducerSettings
 from tests.helpers import clean_env, closed_port, one_line  # noqa: F401 (fixture)

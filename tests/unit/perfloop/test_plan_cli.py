@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from perfloop.cli.plan import parse_count
 from perfloop.cli import main
+from perfloop.cli.plan import parse_count
 from perfloop.exceptions import ConfigError
 from perfloop.models.devices import device
 from tests.helpers import clean_env, one_line  # noqa: F401 (fixture)

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from perfloop.catalog import KIND_TOPICS
 from perfloop.exceptions import ConfigError
 from perfloop.producers._capture import COMPONENT, ProfileCapture, emit_to, summarize_trace
 from perfloop.producers.emitter import Emitter
@@ -28,6 +27,7 @@ from perfloop.schemas import (
     decode_event,
     is_batch,
 )
+from perfloop.schemas.topics import KIND_TOPICS
 from tests.helpers import TRACES, Collect
 
 torch = pytest.importorskip("torch")

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from perfloop.catalog import KIND_TOPICS
+from perfloop.cli.sample import sample_command
 from perfloop.exceptions import ConfigError
 from perfloop.producers.adaptive import OverheadMeter
 from perfloop.producers.emitter import Emitter
-from perfloop.cli.sample import sample_command
 from perfloop.producers.node import NodeSampler
 from perfloop.schemas import decode_batch, decode_event
 from perfloop.schemas.job import CapabilityReport, ProducerStats
+from perfloop.schemas.topics import KIND_TOPICS
 from perfloop.settings import ProducerSettings
 from perfloop.testing import FakeGpuBackend, busy_gpu
 

@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from perfloop.catalog import Topics
 from perfloop.producers.emitter import Emitter
 from perfloop.producers.publisher import Publisher, PublisherStats, count_samples
 from perfloop.producers.spool import Spool
 from perfloop.schemas import ProducerStats, decode_event, encode_batch, encode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import ProducerSettings
 
 

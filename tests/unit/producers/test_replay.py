@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 
-from perfloop.catalog import Topics
 from perfloop.cli.replay import replay_command
 from perfloop.producers import replay as replay_mod
 from perfloop.producers.replay import (
@@ -31,6 +30,7 @@ from perfloop.producers.replay import (
     tile_step,
 )
 from perfloop.schemas import JobInfo, decode_batch, decode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import ProducerSettings
 from tests import helpers
 from tests.helpers import ALL_TRACES, TRACES, interval_union, load_trace

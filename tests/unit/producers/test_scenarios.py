@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from perfloop.catalog import Topics
 from perfloop.cli import build_parser
+from perfloop.cli.simulate import simulate_command
 from perfloop.exceptions import ConfigError
 from perfloop.producers import SCENARIOS, Fault, SimulatedJob, plan_faults, scenario_config
-from perfloop.cli.simulate import simulate_command
 from perfloop.producers.simulator import THROTTLE_SW_THERMAL
 from perfloop.schemas import decode_batch, decode_event
+from perfloop.schemas.topics import Topics
 
 T0 = 1_763_712_000_000_000_000
 DURATION = 60.0

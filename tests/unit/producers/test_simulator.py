@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from perfloop.catalog import Topics
 from perfloop.exceptions import ConfigError
 from perfloop.producers import Fault, SimConfig, SimulatedJob, StepReport
 from perfloop.producers.simulator import PHASES, THROTTLE_SW_POWER_CAP
 from perfloop.schemas import decode_batch, decode_event
+from perfloop.schemas.topics import Topics
 
 FAST = 1e6  # pacing never sleeps
 T0 = 1_700_000_000_000_000_000

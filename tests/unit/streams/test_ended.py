@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from perfloop.catalog import Topics
 from perfloop.schemas import BatchBuilder, JobInfo, JobLifecycle, encode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import StreamsSettings
 from perfloop.streams.engine import StreamEngine
 

@@ -11,7 +11,6 @@ import numpy as np
 import orjson
 import pytest
 
-from perfloop.catalog import Topics
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import (
     BatchBuilder,
@@ -22,6 +21,7 @@ from perfloop.schemas import (
     encode_batch,
     encode_event,
 )
+from perfloop.schemas.topics import Topics
 from perfloop.settings import StreamsSettings
 from perfloop.streams.engine import Outputs, StreamEngine
 from perfloop.streams.evaluation import RunSpec, replay, simulate

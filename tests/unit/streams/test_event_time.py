@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from perfloop.catalog import Topics
 from perfloop.schemas import BatchBuilder, GroundTruth, decode_batch, decode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import StreamsSettings
 from perfloop.streams.engine import Outputs, StreamEngine
 from perfloop.streams.evaluation import RunSpec, simulate

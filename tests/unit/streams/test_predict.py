@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from perfloop.catalog import KIND_TOPICS, Topics
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import JobLifecycle, PhaseChange, Prediction, decode_event, encode_event
 from perfloop.schemas.codec import Batch, encode_batch
+from perfloop.schemas.topics import KIND_TOPICS, Topics
 from perfloop.settings import StreamsSettings
 from perfloop.streams.engine import StreamEngine
 from perfloop.streams.predict import STEP_TARGETS, PredictionHost

@@ -13,9 +13,9 @@ import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError, DataError, OperationalError
 from confluent_kafka import KafkaError, TopicPartition
 
-from perfloop.catalog import Topics
 from perfloop.kafka import dlq_headers
 from perfloop.schemas import JobLifecycle, encode_batch, encode_event
+from perfloop.schemas.topics import Topics
 from perfloop.settings import SinkSettings
 from perfloop.streams import sink as sink_mod
 from perfloop.streams.sink import Sink

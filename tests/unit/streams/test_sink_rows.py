@@ -11,7 +11,7 @@ import orjson
 import pyarrow as pa
 import pytest
 
-from perfloop.catalog import DEAD_LETTER_PAYLOAD_BYTES, MIGRATIONS, Topics
+from perfloop.catalog import DEAD_LETTER_PAYLOAD_BYTES, MIGRATIONS
 from perfloop.kafka import dlq_headers
 from perfloop.schemas import (
     ConfigChange,
@@ -22,6 +22,7 @@ from perfloop.schemas import (
     encode_batch,
     encode_event,
 )
+from perfloop.schemas.topics import Topics
 from perfloop.streams._sink_rows import (
     WINDOW_COLUMNS,
     rows_from_dead_letter,

@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from perfloop.catalog import Topics
 from perfloop.producers.replay import TraceError, replay_trace
 from perfloop.schemas import decode_batch
 from perfloop.schemas.codec import Batch
+from perfloop.schemas.topics import Topics
 from perfloop.streams.steps import StepAnalysis, StepRecord
 from tests.helpers import ALL_TRACES, TRACES, Collect, interval_union, load_trace
 
