@@ -16,7 +16,7 @@ A change that hurt (significantly slower steps) or broke training (a NaN loss) i
 to the last value known good at the next step boundary, within ``settle_steps + verify_steps``
 steps of being applied; one slower by the median but not yet significantly is judged on more
 steps (up to ``max_verify_steps``) and rolled back if it stays slower than 3 %. A change of a
-knob that is only there for speed (`perfloop.actuators.allowlist.SPEED_KNOBS`: loader workers,
+knob that is only there for speed (`perfloop.schemas.knobs.SPEED_KNOBS`: loader workers,
 threads, …) is kept only when it helped; one with no measured gain by the last look is rolled
 back. The verdict is acked too (``kept`` or ``rolled_back``, with the evidence). The verdict
 is the agent's own, in the training process: a job whose actuator is gone keeps verifying,
@@ -56,13 +56,6 @@ from typing import Any
 from confluent_kafka import KafkaError
 
 from perfloop.actuators._notice import notice, say
-from perfloop.actuators.allowlist import (
-    ACTION_KNOBS,
-    BOOL_KNOBS,
-    KNOB_BOUNDS,
-    SPEED_KNOBS,
-    knob_problem,
-)
 from perfloop.actuators.patch import ConfigPatch
 from perfloop.actuators.signing import verify
 from perfloop.actuators.verify import ChangeVerifier, Verdict
@@ -76,6 +69,13 @@ from perfloop.schemas import (
     SchemaError,
     decode_event,
     encode_event,
+)
+from perfloop.schemas.knobs import (
+    ACTION_KNOBS,
+    BOOL_KNOBS,
+    KNOB_BOUNDS,
+    SPEED_KNOBS,
+    knob_problem,
 )
 from perfloop.schemas.topics import Topics
 from perfloop.settings import BaseServiceSettings

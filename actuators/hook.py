@@ -18,48 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import shlex
 import signal
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from perfloop.command_template import PLACEHOLDER_PATTERN, PLACEHOLDERS, check_template
 from perfloop.exceptions import ConfigError
 
 __all__ = ["PLACEHOLDERS", "HookResult", "check_template", "render", "run_hook"]
 
-PLACEHOLDERS = ("node", "job", "ranks", "rec_id", "reason")
-"""What a template may name, each as ``{name}``."""
-_PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
 OUTPUT_LINE_CHARS = 300
-
-
-def check_template(template: str) -> list[str]:
-    """The template's arguments; `ConfigError` naming what is wrong (it cannot be split, it is
-    empty, the program has a placeholder, or a placeholder is unknown).
-
-    >>> check_template("kubectl cordon {host}")
-    Traceback (most recent call last):
-    ...
-    perfloop.exceptions.ConfigError: unknown placeholder {host} in the action hook; valid: {node} {job} {ranks} {rec_id} {reason}
-    """  # noqa: E501
-    try:
-        argv = shlex.split(template)
-    except ValueError as e:
-        raise ConfigError(f"the action hook {template!r} cannot be split: {e}") from None
-    if not argv:
-        raise ConfigError("the action hook is empty")
-    valid = " ".join(f"{{{p}}}" for p in PLACEHOLDERS)
-    for arg in argv:
-        for name in _PLACEHOLDER.findall(arg):
-            if name not in PLACEHOLDERS:
-                raise ConfigError(
-                    f"unknown placeholder {{{name}}} in the action hook; valid: {valid}"
-                )
-    if _PLACEHOLDER.search(argv[0]):
-        raise ConfigError(f"the action hook's program {argv[0]!r} must be fixed (no placeholder)")
-    return argv
 
 
 def render(template: str, values: Mapping[str, str]) -> list[str]:
@@ -70,7 +39,10 @@ def render(template: str, values: Mapping[str, str]) -> list[str]:
             raise ConfigError(f"{{{name}}} = {value!r} starts with '-': not passed to the hook")
         if "\n" in value or "\r" in value or "\x00" in value:
             raise ConfigError(f"{{{name}}} = {value!r} is not one line")
-    return [_PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in check_template(template)]
+    return [
+        PLACEHOLDER_PATTERN.sub(lambda m: values[m.group(1)], arg)
+        for arg in check_template(template)
+    ]
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ Per job (`JobRules`, changed live by ``ConfigChange`` events with target ``actua
   recommendation, ``recommend`` shows it, ``approve`` keeps it pending until a person approves
   it (`Policy.approve`), ``auto`` issues the command itself;
 - ``dry_run``: decide everything as in the tier, publish no command (outcome ``dry_run``);
-- the knob allow-list and its bounds (`KNOB_BOUNDS`, `perfloop.actuators.allowlist`), narrowed
+- the knob allow-list and its bounds (`KNOB_BOUNDS`, `perfloop.schemas.knobs`), narrowed
   per job by the ranges its job agent reports in its job info (the CPUs it has, its GPU's
   power-limit range);
 - hysteresis: a recommendation expecting less than ``min_gain_pct`` is refused (an approval is a
@@ -39,17 +39,6 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from perfloop.actuators.allowlist import (
-    ACTION_KNOBS,
-    BOOL_KNOBS,
-    HOOK_KNOBS,
-    HOST_NAME,
-    INT_KNOBS,
-    KNOB_BOUNDS,
-    PINNABLE_KNOBS,
-    knob_problem,
-    pinned_knobs,
-)
 from perfloop.actuators.signing import verify
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import (
@@ -62,6 +51,17 @@ from perfloop.schemas import (
     JobInfo,
     JobLifecycle,
     Recommendation,
+)
+from perfloop.schemas.knobs import (
+    ACTION_KNOBS,
+    BOOL_KNOBS,
+    HOOK_KNOBS,
+    HOST_NAME,
+    INT_KNOBS,
+    KNOB_BOUNDS,
+    PINNABLE_KNOBS,
+    knob_problem,
+    pinned_knobs,
 )
 
 __all__ = [

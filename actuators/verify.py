@@ -15,7 +15,7 @@ verdict, at the first look (``verify_steps`` after):
 - ``kept`` when the median did not grow by more than ``min_effect``: it helped (significantly
   faster) or it did not hurt;
 - with ``must_help`` (a change made only to speed steps up: loader workers, threads, the
-  loader's prefetch and pinning; `perfloop.actuators.allowlist.SPEED_KNOBS`) ``kept`` only
+  loader's prefetch and pinning; `perfloop.schemas.knobs.SPEED_KNOBS`) ``kept`` only
   when it helped — significantly faster, by more than ``min_effect`` — and judged on more
   steps while it did not yet: a change with no measured gain is undone (the job goes back to
   the state it is known to run well in), since a gain nobody measured is no reason to keep a

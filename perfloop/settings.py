@@ -148,8 +148,8 @@ class ProducerSettings(BaseServiceSettings):
     @field_validator("pinned_knobs", mode="before")
     @classmethod
     def _known_knobs(cls, value: Any) -> tuple[str, ...]:
-        from perfloop.actuators.allowlist import pinned_knobs
         from perfloop.exceptions import ConfigError
+        from perfloop.schemas.knobs import pinned_knobs
 
         try:
             return pinned_knobs(value)
@@ -319,7 +319,7 @@ class ActuatorSettings(BaseServiceSettings):
     @field_validator("straggler_hook")
     @classmethod
     def _valid_template(cls, value: str) -> str:
-        from perfloop.actuators.hook import check_template
+        from perfloop.command_template import check_template
         from perfloop.exceptions import ConfigError
 
         if value.strip():

@@ -118,8 +118,8 @@ def recs_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
 def _stored_value(text: str, knob: str = "") -> Any:
     """A knob value as the tables keep it (text) back as the value it was (None for ''); the
     value of a hook knob (a node's name, e.g. "1e5" or "007") stays the text it is."""
-    from perfloop.actuators.allowlist import HOOK_KNOBS
     from perfloop.cli.config import parse_value
+    from perfloop.schemas.knobs import HOOK_KNOBS
 
     if text == "":
         return None

@@ -95,7 +95,7 @@ def run_command(args: argparse.Namespace, settings: Any = None) -> int:
     """Run ``args.cmd`` with perfloop's hooks; return its exit code (2: a usage error).
 
     ``settings``: `ProducerSettings`, from the environment when not given."""
-    from perfloop.actuators.allowlist import pinned_knobs
+    from perfloop.schemas.knobs import pinned_knobs
 
     if not [a for a in args.cmd or [] if a != "--"]:
         print(
