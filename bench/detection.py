@@ -7,11 +7,11 @@
 
 Every scenario (healthy, data-loader starvation, straggler, thermal throttle, memory leak → OOM,
 comm degradation, hang, mixed) runs for each seed and job shape in process
-(`perfloop.streams.evaluation.run_scenario`): the simulator publishes like a live producer
+(`perfloop.evaluation.run_scenario`): the simulator publishes like a live producer
 (a message per node and kind every 0.25 s), each message reaches a fresh `Funnel` ``--delay``
 after its newest sample, and ``tick`` runs every ``--tick`` of that simulated receive clock.
 Root diagnoses are scored per fault kind against the simulator's ground truth with the rules in
-`perfloop.streams.evaluation` (kind and time window; precision over every run, healthy ones
+`perfloop.evaluation` (kind and time window; precision over every run, healthy ones
 included; latency = detection time − fault onset). The thresholds were tuned on seeds 0–9;
 the default report uses seeds 100–119, never tuned on.
 
@@ -54,8 +54,8 @@ def bench_cost(nodes: int, per_node: int, args: argparse.Namespace) -> dict[str,
     """The funnel's cost on one ``mixed`` run of this shape, best of a few repetitions each:
     ``observe`` over every telemetry batch (no ticks), whole replays for ``tick``, and
     decoding the same messages as the baseline."""
+    from perfloop.evaluation import REPORT_SEEDS, RunSpec, replay, simulate
     from perfloop.schemas.codec import decode_batch
-    from perfloop.streams.evaluation import REPORT_SEEDS, RunSpec, replay, simulate
     from perfloop.streams.funnel import Funnel
 
     spec = RunSpec("mixed", REPORT_SEEDS[0], nodes, per_node, args.duration)
@@ -98,7 +98,7 @@ def bench_cost(nodes: int, per_node: int, args: argparse.Namespace) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from perfloop.streams.evaluation import (
+    from perfloop.evaluation import (
         REPORT_SEEDS,
         SCENARIOS,
         TUNE_SEEDS,

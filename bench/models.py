@@ -13,7 +13,7 @@ its ``oom`` ground truth (the job's failed `JobLifecycle` otherwise). The job-le
 are built with numpy: per step the median over ranks of ``step_time_ms`` and of each phase's
 summed depth-0 span ``duration_ms``, in step order; per complete 1-s window of event time the
 job's window features (`window_features`). The default seeds 100-104 are among the funnel's
-report seeds (`perfloop.streams.evaluation.REPORT_SEEDS`); no model was tuned on them here.
+report seeds (`perfloop.evaluation.REPORT_SEEDS`); no model was tuned on them here.
 
 1. **Step-time forecasting** — `StepTimeForecaster` (defaults) against `LastValue` and
    `Ewma` (alpha 0.2, the a-priori baseline), one step ahead: MAPE of the next step's time and

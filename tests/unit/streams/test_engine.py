@@ -11,6 +11,7 @@ import numpy as np
 import orjson
 import pytest
 
+from perfloop.evaluation import RunSpec, replay, simulate
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import (
     BatchBuilder,
@@ -24,7 +25,6 @@ from perfloop.schemas import (
 from perfloop.schemas.topics import Topics
 from perfloop.settings import StreamsSettings
 from perfloop.streams.engine import Outputs, StreamEngine
-from perfloop.streams.evaluation import RunSpec, replay, simulate
 
 NS = 1_000_000_000
 NOW = 1_800_000_000 * NS

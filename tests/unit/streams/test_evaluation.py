@@ -8,9 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.detection import missed_targets
-from perfloop.schemas import Diagnosis, GroundTruth
-from perfloop.schemas.job import FAULT_KINDS
-from perfloop.streams.evaluation import (
+from perfloop.evaluation import (
     SCENARIOS,
     RunResult,
     RunSpec,
@@ -18,6 +16,8 @@ from perfloop.streams.evaluation import (
     format_table,
     score,
 )
+from perfloop.schemas import Diagnosis, GroundTruth
+from perfloop.schemas.job import FAULT_KINDS
 
 S = 1_000_000_000
 T = 1_700_000_000 * S

@@ -13,11 +13,11 @@ from typing import Any, NamedTuple
 
 import pytest
 
+from perfloop.evaluation import RunSpec, simulate
 from perfloop.schemas import BatchBuilder, GroundTruth, decode_batch, decode_event
 from perfloop.schemas.topics import Topics
 from perfloop.settings import StreamsSettings
 from perfloop.streams.engine import Outputs, StreamEngine
-from perfloop.streams.evaluation import RunSpec, simulate
 
 NS = 1_000_000_000
 TICK = NS // 4  # the app's default tick interval

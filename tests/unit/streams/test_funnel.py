@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from perfloop.evaluation import RunSpec, run_scenario
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import Diagnosis, GroundTruth, JobLifecycle, decode_event, encode_event
 from perfloop.schemas.analysis import BOTTLENECKS
 from perfloop.schemas.codec import Batch
-from perfloop.streams.evaluation import RunSpec, run_scenario
 from perfloop.streams.funnel import EXPLAINS, LOOPS, DetectConfig, Funnel, actionable
 
 MS = 1_000_000
@@ -31,7 +31,7 @@ def _messages(spec: RunSpec) -> tuple[list[tuple[int, Any]], int]:
         def observe_event(self, event: Any, wall_ns: int) -> None:
             got.append((wall_ns, event))
 
-    import perfloop.streams.evaluation as ev
+    import perfloop.evaluation as ev
 
     real = ev.Funnel
     ev.Funnel = Record  # type: ignore[misc]
