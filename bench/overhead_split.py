@@ -25,7 +25,7 @@ perfloop are taken away in turn:
   same as ``full`` where none was made);
 - ``loop_idle`` and ``loop_raised``: everything, with the loop's CPU group (broker, stream
   worker, actuator) held idle, or held raised to the catch-up's weight, for the pair whatever
-  the worker's catch-up decides (`perfloop._autogroup.CatchUp`): what the catch-up costs the
+  the worker's catch-up decides (`perfloop.autogroup.CatchUp`): what the catch-up costs the
   job (the same as ``full`` where the supervisor made no groups).
 
 Each round runs one pair per variant (the variants' order rotates, and so does plain's place

@@ -1,6 +1,6 @@
 """CPU control groups for the embedded stack: its services in groups the kernel treats as idle.
 
-A service in an autogroup at nice 19 (`perfloop._autogroup`) weighs little, but when a rank
+A service in an autogroup at nice 19 (`perfloop.autogroup`) weighs little, but when a rank
 wakes up on a CPU where the service runs, the kernel lets the service finish its time slice
 first (the two groups are peers); on a job whose ranks meet at every step, a rank held up
 that way holds up all. A control group whose ``cpu.idle`` is 1 is, to the kernel, a group of
@@ -15,7 +15,7 @@ The supervisor makes two groups beside its own (Linux cgroups, v1 ``cpu`` hierar
 with the ``cpu`` controller): ``perfloop-<pid>-loop`` (broker, stream workers, actuator) and
 ``perfloop-<pid>-history`` (warehouse, sink), both idle. A stream worker that falls behind
 its input makes the loop's group an ordinary one of weight 110 (what an autogroup at nice 10
-weighs) until it has caught up (`perfloop._autogroup.CatchUp`). Where the groups cannot be
+weighs) until it has caught up (`perfloop.autogroup.CatchUp`). Where the groups cannot be
 made (no write access to the hierarchy, no ``cpu.idle`` in the kernel) the stack falls back
 to autogroups; nothing here ever raises.
 """

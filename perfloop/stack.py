@@ -16,7 +16,7 @@ the stack yields to the job (Linux):
   ordinary thread that wakes up takes its CPU at once, and it weighs 3 against a rank's 1024.
   A stream worker that falls behind its input more than a second (a job that leaves no CPU
   idle) makes the loop's group an ordinary one of weight 110 until it has kept up for 30 s
-  (`perfloop._autogroup.CatchUp`): late diagnoses are no use to the job.
+  (`perfloop.autogroup.CatchUp`): late diagnoses are no use to the job.
 - Every service also runs in a session of its own, and the supervisor sets that session's
   scheduling group to nice 19 (``/proc/<pid>/autogroup``): what orders the stack behind the
   job where there are no control groups to make. Linux's autogroups (on in most
@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from perfloop._autogroup import CATCH_UP_NICE, set_autogroup_nice
 from perfloop._cpugroup import StackGroups, set_idle
+from perfloop.autogroup import CATCH_UP_NICE, set_autogroup_nice
 from perfloop.broker import RETENTION_NOTE, broker_argv
 from perfloop.exceptions import PerfloopError, StackError, WarehouseError
 from perfloop.kafka import ensure_topics, ping
@@ -326,7 +326,7 @@ class Supervisor:
         policy = _policy_for(child.name, self.settings.stack_priority)
         env = self._env()
         if policy != "normal" and child.name == "streams":
-            # it raises its group, and the broker's, while it is behind (`perfloop._autogroup`),
+            # it raises its group, and the broker's, while it is behind (`perfloop.autogroup`),
             # and it starts behind: raised until it has kept up
             env["PERFLOOP_GROUP_NICE"] = str(AUTOGROUP_NICE)
             env["PERFLOOP_GROUP_RAISED"] = "1"

@@ -63,7 +63,7 @@ from perfloop.exceptions import ConfigError
 from perfloop.kafka import producer
 from perfloop.producers.spool import Position, Spool, SpoolError, SpoolLocked, SpoolRecord
 from perfloop.schemas import ProducerStats, encode_event
-from perfloop.schemas._arrow_batch import arrow_rows, is_arrow
+from perfloop.schemas.arrow_batch import arrow_rows, is_arrow
 from perfloop.schemas.topics import KIND_TOPICS
 from perfloop.settings import BaseServiceSettings, ProducerSettings
 

@@ -8,7 +8,7 @@ A telemetry message carries many samples of one node and one kind, column by col
 
 and, by default, as one Arrow IPC stream with the same header as JSON in its schema metadata
 (``perfloop.batch``) and the same columns typed int64, float64 (null where a nullable field was
-not reported) and UTF-8 strings (`perfloop.schemas._arrow_batch`): no Python object per sample
+not reported) and UTF-8 strings (`perfloop.schemas.arrow_batch`): no Python object per sample
 on either side, ~5× faster to decode than JSON (bench/codec.py). `decode_batch` reads both
 (an Arrow stream starts with ``0xFFFFFFFF``, JSON with ``{``), so producers in any language
 can send JSON; `encode_batch` writes Arrow unless ``wire="json"``.
@@ -38,8 +38,8 @@ import numpy as np
 import orjson
 from pydantic import ValidationError
 
-from perfloop.schemas._arrow_batch import decode_arrow, encode_arrow, is_arrow
 from perfloop.schemas.analysis import ConfigChange, Diagnosis, PhaseChange, Prediction
+from perfloop.schemas.arrow_batch import decode_arrow, encode_arrow, is_arrow
 from perfloop.schemas.base import JOB_ID_PATTERN, Event, new_event_id
 from perfloop.schemas.control import ActuationResult, Approval, Command, Decision, Recommendation
 from perfloop.schemas.exceptions import SchemaError

@@ -34,8 +34,8 @@ import pyarrow.compute as pc
 from perfloop.catalog import DEAD_LETTER_PAYLOAD_BYTES, KIND_TABLES, TABLES
 from perfloop.kafka import _reason_class
 from perfloop.schemas import SchemaError, decode_batch, decode_event
-from perfloop.schemas._arrow_batch import header_of
-from perfloop.schemas._arrow_batch import is_arrow as is_arrow_batch
+from perfloop.schemas.arrow_batch import header_of
+from perfloop.schemas.arrow_batch import is_arrow as is_arrow_batch
 from perfloop.schemas.base import JOB_ID_PATTERN
 from perfloop.schemas.topics import KIND_TOPICS, Topics
 from perfloop.streams._windows_wire import (

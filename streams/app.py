@@ -36,11 +36,11 @@ from typing import Any
 import faust
 from faust.types import TP
 
-from perfloop._autogroup import CatchUp
+from perfloop.autogroup import CatchUp
 from perfloop.exceptions import WarehouseError
 from perfloop.kafka import cluster_id, dlq_headers
 from perfloop.schemas import SchemaError, encode_event
-from perfloop.schemas._arrow_batch import warm_up
+from perfloop.schemas.arrow_batch import warm_up
 from perfloop.schemas.topics import Topics
 from perfloop.settings import StreamsSettings
 from perfloop.streams._heap import GcClock, libc_trim

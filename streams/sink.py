@@ -66,7 +66,7 @@ from perfloop.catalog import TABLES
 from perfloop.exceptions import PerfloopError
 from perfloop.kafka import consumer, dlq_headers, producer
 from perfloop.schemas import SchemaError
-from perfloop.schemas._arrow_batch import warm_up
+from perfloop.schemas.arrow_batch import warm_up
 from perfloop.schemas.topics import Topics
 from perfloop.settings import SinkSettings
 from perfloop.streams._heap import libc_trim

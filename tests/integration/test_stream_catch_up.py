@@ -2,7 +2,7 @@
 machine lets the supervisor make them (`perfloop._cpugroup`), else in autogroups at nice 19;
 a stream worker starts with its group raised (it starts behind) and lowers it once it kept up;
 one that reads input more than a second old raises its group and the broker's (the loop's
-control group to weight 110, or their autogroups to nice 10; `perfloop._autogroup.CatchUp`);
+control group to weight 110, or their autogroups to nice 10; `perfloop.autogroup.CatchUp`);
 the history services stay idle. The old input here is a
 message sent with a timestamp 10 s in the past (an undecodable one: dead-lettered, the worker
 lives on)."""
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Producer
 
-from perfloop._autogroup import CATCH_UP_NICE
 from perfloop._cpugroup import CATCH_UP_SHARES, cpu_dir
+from perfloop.autogroup import CATCH_UP_NICE
 from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
 from perfloop.stack import AUTOGROUP_NICE, read_state

@@ -245,7 +245,7 @@ def test_columns_built_from_buffers_decode_as_pyarrows_own_conversion(
     exactly as when pyarrow converts the values itself."""
     import numpy as np
 
-    from perfloop.schemas import _arrow_batch
+    from perfloop.schemas import arrow_batch
 
     kind = data.draw(st.sampled_from(sorted(BATCH_KINDS)))
     n = data.draw(st.integers(0, 24))
@@ -274,10 +274,10 @@ def test_columns_built_from_buffers_decode_as_pyarrows_own_conversion(
                                      for k, v in got.items()}))  # fmt: skip
 
     built = outcome()
-    clean = _arrow_batch._clean
-    _arrow_batch._clean = lambda values, dtype: None  # type: ignore[assignment]
+    clean = arrow_batch._clean
+    arrow_batch._clean = lambda values, dtype: None  # type: ignore[assignment]
     try:
         converted = outcome()
     finally:
-        _arrow_batch._clean = clean
+        arrow_batch._clean = clean
     assert built == converted

@@ -1,6 +1,7 @@
 """The installed package's import graph against the layers docs/architecture.md writes down:
 no circle, no import of a lower layer (a higher number) or of a peer, every module in a layer,
-and every moved name's alias still resolving (with its warning)."""
+no private module imported from another package, and every moved name's alias still resolving
+(with its warning)."""
 
 from __future__ import annotations
 
@@ -141,6 +142,21 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def private_imports(graph: dict[str, set[str]]) -> list[str]:
+    """One line per import of a private module (``_name``) from outside its own package."""
+    out = []
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            parent, _, last = b.rpartition(".")
+            if (
+                last.startswith("_")
+                and not last.startswith("__")
+                and not a.startswith(parent + ".")
+            ):
+                out.append(f"{a} imports {b}, private to {parent}")
+    return out
+
+
 def graph_of(root: Path) -> dict[str, set[str]]:
     files = package_files(root)
     known = set(files)
@@ -155,6 +171,10 @@ def test_no_import_runs_against_the_documented_layers() -> None:
     layers = read_layers(DOC)
     assert len(layers) >= 9, "the layer table of docs/architecture.md was not read"
     assert violations(graph_of(ROOT), layers) == []
+
+
+def test_no_private_module_is_imported_from_another_package() -> None:
+    assert private_imports(graph_of(ROOT)) == []
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -179,15 +199,22 @@ def test_the_checks_find_a_circle_and_an_import_against_the_order(tmp_path: Path
             "low/__init__.py": "",
             "low/a.py": "from . import b\n",  # relative, a folder mapped to pkg.low
             "low/b.py": "import pkg.low.a\n",
+            "low/_own.py": "",
+            "low/c.py": "from pkg.low import _own\n",  # its own package's: fine
+            "pkg/other.py": "from pkg.low._own import x\n",
         },
     )
     graph = graph_of(root)
     assert graph["pkg.low.a"] == {"pkg.low.b"}
     assert sorted(circles(graph)) == [["pkg.base", "pkg.roof"], ["pkg.low.a", "pkg.low.b"]]
     layers = [(1, "base", ["pkg", "pkg.base"]), (2, "low", ["pkg.low"]), (3, "roof", ["pkg.roof"])]
-    assert violations(graph, layers) == ["pkg.base (base) imports pkg.roof (roof)"]
+    assert violations(graph, layers) == [
+        "pkg.base (base) imports pkg.roof (roof)",
+        "pkg.other (base) imports pkg.low._own (low)",
+    ]
     peers = [(1, "base", ["pkg"]), (2, "low", ["pkg.low.a"]), (2, "other", ["pkg.low.b"])]
     assert "pkg.low.a (low) imports pkg.low.b (other)" in violations(graph, peers)
+    assert private_imports(graph) == ["pkg.other imports pkg.low._own, private to pkg.low"]
     assert violations(graph, [(1, "base", ["pkg.base"])])[0] == (
         "pkg: in no layer of docs/architecture.md"
     )

@@ -1,6 +1,6 @@
 """A stream worker that falls behind its input raises its scheduling group (and the embedded
 broker's) from the stack's yielding nice 19 to nice 10, and lowers it again once it has kept up
-for a while (`perfloop._autogroup.CatchUp`); it never changes the group of a process that is
+for a while (`perfloop.autogroup.CatchUp`); it never changes the group of a process that is
 not the one it was told of, and does nothing where the supervisor did not put it in a yielding
 group of its own."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from perfloop._autogroup import CATCH_UP_NICE, CatchUp, _set
+from perfloop.autogroup import CATCH_UP_NICE, CatchUp, _set
 from perfloop.settings import StackSettings
 from perfloop.stack import AUTOGROUP_NICE, SERVICES, Supervisor, _Child
 
@@ -119,7 +119,7 @@ def test_the_worker_acts_only_in_a_yielding_group_of_its_own() -> None:
     assert CatchUp.from_env(env) is None, "in the runner's session: never the user's group"
     probe = (
         "import json, sys\n"
-        "from perfloop._autogroup import CatchUp\n"
+        "from perfloop.autogroup import CatchUp\n"
         "out = {}\n"
         "for k, env in json.loads(sys.argv[1]).items():\n"
         "    c = CatchUp.from_env(env)\n"

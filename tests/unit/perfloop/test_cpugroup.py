@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from perfloop._autogroup import CatchUp, _set
 from perfloop._cpugroup import CATCH_UP_SHARES, StackGroups, cpu_dir, set_idle
+from perfloop.autogroup import CatchUp, _set
 
 
 def _proc(tmp_path: Path, cgroup: str, mountinfo: str) -> Path:

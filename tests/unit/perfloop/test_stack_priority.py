@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from perfloop._autogroup import CATCH_UP_NICE
+from perfloop.autogroup import CATCH_UP_NICE
 from perfloop.settings import StackSettings
 from perfloop.stack import AUTOGROUP_NICE, SERVICES, Supervisor, _at_priority, _Child
 

@@ -346,7 +346,7 @@ def test_after_warm_up_decoding_imports_nothing_more() -> None:
 import sys
 import numpy as np
 from perfloop.schemas import decode_batch, encode_batch
-from perfloop.schemas._arrow_batch import warm_up
+from perfloop.schemas.arrow_batch import warm_up
 cols = {"ts_ns": np.arange(3) * 10, "rank": np.zeros(3, dtype=np.int64), "step": np.arange(3),
         "step_time_ms": np.linspace(100.0, 130.0, 3)}
 warm_up()
