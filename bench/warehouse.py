@@ -13,7 +13,7 @@ per table per flush of ``--per-flush`` rows, a flush every ``--every-s`` seconds
 CPU seconds by thread (ClickHouse names them: ``ThreadPool`` runs inserts and their
 materialized views, ``MergeTreeBackgroundExecutor`` threads are ``MergeMutate``), µs per row
 in all and for merges, the insert time per table, and the active parts left. Variants: the
-catalog as migrated (``merge_selector_base`` = `perfloop.catalog.MERGE_SELECTOR_BASE`) and
+catalog as migrated (``merge_selector_base`` = `perfloop.warehouse.tables.MERGE_SELECTOR_BASE`) and
 the baseline with ClickHouse's default (5) set back on every table.
 """
 
@@ -48,10 +48,10 @@ def _batches(args: argparse.Namespace) -> list[dict[str, Any]]:
     from bench.e2e import _simulated_messages
     from perfloop.schemas.topics import Topics
     from perfloop.settings import StreamsSettings
-    from perfloop.streams._sink_batch import Pending, Source
-    from perfloop.streams._sink_rows import part_rows, rows_from_message
     from perfloop.streams.app import windows_messages
     from perfloop.streams.engine import StreamEngine
+    from perfloop.warehouse._sink_batch import Pending, Source
+    from perfloop.warehouse._sink_rows import part_rows, rows_from_message
 
     ns = argparse.Namespace(
         jobs=args.jobs, sim_s=args.sim_s, scenario=args.scenario, nodes=2, ranks=8
@@ -213,7 +213,7 @@ def run_variant(args: argparse.Namespace, flushes: list[dict[str, Any]], base: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    from perfloop.catalog import MERGE_SELECTOR_BASE
+    from perfloop.warehouse.tables import MERGE_SELECTOR_BASE
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=4)

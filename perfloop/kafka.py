@@ -33,6 +33,7 @@ __all__ = [
     "ensure_topics",
     "ping",
     "producer",
+    "reason_class",
     "tail",
 ]
 
@@ -174,10 +175,10 @@ def dlq_headers(reason: str, topic: str, partition: int, offset: int) -> list[tu
     ]
 
 
-def _reason_class(reason: str) -> str:
+def reason_class(reason: str) -> str:
     """A dead letter's reason with its sample-specific values masked, for counting.
 
-    >>> _reason_class("span batch: column 'name' sample 12 = 'x' holds control characters")
+    >>> reason_class("span batch: column 'name' sample 12 = 'x' holds control characters")
     "span batch: column 'name' sample N = … holds control characters"
     """
     reason = re.sub(r" = .*? (is|holds) ", r" = … \1 ", reason)
@@ -220,7 +221,7 @@ def dead_letter_counts(
                 continue
             h = {k: v.decode(errors="replace") for k, v in msg.headers() or []}
             key = (h.get("perfloop.source.topic", "?"), h.get("perfloop.reason", "?"))
-            key = (key[0], _reason_class(key[1]))
+            key = (key[0], reason_class(key[1]))
             counts[key] = counts.get(key, 0) + 1
     finally:
         c.close()

@@ -269,7 +269,7 @@ class SinkSettings(BaseServiceSettings):
     fetched ~8 times a second."""
     telemetry_in_rounds: bool = True
     """Read the telemetry topics in rounds, one per flush, each partition paused once read to
-    its end (`perfloop.streams.sink`), instead of fetching them continuously: the embedded
+    its end (`perfloop.warehouse.sink`), instead of fetching them continuously: the embedded
     broker's fetch cost grows with what a partition holds. False: fetch them continuously."""
 
 

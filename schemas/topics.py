@@ -2,7 +2,7 @@
 
 Topics are keyed by ``job_id`` so all ranks of a job meet in one partition (DESIGN.md). A
 producer publishes an event of kind ``k`` on ``KIND_TOPICS[k]``; the warehouse's tables for
-each topic are `perfloop.catalog`'s.
+each topic are `perfloop.warehouse.tables`'s.
 
 >>> KIND_TOPICS["step"] == Topics.STEP, Topics.DLQ in TOPICS
 (True, True)

@@ -8,7 +8,7 @@ windows), `StepAnalysis` (per-step busy/idle and stragglers), `PhaseMachine` and
 top-down bottleneck funnel) and the rules (`DataWaitRule`, `ThreadRule`, `StragglerRule`) —
 whose output goes to ``perfloop.windows``, ``perfloop.phases``, ``perfloop.diagnoses`` and
 ``perfloop.recommendations``. State is snapshotted to disk before
-input is acknowledged. The sink (`perfloop.streams.sink`) lands every topic in the warehouse.
+input is acknowledged. The sink (`perfloop.warehouse.sink`) lands every topic in the warehouse.
 """
 
 from perfloop.streams.engine import Outputs, StreamEngine

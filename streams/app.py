@@ -42,11 +42,11 @@ from perfloop.kafka import cluster_id, dlq_headers
 from perfloop.schemas import SchemaError, encode_event
 from perfloop.schemas.arrow_batch import warm_up
 from perfloop.schemas.topics import Topics
+from perfloop.schemas.windows import encode_windows
+from perfloop.service_heap import GcClock, libc_trim
 from perfloop.settings import StreamsSettings
-from perfloop.streams._heap import GcClock, libc_trim
 from perfloop.streams._history import load_history
 from perfloop.streams._output import Output
-from perfloop.streams._windows_wire import encode_windows
 from perfloop.streams.engine import INPUT_TOPICS, TELEMETRY_TOPICS, Outputs, StreamEngine
 from perfloop.streams.windows import WindowColumns, split_by_job
 
@@ -170,7 +170,7 @@ def snapshot_path(settings: StreamsSettings) -> Path:
 
 def windows_messages(cols: WindowColumns) -> list[tuple[bytes, bytes]]:
     """Closed windows as ``(key, value)`` messages: per job, Arrow IPC (v3), at most
-    2000 rows each (`perfloop.streams._windows_wire`)."""
+    2000 rows each (`perfloop.schemas.windows`)."""
     out = []
     for job, part in split_by_job(cols).items():
         out.extend(encode_windows(part, job.encode()))

@@ -107,7 +107,7 @@ def service_command(args: argparse.Namespace) -> int:
     service: Any
     if args.name == "sink":
         from perfloop.settings import SinkSettings
-        from perfloop.streams.sink import Sink
+        from perfloop.warehouse.sink import Sink
 
         service = Sink(load_settings(SinkSettings))
     else:

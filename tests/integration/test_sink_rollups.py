@@ -22,15 +22,17 @@ import pyarrow as pa
 import pytest
 from clickhouse_connect.driver.client import Client
 
-from perfloop.catalog import MERGE_SELECTOR_BASE, MIGRATIONS, ROLLUP_RESOLUTIONS, ROLLUPS, Migration
 from perfloop.exceptions import WarehouseError
 from perfloop.kafka import dlq_headers
 from perfloop.schemas import ConfigChange, Diagnosis, PhaseChange, encode_batch, encode_event
 from perfloop.schemas.topics import Topics
+from perfloop.schemas.windows import encode_windows
 from perfloop.settings import SinkSettings
-from perfloop.streams._windows_wire import encode_windows
-from perfloop.streams.sink import rows_from_dead_letter, rows_from_message
 from perfloop.warehouse import client, migrate
+from perfloop.warehouse.migrations import MIGRATIONS, Migration
+from perfloop.warehouse.rollups import ROLLUP_RESOLUTIONS, ROLLUPS
+from perfloop.warehouse.sink import rows_from_dead_letter, rows_from_message
+from perfloop.warehouse.tables import MERGE_SELECTOR_BASE
 
 from .conftest import free_port, wait_for
 

@@ -12,7 +12,6 @@ import orjson
 import pytest
 from confluent_kafka import Producer
 
-from perfloop.catalog import KIND_TABLES
 from perfloop.kafka import consumer
 from perfloop.producers.emitter import Emitter
 from perfloop.producers.publisher import Publisher
@@ -28,6 +27,7 @@ from perfloop.schemas import (
 from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
 from perfloop.warehouse import client
+from perfloop.warehouse.tables import KIND_TABLES
 
 from .conftest import perfloop_cli, wait_for
 

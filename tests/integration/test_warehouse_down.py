@@ -29,8 +29,8 @@ from perfloop.schemas import decode_batch, encode_batch
 from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
 from perfloop.stack import read_state
-from perfloop.streams.sink import PREFETCH_KIB, rows_from_message
 from perfloop.warehouse import client
+from perfloop.warehouse.sink import PREFETCH_KIB, rows_from_message
 
 from .conftest import pid_alive, private_stack, wait_for
 

@@ -13,7 +13,7 @@ dead letters — stay Python lists (`Rows`), whose maps and nullable fields the 
 the table. Every table gets its parts from one of the two.
 
 Windows messages (``perfloop.windows``) are Arrow IPC streams (v3,
-`perfloop.streams._windows_wire`) or the older JSON columns (``{"kind": "windows", "v": 2,
+`perfloop.schemas.windows`) or the older JSON columns (``{"kind": "windows", "v": 2,
 "columns": {...}}``, `WINDOW_COLUMNS`); anything else on that topic is rejected with the
 reason.
 """
@@ -31,20 +31,20 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from perfloop.catalog import DEAD_LETTER_PAYLOAD_BYTES, KIND_TABLES, TABLES
-from perfloop.kafka import _reason_class
+from perfloop.kafka import reason_class
 from perfloop.schemas import SchemaError, decode_batch, decode_event
 from perfloop.schemas.arrow_batch import header_of
 from perfloop.schemas.arrow_batch import is_arrow as is_arrow_batch
 from perfloop.schemas.base import JOB_ID_PATTERN
 from perfloop.schemas.topics import KIND_TOPICS, Topics
-from perfloop.streams._windows_wire import (
+from perfloop.schemas.windows import (
     MAX_WINDOWS_BYTES,
     WINDOW_COLUMNS,
     check_windows,
     decode_windows,
     is_arrow,
 )
+from perfloop.warehouse.tables import DEAD_LETTER_PAYLOAD_BYTES, KIND_TABLES, TABLES
 
 __all__ = [
     "WINDOW_COLUMNS",
@@ -412,7 +412,7 @@ def rows_from_dead_letter(
         "partition": number("perfloop.source.partition"),
         "offset": number("perfloop.source.offset"),
         "reason": reason,
-        "reason_class": _reason_class(reason) if reason else "",
+        "reason_class": reason_class(reason) if reason else "",
         "key": key_text[:1024],
         "payload": data[:DEAD_LETTER_PAYLOAD_BYTES],
         "payload_bytes": len(data),

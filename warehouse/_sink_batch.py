@@ -1,5 +1,5 @@
 """The sink's batches: the rows waiting for one table's insert, the messages they came from,
-and the ids of recent messages (to drop one sent twice). No I/O; `perfloop.streams.sink` uses
+and the ids of recent messages (to drop one sent twice). No I/O; `perfloop.warehouse.sink` uses
 them.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from perfloop.streams._sink_rows import Part, Rows, part_rows
+from perfloop.warehouse._sink_rows import Part, Rows, part_rows
 
 __all__ = ["Flight", "Pending", "RecentIds", "Source"]
 

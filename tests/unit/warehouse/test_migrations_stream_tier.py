@@ -6,18 +6,10 @@ import re
 
 import pytest
 
-from perfloop.catalog import (
-    DEAD_LETTER_PAYLOAD_BYTES,
-    MIGRATIONS,
-    RAW_TTL_DAYS,
-    ROLLUP_RESOLUTIONS,
-    ROLLUP_SECONDS,
-    ROLLUP_TTL_DAYS,
-    ROLLUPS,
-    TABLES,
-    WINDOW_KEY,
-)
 from perfloop.schemas.topics import Topics
+from perfloop.warehouse.migrations import MIGRATIONS
+from perfloop.warehouse.rollups import ROLLUP_RESOLUTIONS, ROLLUP_SECONDS, ROLLUP_TTL_DAYS, ROLLUPS
+from perfloop.warehouse.tables import DEAD_LETTER_PAYLOAD_BYTES, RAW_TTL_DAYS, TABLES, WINDOW_KEY
 
 M3 = MIGRATIONS[2]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from perfloop.streams._heap import GcClock
+from perfloop.service_heap import GcClock
 
 
 class _Node:

@@ -7,9 +7,10 @@ import re
 
 import pytest
 
-from perfloop.catalog import KIND_TABLES, MIGRATIONS, TABLES
 from perfloop.schemas import BATCH_KINDS, EVENT_KINDS
 from perfloop.schemas.topics import KIND_TOPICS, TOPICS, Topics
+from perfloop.warehouse.migrations import MIGRATIONS
+from perfloop.warehouse.tables import KIND_TABLES, TABLES
 
 STATEMENTS = [s for m in MIGRATIONS for s in m.statements]
 

@@ -1,4 +1,5 @@
-"""Warehouse access: clickhouse-connect clients and the versioned, idempotent migrations."""
+"""Warehouse access: clickhouse-connect clients, applying the migrations, and reading what
+landed."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import clickhouse_connect
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
-from perfloop.catalog import MIGRATIONS, Migration
 from perfloop.exceptions import WarehouseError
 from perfloop.settings import BaseServiceSettings
+from perfloop.warehouse.migrations import MIGRATIONS, Migration
 
 __all__ = ["client", "migrate", "unix_ns", "wait_settled"]
 
@@ -75,7 +76,7 @@ def _reason(e: Exception) -> str:
 def migrate(
     settings: BaseServiceSettings, migrations: tuple[Migration, ...] = MIGRATIONS
 ) -> list[int]:
-    """Create the database and apply pending ``migrations`` (the catalog's) in order; return
+    """Create the database and apply pending ``migrations`` (`MIGRATIONS`) in order; return
     the versions applied."""
     db = settings.clickhouse_database
     admin = client(settings, database="")

@@ -11,7 +11,6 @@ import orjson
 import pyarrow as pa
 import pytest
 
-from perfloop.catalog import DEAD_LETTER_PAYLOAD_BYTES, MIGRATIONS
 from perfloop.kafka import dlq_headers
 from perfloop.schemas import (
     ConfigChange,
@@ -23,12 +22,14 @@ from perfloop.schemas import (
     encode_event,
 )
 from perfloop.schemas.topics import Topics
-from perfloop.streams._sink_rows import (
+from perfloop.schemas.windows import encode_windows
+from perfloop.warehouse._sink_rows import (
     WINDOW_COLUMNS,
     rows_from_dead_letter,
     rows_from_message,
 )
-from perfloop.streams._windows_wire import encode_windows
+from perfloop.warehouse.migrations import MIGRATIONS
+from perfloop.warehouse.tables import DEAD_LETTER_PAYLOAD_BYTES
 
 T = 1_700_000_000_000_000_000
 

@@ -17,8 +17,9 @@ from perfloop.kafka import dlq_headers
 from perfloop.schemas import JobLifecycle, encode_batch, encode_event
 from perfloop.schemas.topics import Topics
 from perfloop.settings import SinkSettings
-from perfloop.streams import sink as sink_mod
-from perfloop.streams.sink import Sink
+from perfloop.warehouse import _sink_rounds as rounds_mod
+from perfloop.warehouse import sink as sink_mod
+from perfloop.warehouse.sink import Sink
 
 ROWS = 500  # samples per step batch
 
@@ -565,7 +566,7 @@ def test_windows_due_while_telemetry_is_in_the_air_go_in_after_the_table_being_i
 
 
 def test_windows_do_not_join_a_flight_inserting_windows_or_landing() -> None:
-    from perfloop.streams._sink_batch import Flight, Pending
+    from perfloop.warehouse._sink_batch import Flight, Pending
 
     flight = Flight({"windows": Pending(), "steps": Pending()}, {("perfloop.windows", 0): 4})
     assert not flight.join({"windows": Pending()}, {("perfloop.windows", 0): 9}, frozenset())
@@ -599,7 +600,7 @@ def test_windows_joined_to_a_flight_that_fails_are_retried_with_it() -> None:
 
 
 def test_a_flight_can_be_sized_while_the_insert_thread_drops_its_landed_batches() -> None:
-    from perfloop.streams._sink_batch import Flight, Pending
+    from perfloop.warehouse._sink_batch import Flight, Pending
 
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -679,7 +680,7 @@ class Partitioned(Broker):
 def rounds_sink(
     monkeypatch: pytest.MonkeyPatch, **settings: Any
 ) -> tuple[Sink, Partitioned, Warehouse]:
-    monkeypatch.setattr(sink_mod, "ROUND_LEAD_S", 0.02)
+    monkeypatch.setattr(rounds_mod, "ROUND_LEAD_S", 0.02)
     monkeypatch.setattr(sink_mod, "ROUND_IDLE_S", 0.02)
     broker, wh = Partitioned(), Warehouse()
     defaults = {"flush_interval_s": 0.1, "fetch_max_wait_ms": 1, "telemetry_in_rounds": True}
