@@ -8,6 +8,9 @@
 - `perfloop.warehouse.sink`: the service that fills the tables from the topics.
 """
 
+from perfloop.deprecation import moved
 from perfloop.warehouse.access import client, migrate, unix_ns, wait_settled
 
 __all__ = ["client", "migrate", "unix_ns", "wait_settled"]
+
+__getattr__ = moved(__name__, {"UNKNOWN_SETTING": "perfloop.warehouse.access"})
