@@ -4,8 +4,8 @@
     python bench/broker_growth.py --samples 1000000
 
 The Tansu broker (memory storage) keeps every record until it stops: no retention, no
-DeleteRecords (see `perfloop.broker`). This starts just the broker binary
-(`perfloop.broker.broker_argv`) on a free loopback port, publishes step batches built with the
+DeleteRecords (see `perfloop.stack.broker`). This starts just the broker binary
+(`perfloop.stack.broker.broker_argv`) on a free loopback port, publishes step batches built with the
 real `BatchBuilder` through the real `Publisher` (idempotent, lz4), and reads the broker's
 VmRSS from /proc before, after each ``--report-every`` samples, and at the end. It prints MiB
 per million samples and bytes per sample, next to the JSON bytes and the lz4-compressed bytes
@@ -64,12 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     isolate_env(home, port, free_port())  # this process is the entry point
 
-    from perfloop.broker import broker_argv
     from perfloop.kafka import ensure_topics
     from perfloop.producers import Publisher
     from perfloop.schemas import BatchBuilder
     from perfloop.schemas.topics import Topics
     from perfloop.settings import BaseServiceSettings
+    from perfloop.stack.broker import broker_argv
 
     settings = BaseServiceSettings()
     log_path = home / "broker.log"

@@ -30,7 +30,7 @@ perfloop are taken away in turn:
 
 Each round runs one pair per variant (the variants' order rotates, and so does plain's place
 in each pair), so that a stack growing costlier with what it holds (the embedded broker
-does: `perfloop.broker`) weighs on every variant alike. Paused services are resumed after
+does: `perfloop.stack.broker`) weighs on every variant alike. Paused services are resumed after
 each pair, also on error or Ctrl-C. Reported per variant: the pairs' observe/plain ratios of
 second-half steps/s and their median, and the CPU seconds each stack service used during the
 observe runs (of the whole process, from ``/proc/<pid>/stat``).

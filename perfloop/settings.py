@@ -219,14 +219,14 @@ class StreamsSettings(BaseServiceSettings):
     fetch_max_wait_ms: int = Field(500, ge=1, le=1000)
     """How long a fetch of read-to-the-end partitions may wait for input. The embedded broker
     answers such a fetch after about half of it (it does not wake on new input), and each
-    fetch costs it time in proportion to what the partitions hold (`perfloop.broker`): a
+    fetch costs it time in proportion to what the partitions hold (`perfloop.stack.broker`): a
     shorter wait delivers input sooner and costs the broker more. At most 1 s: the worker
     trusts a partition's end only if it was fetched in the last 1.5 s."""
     fetch_min_interval_ms: int = Field(500, ge=0, le=1000)
     """The least time between two of the worker's fetches. A fetch returns as soon as any
     partition has new records, so without it the worker fetches each time a producer
     publishes, and the embedded broker lists every batch of such a partition for each fetch
-    (`perfloop.broker`). 0: fetch again at once."""
+    (`perfloop.stack.broker`). 0: fetch again at once."""
     predictions: bool = True
     """Host the online models (`perfloop.streams.predict`) and publish their predictions;
     ``predict.enabled`` changes it live."""
@@ -264,7 +264,7 @@ class SinkSettings(BaseServiceSettings):
     """A fetch returns once ``fetch_min_bytes`` are waiting or after ``fetch_max_wait_ms``.
     The sink reads every topic, so while input flows some partition always has new records
     and a fetch would return at once: ~2 fetches a second instead of dozens. Each costs the
-    embedded broker time in proportion to what the partitions hold (`perfloop.broker`); the
+    embedded broker time in proportion to what the partitions hold (`perfloop.stack.broker`); the
     sink's fetches were most of the broker's CPU in a soak, and at 200 ms the idle sink still
     fetched ~8 times a second."""
     telemetry_in_rounds: bool = True
@@ -297,7 +297,7 @@ class ActuatorSettings(BaseServiceSettings):
     session_timeout_ms: int = Field(6000, ge=1000)
     fetch_max_wait_ms: int = Field(500, ge=1, le=1000)
     """How long a fetch of read-to-the-end partitions may wait for input. The embedded broker
-    answers such a fetch after about half of it whether or not input came (`perfloop.broker`),
+    answers such a fetch after about half of it whether or not input came (`perfloop.stack.broker`),
     so this bounds how long a recommendation waits to be read (~250 ms, against the seconds a
     diagnosis takes) and how often the idle actuator wakes the broker: at 50 ms it fetched
     ~20 times a second, and the broker, sharing the job's CPUs, took ~5 % of a core idle."""

@@ -101,7 +101,7 @@ def set_fetch_wait(app: faust.App, wait_ms: int) -> bool:
     """Give the app's consumer fetches this longest wait; False until its fetcher exists.
 
     Faust fixes it at 1.5 s, which on the embedded broker delays input by ~0.4 s at the
-    median (`perfloop.broker`); the fetcher reads the value for each fetch it builds.
+    median (`perfloop.stack.broker`); the fetcher reads the value for each fetch it builds.
     """
     fetcher = _fetcher(app, "_fetch_max_wait_ms")
     if fetcher is None:
@@ -118,7 +118,7 @@ def pace_fetches(app: faust.App, interval_ms: int) -> dict[str, Any] | None:
 
     A fetch is answered as soon as any of its partitions has new records, so the consumer
     would fetch again each time a producer publishes; the embedded broker lists every stored
-    batch of each such partition per fetch (`perfloop.broker`). Waiting before the next
+    batch of each such partition per fetch (`perfloop.stack.broker`). Waiting before the next
     fetch lets the records of several publishes come in one. Calling it again changes the
     interval.
     """

@@ -95,7 +95,7 @@ def service_command(args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.name == "warehouse":
-        from perfloop.chserver import main as warehouse_main
+        from perfloop.stack.warehouse_server import main as warehouse_main
 
         return warehouse_main([]) or 0
     if args.name == "streams":

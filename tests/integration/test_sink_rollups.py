@@ -52,7 +52,15 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SinkSettings]
     port = free_port()
     log = open(home / "warehouse.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [sys.executable, "-m", "perfloop.chserver", "--port", str(port), "--data-dir", str(home)],
+        [
+            sys.executable,
+            "-m",
+            "perfloop.stack.warehouse_server",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(home),
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,

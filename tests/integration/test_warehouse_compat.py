@@ -19,9 +19,9 @@ import pytest
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import DatabaseError
 
-from perfloop.chserver import WarehouseServer
 from perfloop.exceptions import WarehouseError
 from perfloop.settings import BaseServiceSettings, WarehouseServerSettings
+from perfloop.stack.warehouse_server import WarehouseServer
 from perfloop.warehouse import client as perfloop_client
 
 pytestmark = pytest.mark.integration

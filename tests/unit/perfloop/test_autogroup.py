@@ -17,7 +17,7 @@ import pytest
 
 from perfloop.autogroup import CATCH_UP_NICE, CatchUp, _set
 from perfloop.settings import StackSettings
-from perfloop.stack import AUTOGROUP_NICE, SERVICES, Supervisor, _Child
+from perfloop.stack.supervisor import AUTOGROUP_NICE, SERVICES, Supervisor, _Child
 
 _HAS_AUTOGROUPS = Path("/proc/self/autogroup").exists()
 
@@ -205,7 +205,7 @@ def test_the_supervisor_tells_the_stream_worker_its_group_and_the_brokers(
 def test_a_group_the_supervisor_cannot_set_is_said_in_the_services_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import perfloop.stack as stack
+    import perfloop.stack.supervisor as stack
 
     monkeypatch.setattr(stack, "set_autogroup_nice", lambda pid, nice: False)
     (tmp_path / "home").mkdir()

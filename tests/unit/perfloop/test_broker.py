@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from perfloop import broker
 from perfloop.exceptions import StackError
 from perfloop.settings import StackSettings
+from perfloop.stack import broker
 
 
 def test_broker_runs_the_shipped_tansu_on_loopback_with_memory_storage() -> None:

@@ -134,7 +134,7 @@ def test_the_supervisor_puts_each_service_in_its_group_and_a_new_worker_starts_r
     tmp_path: Path,
 ) -> None:
     from perfloop.settings import StackSettings
-    from perfloop.stack import Supervisor, _Child
+    from perfloop.stack.supervisor import Supervisor, _Child
 
     (tmp_path / "home").mkdir()
     sup = Supervisor(StackSettings(home=tmp_path / "home"))

@@ -17,7 +17,7 @@ import pytest
 
 from perfloop.autogroup import CATCH_UP_NICE
 from perfloop.settings import StackSettings
-from perfloop.stack import AUTOGROUP_NICE, SERVICES, Supervisor, _at_priority, _Child
+from perfloop.stack.supervisor import AUTOGROUP_NICE, SERVICES, Supervisor, _at_priority, _Child
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling only")
 

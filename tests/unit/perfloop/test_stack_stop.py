@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from perfloop.settings import StackSettings
-from perfloop.stack import SERVICES, Supervisor, _Child
+from perfloop.stack.supervisor import SERVICES, Supervisor, _Child
 
 # A child that, on SIGTERM, takes 0.3 s to finish (a last flush), then writes when it ended.
 _CHILD = """

@@ -1,4 +1,4 @@
-"""The embedded stack: `perfloop up`, `down` and `status`.
+"""The embedded stack's supervisor: `perfloop up`, `down` and `status`.
 
 `Supervisor` starts, watches and restarts perfloop's processes — the Tansu broker and the chDB
 warehouse server (embedded mode only), then the topics and migrations, then the stream
@@ -59,10 +59,10 @@ from typing import Any
 
 from perfloop._cpugroup import StackGroups, set_idle
 from perfloop.autogroup import CATCH_UP_NICE, set_autogroup_nice
-from perfloop.broker import RETENTION_NOTE, broker_argv
 from perfloop.exceptions import PerfloopError, StackError, WarehouseError
 from perfloop.kafka import ensure_topics, ping
 from perfloop.settings import StackSettings
+from perfloop.stack.broker import RETENTION_NOTE, broker_argv
 from perfloop.warehouse import migrate
 
 __all__ = [
@@ -241,7 +241,7 @@ class Supervisor:
             self._children.append(
                 self._child(
                     "warehouse",
-                    [py, "-m", "perfloop.chserver"],
+                    [py, "-m", "perfloop.stack.warehouse_server"],
                     lambda: _http_ok(s.clickhouse_url),
                 )
             )
