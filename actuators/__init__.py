@@ -26,7 +26,7 @@ from perfloop.actuators.agent import (
 from perfloop.actuators.policy import KNOB_BOUNDS, JobRules, Policy
 from perfloop.actuators.service import ActuatorService
 from perfloop.actuators.signing import sign, signature_of, verify
-from perfloop.actuators.verify import ChangeVerifier, Verdict
+from perfloop.actuators.verification import ChangeVerifier, Verdict
 
 __all__ = [
     "KNOB_BOUNDS",

@@ -10,7 +10,7 @@ Nothing here ever raises into the training loop.
 
 Verification: the training loop reports each step (`JobAgent.observe_step`: its time, and its
 loss when known). A change is applied alone, and the steps after it are compared with as many
-steps just before it (`perfloop.actuators.verify.ChangeVerifier`); the next command waits until
+steps just before it (`perfloop.actuators.verification.ChangeVerifier`); the next command waits until
 the verdict.
 A change that hurt (significantly slower steps) or broke training (a NaN loss) is rolled back
 to the last value known good at the next step boundary, within ``settle_steps + verify_steps``
@@ -58,7 +58,7 @@ from confluent_kafka import KafkaError
 from perfloop.actuators._notice import notice, say
 from perfloop.actuators.patch import ConfigPatch
 from perfloop.actuators.signing import verify
-from perfloop.actuators.verify import ChangeVerifier, Verdict
+from perfloop.actuators.verification import ChangeVerifier, Verdict
 from perfloop.exceptions import ConfigError
 from perfloop.kafka import consumer, producer, tail
 from perfloop.schemas import (

@@ -33,6 +33,14 @@ from perfloop.models.base import (
     register,
     registered,
 )
+from perfloop.models.batch_size import (
+    BatchSizeRecommendation,
+    GradientNoiseScale,
+    StepTimeModel,
+    goodput,
+    recommend_batch_size,
+    statistical_efficiency,
+)
 from perfloop.models.crossrun import CrossRunPredictor
 from perfloop.models.datapipe import (
     PipelineRequirement,
@@ -42,14 +50,6 @@ from perfloop.models.datapipe import (
 )
 from perfloop.models.devices import Device, device, devices, match_device
 from perfloop.models.drift import RegimeDetector
-from perfloop.models.goodput import (
-    BatchSizeRecommendation,
-    GradientNoiseScale,
-    StepTimeModel,
-    goodput,
-    recommend_batch_size,
-    statistical_efficiency,
-)
 from perfloop.models.memory import Plan, StrategyEstimate, TransformerShape
 from perfloop.models.memory import estimate as memory_estimate
 from perfloop.models.memory import plan as memory_plan

@@ -73,7 +73,7 @@ class Command(Event):
 
 class ActuationResult(Event):
     """What a job did with a command: applied at a step, or rejected with the reason; then,
-    once the steps after it were compared with those before (`perfloop.actuators.verify`),
+    once the steps after it were compared with those before (`perfloop.actuators.verification`),
     ``kept`` or ``rolled_back`` (``value`` then is the value restored) with the evidence.
 
     v2 adds the ``kept`` and ``rolled_back`` statuses and ``evidence``.

@@ -50,7 +50,7 @@ SPEED_KNOBS: frozenset[str] = frozenset(
     }
 )
 """Knobs changed only to make steps faster: a change of one is kept only when the steps after
-it were measurably faster (`perfloop.actuators.verify.ChangeVerifier`'s ``must_help``); the
+it were measurably faster (`perfloop.actuators.verification.ChangeVerifier`'s ``must_help``); the
 others (a power limit, the checkpoint cadence, …) are kept when they did not hurt."""
 ACTION_KNOBS: frozenset[str] = frozenset({"profiler.capture_steps"})
 """Knobs that do something once rather than hold a value: applied, never judged or undone."""

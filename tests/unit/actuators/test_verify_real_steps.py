@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from perfloop.actuators.verify import MIN_BASELINE, ChangeVerifier, Verdict, mann_whitney_p
+from perfloop.actuators.verification import MIN_BASELINE, ChangeVerifier, Verdict, mann_whitney_p
 
 DATA = Path(__file__).parent / "data"
 SETTLE, VERIFY, HISTORY = 2, 20, 60

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from perfloop.actuators.verify import ChangeVerifier, mann_whitney_p
+from perfloop.actuators.verification import ChangeVerifier, mann_whitney_p
 
 times = st.lists(st.floats(1, 1000, allow_nan=False), min_size=1, max_size=40)
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from perfloop.models.goodput import (
+from perfloop.models.batch_size import (
     GradientNoiseScale,
     StepTimeModel,
     goodput,
