@@ -45,7 +45,7 @@ last snapshot and re-reads only the messages after it: those messages are proces
 the windows and diagnoses emitted between that snapshot and the kill may be emitted a second
 time (at most a snapshot interval of them: ``snapshot_interval_s``, stretched for a state so
 large that serialising it would take more than a tenth of the worker's time, see
-`perfloop.streams.app`; the windows table keeps one row per window identity, see the README).
+`perfloop.streams.app`; the windows table keeps one row per window identity, see docs/tables.md).
 """
 
 from __future__ import annotations

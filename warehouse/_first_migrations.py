@@ -276,7 +276,7 @@ MIGRATIONS = (
 
 # -- migration 3: stream tier tables, dead letters, windows v2, rollups, TTLs ----------------
 #
-# Retention (README "The SQL tables"): high-rate raw telemetry (gpu_samples, host_samples,
+# Retention (docs/tables.md): high-rate raw telemetry (gpu_samples, host_samples,
 # spans, collectives, kernel_summaries) 7 days; steps, windows and dead_letters 30 days;
 # rollups 1 s 30 days, 1 min 365 days, 1 h kept. Events (jobs, phases, diagnoses, changes,
 # recommendations, commands, actuations) are small and kept.

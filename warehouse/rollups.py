@@ -1,13 +1,13 @@
 """Rollups of raw telemetry at 1 s, 1 min and 1 h: one AggregatingMergeTree table per source,
 ``{source}_rollups``, fed by one materialized view, and a view per resolution, ``{source}_1s``,
-``{source}_1m``, ``{source}_1h`` (the catalog creates them; see README "The SQL tables").
+``{source}_1m``, ``{source}_1h`` (their migrations create them; see docs/tables.md).
 
 The view reads each insert into the raw table once and writes its rows at every resolution
 (``res_s`` 1, 60 and 3600, the bucket's seconds) into one part: one view and one part per raw
 insert, where a chain of three views (raw → 1 s → 1 min → 1 h) made three. The inserts and
 their parts, not the aggregation, are what rollups cost the warehouse: on `bench/warehouse.py`'s
 flushes, 2.15–2.98 µs per row in all (mean 2.42) against 2.70–3.14 (mean 2.89) for the chain,
-alternating (README "The SQL tables").
+alternating (docs/tables.md).
 
 Each rollup holds, per ``ts`` bucket and group key, ``n`` (rows) and ``{column}_{agg}``
 columns: ``avg`` and ``q`` (p50/p95/p99, t-digest) as -State columns read with ``avgMerge`` /
