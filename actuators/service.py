@@ -165,18 +165,15 @@ class ActuatorService:
     def load_settings(self) -> int:
         """Apply the actuator settings changed live before this start (``config_changes``, in
         order); return how many. A warehouse that cannot be read is logged, not fatal."""
-        from perfloop.warehouse import client, unix_ns
+        from perfloop.warehouse import query, unix_ns
 
         try:
-            ch = client(self.settings)
-            try:
-                rows = ch.query(
-                    "SELECT ts, event_id, job_id, node, applies_to, key, value FROM "
-                    "config_changes WHERE target = 'actuator' "
-                    "ORDER BY ts, event_id LIMIT 1 BY event_id"
-                ).result_rows
-            finally:
-                ch.close()
+            rows = query(
+                self.settings,
+                "SELECT ts, event_id, job_id, node, applies_to, key, value FROM "
+                "config_changes WHERE target = 'actuator' "
+                "ORDER BY ts, event_id LIMIT 1 BY event_id",
+            ).result_rows
         except Exception as e:  # no warehouse (yet), no table yet: start with the defaults
             log.warning("actuator starts without its live settings from the warehouse: %s", e)
             return 0
@@ -205,17 +202,14 @@ class ActuatorService:
     def load_ended_jobs(self) -> int:
         """Take the jobs that ended in the last day from the warehouse (``job_lifecycle``, rank
         -1), so a restarted service refuses them too; return how many ended."""
-        from perfloop.warehouse import client
+        from perfloop.warehouse import query
 
         try:
-            ch = client(self.settings)
-            try:
-                rows = ch.query(
-                    "SELECT job_id, argMax(state, ts), argMax(exit_code, ts) FROM job_lifecycle "
-                    "WHERE rank = -1 AND ts >= now() - INTERVAL 1 DAY GROUP BY job_id"
-                ).result_rows
-            finally:
-                ch.close()
+            rows = query(
+                self.settings,
+                "SELECT job_id, argMax(state, ts), argMax(exit_code, ts) FROM job_lifecycle "
+                "WHERE rank = -1 AND ts >= now() - INTERVAL 1 DAY GROUP BY job_id",
+            ).result_rows
         except Exception as e:  # no warehouse (yet): the ends come from the topic
             log.warning("actuator starts without the jobs that ended before it: %s", e)
             return 0

@@ -1,5 +1,6 @@
 """Warehouse access: clickhouse-connect clients, applying the migrations, and reading what
-landed."""
+landed (`query`: one query on a client of its own, its failure one line that says what to
+do)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,19 @@ from urllib.parse import urlparse
 import clickhouse_connect
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError
+from clickhouse_connect.driver.query import QueryResult
 
 from perfloop.exceptions import WarehouseError
 from perfloop.settings import BaseServiceSettings
 from perfloop.warehouse.migrations import MIGRATIONS, Migration
 
-__all__ = ["client", "migrate", "unix_ns", "wait_settled"]
+__all__ = ["client", "migrate", "query", "query_error", "unix_ns", "wait_settled"]
 
 log = logging.getLogger(__name__)
 
 UNKNOWN_SETTING = 115
+UNKNOWN_TABLE = 60
+UNKNOWN_DATABASE = 81
 
 _MIGRATIONS_TABLE = """CREATE TABLE IF NOT EXISTS schema_migrations (
     version UInt32,
@@ -71,6 +75,51 @@ def _reason(e: Exception) -> str:
     if errno:
         return errno.group(1).strip()
     return text[:200] or type(e).__name__
+
+
+def query(
+    settings: BaseServiceSettings,
+    sql: str,
+    parameters: dict[str, Any] | None = None,
+    *,
+    timeout_s: float = 30.0,
+) -> QueryResult:
+    """Run one query on a client of its own (closed after it) and return its result.
+
+    Raises `WarehouseError` with one line: the warehouse unreachable (`client`), a table or
+    the database not created yet ("… run `perfloop migrate`"), or what the server refused.
+    """
+    ch = client(settings, timeout_s=timeout_s)
+    try:
+        return ch.query(sql, parameters=parameters or {})
+    except ClickHouseError as e:
+        raise WarehouseError(query_error(e)) from e
+    finally:
+        ch.close()
+
+
+_MISSING_TABLE = re.compile(
+    r"Unknown table expression identifier '([^']+)'|Table ([\w.`]+) does(?:n't| not) exist"
+)
+_SERVER_SAID = re.compile(
+    r"(Code: \d+\. DB::Exception: .*?)(?: \(version [^)]*\))?(?: \(for url [^)]*\))?$"
+)
+
+
+def query_error(e: ClickHouseError) -> str:
+    """One line for a failed query: what is missing and how to create it, or what the server
+    said (without the client's wrapping)."""
+    text = " ".join(str(e).split())
+    code = getattr(e, "code", None)
+    missing = _MISSING_TABLE.search(text)
+    if code == UNKNOWN_TABLE or missing:
+        name = next((g for g in missing.groups() if g), "") if missing else ""
+        table = name.replace("`", "").rpartition(".")[2] or "queried"
+        return f"the warehouse has no {table} table yet; run `perfloop migrate`"
+    if code == UNKNOWN_DATABASE:
+        return "the warehouse has no perfloop database yet; run `perfloop migrate`"
+    said = _SERVER_SAID.search(text)
+    return (said.group(1) if said else text)[:500]
 
 
 def migrate(

@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from perfloop.exceptions import ConfigError, PerfloopError, WarehouseError
+from perfloop.exceptions import ConfigError
 from perfloop.settings import load_settings
 
 __all__ = [
@@ -220,10 +220,8 @@ def _set(args: argparse.Namespace, settings: Any, out: TextIO) -> int:
 
 
 def _history(args: argparse.Namespace, settings: Any, out: TextIO) -> int:
-    from clickhouse_connect.driver.exceptions import ClickHouseError
-
     from perfloop.demo import format_table
-    from perfloop.warehouse import client
+    from perfloop.warehouse import query
 
     if not 1 <= args.limit <= 100_000:
         raise ConfigError(f"--limit {args.limit} is outside [1, 100000]")
@@ -236,18 +234,7 @@ def _history(args: argparse.Namespace, settings: Any, out: TextIO) -> int:
         f"SELECT {', '.join(_HISTORY_COLUMNS)} FROM config_changes {where}"
         "ORDER BY ts DESC, event_id LIMIT 1 BY event_id LIMIT {limit:UInt32}"
     )
-    ch = client(settings)
-    try:
-        r = ch.query(sql, parameters=params)
-    except ClickHouseError as e:
-        text = " ".join(str(e).split())
-        if "UNKNOWN_TABLE" in text or ("config_changes" in text and "exist" in text):
-            raise WarehouseError(
-                "the warehouse has no config_changes table yet; run `perfloop migrate`"
-            ) from e
-        raise PerfloopError(text[:500]) from e
-    finally:
-        ch.close()
+    r = query(settings, sql, params)
     rows = [tuple(row) for row in reversed(r.result_rows)]  # oldest first
     if args.json:
         docs = [dict(zip(_HISTORY_COLUMNS, row, strict=True)) for row in rows]

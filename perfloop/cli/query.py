@@ -5,26 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 
-from perfloop.exceptions import ConfigError, PerfloopError
+from perfloop.exceptions import ConfigError
 from perfloop.settings import load_settings
 
 __all__ = ["schemas_command", "sql_command"]
 
 
 def sql_command(args: argparse.Namespace) -> int:
-    from clickhouse_connect.driver.exceptions import ClickHouseError
-
     from perfloop.demo import format_table
     from perfloop.settings import StackSettings
-    from perfloop.warehouse import client
+    from perfloop.warehouse import query
 
-    ch = client(load_settings(StackSettings))
-    try:
-        r = ch.query(args.query)
-    except ClickHouseError as e:
-        raise PerfloopError(" ".join(str(e).split())[:500]) from e
-    finally:
-        ch.close()
+    r = query(load_settings(StackSettings), args.query)
     if args.format == "json":
         for row in r.result_rows:
             print(json.dumps(dict(zip(r.column_names, row, strict=True)), default=str))

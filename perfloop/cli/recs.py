@@ -54,22 +54,9 @@ _DONE = {"approve": ("issued", "dry_run"), "reject": ("rejected",)}
 
 
 def _query(settings: Any, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-    from clickhouse_connect.driver.exceptions import ClickHouseError
+    from perfloop.warehouse import query
 
-    from perfloop.warehouse import client
-
-    ch = client(settings)
-    try:
-        return [tuple(r) for r in ch.query(sql, parameters=params).result_rows]
-    except ClickHouseError as e:
-        text = " ".join(str(e).split())
-        if "UNKNOWN_TABLE" in text or ("audit" in text and "exist" in text):
-            raise PerfloopError(
-                "the warehouse has no audit table yet; run `perfloop migrate`"
-            ) from e
-        raise PerfloopError(text[:500]) from e
-    finally:
-        ch.close()
+    return [tuple(r) for r in query(settings, sql, params).result_rows]
 
 
 def recs_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:

@@ -133,3 +133,8 @@ def test_sql_command_against_the_stack(stack_env_vars: dict[str, str]) -> None:
     bad = perfloop_cli("sql", "SELEC nonsense", env=stack_env_vars)
     assert bad.returncode == 1
     assert "Code: 62" in _one_line_error(bad.stderr)
+    missing = perfloop_cli("sql", "SELECT count() FROM no_such_table", env=stack_env_vars)
+    assert missing.returncode == 1
+    assert _one_line_error(missing.stderr).endswith(
+        "the warehouse has no no_such_table table yet; run `perfloop migrate`"
+    )
