@@ -25,7 +25,9 @@ step — a GPU activity to the step that *launched* it (the GPU may run tens of 
 behind the host), a host event to the step whose span holds its start — and keeps per step
 only GPU intervals (25 bytes each) and the few host spans that mark a phase, and the comm
 kernels until the end (each is joined to the call whose thread launched it). Depth-1 spans
-leave as they are read.
+leave as they are read. The first pass, `index_trace` and the `TraceIndex` it returns, lives in
+`perfloop.producers._trace_index` and is re-exported here; the second pass and the rows it
+publishes are here.
 
 >>> from perfloop.producers.replay import default_job_id
 >>> default_job_id("traces/sampled_rank-1.json.gz")
@@ -34,8 +36,6 @@ leave as they are read.
 
 from __future__ import annotations
 
-import bisect
-import functools
 import re
 from array import array
 from dataclasses import dataclass, field
@@ -50,14 +50,10 @@ from perfloop.producers._collectives import (
     BACKEND,
     PARAMS,
     Collective,
-    HostComms,
-    ProcessGroups,
     Said,
     combine,
-    describe_span,
     said_by_args,
     said_by_kernel_name,
-    span_kind,
 )
 from perfloop.producers._kineto import (
     EVENTS_PREFIX,
@@ -66,13 +62,19 @@ from perfloop.producers._kineto import (
     LAUNCH_CATS,
     PHASES,
     TraceError,
-    is_launch,
     iter_events,
-    iter_trace,
     kernel_class,
     kernel_rows,
     phase_of,
     tile_step,
+)
+from perfloop.producers._trace_index import (
+    STEP_NAME,
+    Step,
+    TraceIndex,
+    index_trace,
+    json_number,
+    thread_of,
 )
 from perfloop.producers.emitter import Emitter, Sends
 from perfloop.schemas import JobInfo
@@ -90,239 +92,11 @@ __all__ = [
 
 __getattr__ = moved(__name__, {"replay_command": "perfloop.cli.replay"})
 
-_STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
 _CONTROL = re.compile(r"[\x00-\x1f]+")
 _CLASS_CODE = {c: i for i, c in enumerate(KERNEL_CLASSES)}
 _PHASE_CODE = {p: i for i, p in enumerate(PHASES)}
 _FLUSH_EVERY = 4096  # samples appended before the emitter hands a batch over
 _MAX_SAMPLES = 5000  # per message: 5000 spans with 128-character names stay far below 4 MiB
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """One ``ProfilerStep#N`` span of the host timeline, in trace microseconds."""
-
-    number: int
-    start_us: float
-    end_us: float
-
-
-@dataclass
-class TraceIndex:
-    """What the first pass learns: metadata, steps, and the step of every GPU launch.
-
-    ``whole_trace`` is set when the trace has no ``ProfilerStep`` span and was indexed with
-    ``whole_trace=True``: one step 0 then spans the whole capture and no `StepEvent` is
-    published for it. ``comm_source`` says which events become `CollectiveOp` rows, one kind
-    per trace so that no collective counts twice: NCCL/RCCL kernels (``kernel``); else the
-    backend's work spans, ``nccl:…``/``gloo:…`` (``annotation``: gloo runs its work on its own
-    threads, so those spans hold the real time, the API calls only the enqueueing); else
-    ``record_param_comms`` ops that name their collective; else ``c10d::`` ops (``c10d``).
-    ``comms`` holds the host-side collective calls (what names and sizes every row) and
-    ``comm_corr`` the correlation ids of the comm kernels (to find the call that launched one).
-    """
-
-    path: Path
-    meta: dict[str, Any]
-    steps: list[Step]
-    whole_trace: bool
-    launch_corr: array  # sorted correlation ids of GPU launches
-    launch_step: array  # their step's index in `steps`, -1 outside every step
-    comm_source: str
-    device: int | None
-    events: int
-    gpu_events: int
-    shift_ns: int = 0  # added to every published time (the CLI moves old traces to now)
-    comms: HostComms = field(default_factory=HostComms)
-    comm_corr: frozenset[int] = frozenset()
-
-    @functools.cached_property
-    def groups(self) -> ProcessGroups:
-        """Process-group sizes from ``distributedInfo.pg_config``."""
-        return ProcessGroups.of(self.meta.get("distributedInfo"))
-
-    @property
-    def rank(self) -> int:
-        info = self.meta.get("distributedInfo")
-        r = info.get("rank") if isinstance(info, dict) else None
-        return r if isinstance(r, int) and 0 <= r <= 1 << 20 else 0
-
-    @property
-    def world_size(self) -> int:
-        info = self.meta.get("distributedInfo")
-        w = info.get("world_size") if isinstance(info, dict) else None
-        return w if isinstance(w, int) and w >= 1 else 1
-
-    @property
-    def base_ns(self) -> int:
-        """Offset of the trace's clock from Unix time (``baseTimeNanoseconds``, new Kineto)."""
-        b = self.meta.get("baseTimeNanoseconds")
-        return b if isinstance(b, int) and b >= 0 else 0
-
-    @property
-    def host(self) -> str | None:
-        for key in ("host_name", "hostname"):
-            h = self.meta.get(key)
-            if isinstance(h, str) and 0 < len(h.strip()) <= 255:
-                return h.strip()
-        return None
-
-    def ns(self, ts_us: float) -> int:
-        """Unix nanoseconds of a trace timestamp (µs as a float; the sub-µs part kept),
-        plus ``shift_ns``."""
-        whole = int(ts_us)
-        return max(0, self.base_ns + self.shift_ns + whole * 1000 + round((ts_us - whole) * 1000))
-
-    @property
-    def end_ns(self) -> int:
-        """Unix nanoseconds of the last step's end, before any shift."""
-        return self.ns(self.steps[-1].end_us) - self.shift_ns
-
-    def step_at(self, ts_us: float) -> int | None:
-        """Index of the step whose span holds ``ts_us``, if any."""
-        i = bisect.bisect_right(self._starts, ts_us) - 1
-        if i >= 0 and ts_us <= self.steps[i].end_us:
-            return i
-        return None
-
-    def launched_in(self, correlation: Any) -> int | None:
-        """Index of the step that launched the GPU activity with this correlation id.
-
-        -1 when it was launched outside every step; ``None`` when no launch has this id
-        (the trace lost it: then the caller falls back on the activity's own time).
-        """
-        if type(correlation) is not int:
-            return None
-        i = bisect.bisect_left(self.launch_corr, correlation)
-        if i < len(self.launch_corr) and self.launch_corr[i] == correlation:
-            return int(self.launch_step[i])
-        return None
-
-    def __post_init__(self) -> None:
-        self._starts = [s.start_us for s in self.steps]
-
-
-def _num(v: Any) -> float | None:
-    if type(v) is float or type(v) is int:
-        return float(v)
-    return None
-
-
-def _thread(ev: dict[str, Any]) -> tuple[Any, Any]:
-    """The (pid, tid) of an event, as a key (a value of another type is no thread)."""
-    pid, tid = ev.get("pid"), ev.get("tid")
-    return (
-        pid if type(pid) in (int, str) else None,
-        tid if type(tid) in (int, str) else None,
-    )
-
-
-def index_trace(path: str | Path, *, whole_trace: bool = False) -> TraceIndex:
-    """First pass over a trace: metadata, ``ProfilerStep`` spans, GPU launches by step.
-
-    Raises `TraceError` when the trace cannot be read or has no ``ProfilerStep#N`` span
-    (unless ``whole_trace``: then one step 0 spans the capture).
-    """
-    p = Path(path)
-    meta: dict[str, Any] = {}
-    steps: dict[int, tuple[float, float]] = {}
-    corr = array("q")
-    launch_ts = array("d")
-    lo, hi = float("inf"), float("-inf")
-    events = gpu_events = comm_kernels = 0
-    comms = HostComms()
-    comm_corr: set[int] = set()
-    device: int | None = None
-    for ev in iter_trace(p, meta):
-        events += 1
-        if ev.get("ph") != "X":
-            continue
-        ts, dur = _num(ev.get("ts")), _num(ev.get("dur"))
-        if ts is None:
-            continue
-        dur = dur if dur is not None and dur >= 0 else 0.0
-        lo, hi = min(lo, ts), max(hi, ts + dur)
-        cat = ev.get("cat")
-        cat = cat.lower() if type(cat) is str else ""
-        name = ev.get("name")
-        if type(name) is not str:
-            continue
-        args = ev.get("args")
-        args = args if type(args) is dict else {}
-        if cat in GPU_CATS:
-            gpu_events += 1
-            if device is None and type(args.get("device")) is int:
-                device = args["device"]
-            if cat == "kernel" and kernel_class(name, cat) == "comm":
-                comm_kernels += 1
-                c = args.get("correlation")
-                if type(c) is int:
-                    comm_corr.add(c)
-        elif cat in LAUNCH_CATS:
-            c = args.get("correlation")
-            if type(c) is int and is_launch(name):
-                corr.append(c)
-                launch_ts.append(ts)
-        elif cat in HOST_CATS:
-            m = _STEP_NAME.match(name)
-            if m:
-                n = int(m.group(1))
-                s0, e0 = steps.get(n, (ts, ts + dur))
-                steps[n] = (min(s0, ts), max(e0, ts + dur))  # one step seen on two threads
-            elif (kind := span_kind(name, args)) is not None:
-                comms.add(_thread(ev), ts, ts + dur, kind, describe_span(kind, name, args))
-    ordered = [Step(n, s, e) for n, (s, e) in sorted(steps.items(), key=lambda kv: kv[1])]
-    if not ordered:
-        if not whole_trace:
-            raise TraceError(
-                f"{p}: no ProfilerStep#N span in {events} events, so no step to attribute "
-                "them to (record with torch.profiler.schedule and call prof.step() each step)"
-            )
-        if hi < lo:
-            raise TraceError(f"{p}: no timed ('X') event in {events} events")
-        ordered = [Step(0, lo, hi)]
-    comms.close()
-    if comm_kernels:
-        source = "kernel"
-    elif comms.has(BACKEND):
-        source = "annotation"
-    elif comms.has(PARAMS, named=True):
-        source = "record_param_comms"
-    else:
-        source = "c10d" if comms.has(API) else "none"
-    launch_corr, launch_step = _launch_table(ordered, corr, launch_ts)
-    return TraceIndex(
-        p,
-        meta,
-        ordered,
-        whole_trace=not steps,
-        launch_corr=launch_corr,
-        launch_step=launch_step,
-        comm_source=source,
-        device=device,
-        events=events,
-        gpu_events=gpu_events,
-        comms=comms,
-        comm_corr=frozenset(comm_corr),
-    )
-
-
-def _launch_table(steps: list[Step], corr: array, ts: array) -> tuple[array, array]:
-    """Sorted correlation ids of the launches, and their step's index (-1: outside steps)."""
-    if not corr:
-        return array("q"), array("i")
-    c = np.frombuffer(corr, dtype=np.int64)
-    t = np.frombuffer(ts, dtype=np.float64)
-    starts = np.array([s.start_us for s in steps])
-    ends = np.array([s.end_us for s in steps])
-    i = np.searchsorted(starts, t, side="right") - 1
-    inside = (i >= 0) & (t <= ends[np.clip(i, 0, None)])
-    i = np.where(inside, i, -1)
-    order = np.argsort(c, kind="stable")
-    out_c, out_i = array("q"), array("i")
-    out_c.frombytes(c[order].astype(np.int64).tobytes())
-    out_i.frombytes(i[order].astype(np.int32).tobytes())
-    return out_c, out_i
 
 
 class _StepState:
@@ -402,7 +176,7 @@ def replay_trace(
     for ev in iter_events(idx.path, idx.meta[EVENTS_PREFIX]):
         if ev.get("ph") != "X":
             continue
-        ts, dur = _num(ev.get("ts")), _num(ev.get("dur"))
+        ts, dur = json_number(ev.get("ts")), json_number(ev.get("dur"))
         name = ev.get("name")
         if ts is None or type(name) is not str:
             continue
@@ -429,7 +203,7 @@ def replay_trace(
             if cls == "comm" and source == "kernel" and cat == "kernel":
                 kernels.append(_Kernel(i, ts, ts + dur, name, args))
         elif cat in HOST_CATS:
-            if _STEP_NAME.match(name):
+            if STEP_NAME.match(name):
                 continue
             i = idx.step_at(ts)
             if i is None:
@@ -456,7 +230,7 @@ def replay_trace(
         elif comm_corr and cat in LAUNCH_CATS:
             c = args.get("correlation")
             if type(c) is int and c in comm_corr:
-                call = idx.comms.at(_thread(ev), ts)
+                call = idx.comms.at(thread_of(ev), ts)
                 if call is not None:
                     launched[c] = call
         if pending >= _FLUSH_EVERY:

@@ -23,21 +23,31 @@ A batch of an older supported ``schema_version`` decodes with the newer columns 
 defaults. Job-level events (job info, lifecycle, capability reports, producer self-metrics,
 ground truth) and control events (recommendations, commands, results) are rare and travel one
 JSON object per message, with their ``kind``.
+
+Two parts live in their own modules, private to this package: each batch kind's columns, read
+from its sample model (`BATCH_KINDS`, re-exported here, and the column specs), in
+`perfloop.schemas._batch_columns`; the checks of a decoded batch's columns (types, lengths,
+bounds, strings) in `perfloop.schemas._column_checks`.
 """
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import annotated_types
 import numpy as np
 import orjson
 from pydantic import ValidationError
 
+from perfloop.schemas._batch_columns import BATCH_KINDS, MISSING, SPECS, Column
+from perfloop.schemas._column_checks import (
+    check_arrow_column,
+    check_column,
+    check_each,
+    values_ok,
+)
 from perfloop.schemas.analysis import ConfigChange, Diagnosis, PhaseChange, Prediction
 from perfloop.schemas.arrow_batch import decode_arrow, encode_arrow, is_arrow
 from perfloop.schemas.base import JOB_ID_PATTERN, Event, new_event_id
@@ -50,14 +60,6 @@ from perfloop.schemas.job import (
     JobLifecycle,
     ProducerStats,
     RankProgress,
-)
-from perfloop.schemas.telemetry import (
-    CollectiveOp,
-    GpuSample,
-    HostSample,
-    KernelSummary,
-    PhaseSpan,
-    StepEvent,
 )
 
 __all__ = [
@@ -77,9 +79,6 @@ __all__ = [
 MAX_MESSAGE_BYTES = 4 << 20
 WIRE_FORMATS = ("arrow", "json")
 """How a batch travels: an Arrow IPC stream (binary, the default) or a JSON object."""
-BATCH_KINDS: dict[str, type[Event]] = {
-    m.KIND: m for m in (GpuSample, HostSample, StepEvent, PhaseSpan, CollectiveOp, KernelSummary)
-}
 EVENT_KINDS: dict[str, type[Event]] = {
     m.KIND: m
     for m in (
@@ -100,67 +99,13 @@ EVENT_KINDS: dict[str, type[Event]] = {
         Prediction,
     )
 }
-_ENVELOPE = ("schema_version", "event_id", "job_id", "node")
+# The column specs under the names this module and `perfloop.schemas.export` read them by.
+_SPECS = SPECS
+_MISSING = MISSING
 _JOB_ID = re.compile(JOB_ID_PATTERN)
 _HEADER_KEYS = frozenset(
     {"kind", "schema_version", "job_id", "node", "batch_id", "producer_id", "seq", "columns"}
 )
-
-
-@dataclass(frozen=True, slots=True, eq=False)  # one instance per column: hashed by identity
-class _Column:
-    name: str
-    dtype: type[Any]  # np.int64, np.float64 or str
-    default: Any
-    lo: float | None
-    lo_strict: bool
-    hi: float | None
-    nullable: bool = False  # float | None: null travels as JSON null, decodes to NaN
-    max_len: int = 0  # strings only
-    min_len: int = 0
-
-
-_MISSING = object()
-
-
-def _columns_of(model: type[Event]) -> tuple[_Column, ...]:
-    cols = []
-    for name, info in model.model_fields.items():
-        if name in _ENVELOPE:
-            continue
-        ann = info.annotation
-        nullable = ann == (float | None)
-        dtype: type[Any]
-        if ann is int:
-            dtype = np.int64
-        elif ann is float or nullable:
-            dtype = np.float64
-        elif ann is str:
-            dtype = str
-        else:  # pragma: no cover - a schema author's mistake, caught by the unit tests
-            raise TypeError(f"{model.KIND}.{name}: batch columns must be int, float or str")
-        lo = hi = None
-        lo_strict = False
-        max_len = min_len = 0
-        for meta in info.metadata:
-            if isinstance(meta, annotated_types.Ge):
-                lo = float(meta.ge)  # type: ignore[arg-type]
-            elif isinstance(meta, annotated_types.Gt):
-                lo, lo_strict = float(meta.gt), True  # type: ignore[arg-type]
-            elif isinstance(meta, annotated_types.Le):
-                hi = float(meta.le)  # type: ignore[arg-type]
-            elif isinstance(meta, annotated_types.MaxLen):
-                max_len = meta.max_length
-            elif isinstance(meta, annotated_types.MinLen):
-                min_len = meta.min_length
-        if ann is str and not max_len:
-            max_len = 4096
-        default = _MISSING if info.is_required() else info.default
-        cols.append(_Column(name, dtype, default, lo, lo_strict, hi, nullable, max_len, min_len))
-    return tuple(cols)
-
-
-_SPECS: dict[str, tuple[_Column, ...]] = {k: _columns_of(m) for k, m in BATCH_KINDS.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,176 +269,6 @@ def encode_batch(
     return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def _bad(kind: str, col: str, arr: np.ndarray, mask: np.ndarray, why: str) -> SchemaError:
-    i = int(np.argmax(mask))
-    return SchemaError(f"{kind} batch: column {col!r} sample {i} = {arr[i]!r} {why}")
-
-
-_INT_TYPES = frozenset({int})
-_FLOAT_TYPES = frozenset({int, float})
-_NULLABLE_TYPES = frozenset({int, float, type(None)})
-_CONTROL = re.compile(r"[\x00-\x1f]")
-
-
-def _check_strings(kind: str, c: _Column, raw: list[Any], types: set[type]) -> np.ndarray:
-    if types - {str}:
-        bad = next(v for v in raw if type(v) is not str)
-        i = raw.index(bad)
-        raise SchemaError(f"{kind} batch: column {c.name!r} sample {i} = {bad!r} is not a string")
-    _check_distinct(kind, c, raw, set(raw))
-    arr = np.empty(len(raw), dtype=object)
-    arr[:] = raw
-    return arr
-
-
-def _check_distinct(kind: str, c: _Column, raw: list[Any], distinct: set[Any]) -> None:
-    """String columns are low-cardinality (phase, span and op names): check each distinct
-    value once, and look for the first sample holding a bad one only to name it."""
-    for v in distinct:
-        if type(v) is not str:
-            raise SchemaError(
-                f"{kind} batch: column {c.name!r} sample {raw.index(v)} = {v!r} is not a string"
-            )
-        if len(v) > c.max_len:
-            i = raw.index(v)
-            raise SchemaError(
-                f"{kind} batch: column {c.name!r} sample {i} is {len(v)} characters long; "
-                f"the limit is {c.max_len}"
-            )
-        if len(v) < c.min_len:
-            raise SchemaError(f"{kind} batch: column {c.name!r} sample {raw.index(v)} is empty")
-        if _CONTROL.search(v):
-            raise SchemaError(
-                f"{kind} batch: column {c.name!r} sample {raw.index(v)} = {v[:64]!r} "
-                "holds control characters"
-            )
-
-
-def _check_column(kind: str, c: _Column, raw: Any, n: int, *, values: bool = True) -> np.ndarray:
-    if not isinstance(raw, list):
-        raise SchemaError(
-            f"{kind} batch: column {c.name!r} must be a list, got {type(raw).__name__}"
-        )
-    if len(raw) != n:
-        raise SchemaError(f"{kind} batch: column {c.name!r} has {len(raw)} values, expected {n}")
-    # Exact JSON types, checked at C speed: no bools, strings or nulls pass as numbers.
-    types = set(map(type, raw))
-    if list in types or dict in types:
-        raise SchemaError(f"{kind} batch: column {c.name!r} must be flat (one value per sample)")
-    if c.dtype is str:
-        return _check_strings(kind, c, raw, types)
-    if c.dtype is np.int64 and not types <= _INT_TYPES:
-        bad = sorted(t.__name__ for t in types - _INT_TYPES)
-        if types <= _FLOAT_TYPES:
-            raise SchemaError(f"{kind} batch: column {c.name!r} must hold integers, got float")
-        raise SchemaError(f"{kind} batch: column {c.name!r} is not numeric: holds {bad}")
-    allowed = _NULLABLE_TYPES if c.nullable else _FLOAT_TYPES
-    if c.dtype is np.float64 and not types <= allowed:
-        bad = sorted(t.__name__ for t in types - allowed)
-        if bad == ["NoneType"]:
-            i = raw.index(None)
-            raise SchemaError(f"{kind} batch: column {c.name!r} sample {i} is null, not finite")
-        raise SchemaError(f"{kind} batch: column {c.name!r} is not numeric: holds {bad}")
-    try:
-        arr = np.asarray(raw, dtype=c.dtype)  # null → NaN for nullable float columns
-    except (TypeError, ValueError, OverflowError) as e:
-        raise SchemaError(f"{kind} batch: column {c.name!r} is not numeric: {e}") from None
-    return _check_values(kind, c, arr) if values else arr
-
-
-def _check_arrow_column(
-    kind: str, c: _Column, value: Any, n: int, *, values: bool = True
-) -> np.ndarray:
-    """One column of an Arrow batch (`decode_arrow`'s form), checked as `_check_column`
-    checks a JSON one (numeric values too unless ``values`` is false)."""
-    if isinstance(value, tuple):  # strings: (object array, distinct values)
-        arr, distinct = value
-        if c.dtype is not str:
-            raise SchemaError(f"{kind} batch: column {c.name!r} is not numeric: holds ['str']")
-        if len(arr) != n:
-            raise SchemaError(
-                f"{kind} batch: column {c.name!r} has {len(arr)} values, expected {n}"
-            )
-        _check_distinct(kind, c, arr.tolist(), distinct)
-        return arr  # type: ignore[no-any-return]
-    if len(value) != n:
-        raise SchemaError(f"{kind} batch: column {c.name!r} has {len(value)} values, expected {n}")
-    if c.dtype is str:
-        bad = value[0].item() if len(value) else None
-        raise SchemaError(f"{kind} batch: column {c.name!r} sample 0 = {bad!r} is not a string")
-    if c.dtype is np.int64 and value.dtype.kind != "i":
-        raise SchemaError(f"{kind} batch: column {c.name!r} must hold integers, got float")
-    if not values:
-        return value.astype(c.dtype, copy=False)  # type: ignore[no-any-return]
-    if c.dtype is np.float64 and not c.nullable and np.isnan(value).any():
-        i = int(np.argmax(np.isnan(value)))
-        raise SchemaError(f"{kind} batch: column {c.name!r} sample {i} is null, not finite")
-    return _check_values(kind, c, value.astype(c.dtype, copy=False))
-
-
-def _check_values(kind: str, c: _Column, arr: np.ndarray) -> np.ndarray:
-    """The bounds of a numeric column (finite floats, the model's ge/gt/le)."""
-    if c.dtype is np.float64:
-        bad_mask = np.isinf(arr) if c.nullable else ~np.isfinite(arr)
-        if bad_mask.any():
-            raise _bad(kind, c.name, arr, bad_mask, "is not finite")
-    if c.lo is not None:
-        bad_mask = arr <= c.lo if c.lo_strict else arr < c.lo
-        if bad_mask.any():
-            raise _bad(
-                kind, c.name, arr, bad_mask, f"is below {'>' if c.lo_strict else '>='}{c.lo:g}"
-            )
-    if c.hi is not None:
-        bad_mask = arr > c.hi
-        if bad_mask.any():
-            raise _bad(kind, c.name, arr, bad_mask, f"is above {c.hi:g}")
-    return arr
-
-
-@functools.cache
-def _bounds(columns: tuple[_Column, ...]) -> tuple[np.ndarray, ...]:
-    """Per-column bounds of same-typed numeric columns, for `_values_ok`: the lowest value
-    allowed, the value that must be exceeded (strict bounds), the highest value allowed (each
-    a column vector, open where the column has none) and the non-nullable columns."""
-    if columns[0].dtype is np.float64:
-        low, high = -np.inf, np.inf
-    else:
-        low, high = np.iinfo(np.int64).min, np.iinfo(np.int64).max
-    dtype = columns[0].dtype
-    lo = np.array([c.lo if c.lo is not None and not c.lo_strict else low for c in columns], dtype)
-    above = np.array([c.lo if c.lo is not None and c.lo_strict else low for c in columns], dtype)
-    hi = np.array([c.hi if c.hi is not None else high for c in columns], dtype)
-    required = np.array([not c.nullable for c in columns])
-    return lo[:, None], above[:, None], hi[:, None], required
-
-
-def _values_ok(columns: list[_Column], arrays: dict[str, np.ndarray]) -> bool:
-    """Whether every numeric column of a batch is within its bounds (and floats finite,
-    NaN only where nullable), in a few array operations for all columns at once instead of a
-    few per column. False also when unsure: the caller then checks column by column, which
-    names the first bad sample."""
-    for dtype in (np.float64, np.int64):
-        group = tuple(c for c in columns if c.dtype is dtype)
-        if not group:
-            continue
-        m = np.stack([arrays[c.name] for c in group])
-        lo, above, hi, required = _bounds(group)
-        if (m < lo).any() or (m <= above).any() or (m > hi).any():
-            return False
-        if dtype is np.float64 and (np.isinf(m).any() or np.isnan(m[required]).any()):
-            return False
-    return True
-
-
-def _check_each(
-    kind: str, check: Any, columns: list[_Column], cols: dict[str, Any], n: int
-) -> None:
-    """Check ``columns`` one by one, values included: raises for the first bad one, naming
-    its bad sample (the slow path behind `_values_ok`)."""
-    for c in columns:
-        check(kind, c, cols[c.name], n)
-
-
 def _versions(model: type[Event]) -> str:
     lo, hi = model.MIN_SCHEMA_VERSION, model.SCHEMA_VERSION
     return str(hi) if lo == hi else f"{lo}..{hi}"
@@ -564,14 +339,14 @@ def decode_batch(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Batch:
         raise SchemaError(f"{kind} batch: unknown columns {sorted(unknown)}")
     n = len(cols["ts_ns"])
     arrays: dict[str, np.ndarray] = {}
-    check = _check_arrow_column if arrow else _check_column
-    numeric: list[_Column] = []
+    check = check_arrow_column if arrow else check_column
+    numeric: list[Column] = []
     for c in spec:
         if c.name in cols:
             try:
                 arrays[c.name] = check(kind, c, cols[c.name], n, values=False)
             except SchemaError:  # a bad value in an earlier column is named first
-                _check_each(kind, check, numeric, cols, n)
+                check_each(kind, check, numeric, cols, n)
                 raise
             if c.dtype is not str:
                 numeric.append(c)
@@ -582,8 +357,8 @@ def decode_batch(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Batch:
         else:
             fill = np.nan if c.default is None else c.default
             arrays[c.name] = np.full(n, fill, dtype=c.dtype)
-    if numeric and not _values_ok(numeric, arrays):
-        _check_each(kind, check, numeric, cols, n)
+    if numeric and not values_ok(numeric, arrays):
+        check_each(kind, check, numeric, cols, n)
     seq = doc.get("seq", 0)
     return Batch(
         kind=kind,
