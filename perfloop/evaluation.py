@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from perfloop.producers.scenarios import scenario_config
+from perfloop.producers.scenarios import SCENARIOS, scenario_config
 from perfloop.producers.simulator import SimConfig, SimulatedJob
 from perfloop.schemas.analysis import Diagnosis
 from perfloop.schemas.codec import decode_batch, decode_event
@@ -73,16 +73,6 @@ __all__ = [
 
 T0_NS = 1_700_000_000_000_000_000
 NS = 1_000_000_000
-SCENARIOS = (
-    "healthy",
-    "dataloader_starvation",
-    "straggler",
-    "thermal_throttle",
-    "memory_leak",
-    "comm_degradation",
-    "hang",
-    "mixed",
-)
 SHAPES = ((1, 4), (2, 4), (2, 8))
 TUNE_SEEDS = tuple(range(10))
 """Seeds the thresholds were tuned on."""

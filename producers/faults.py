@@ -14,17 +14,12 @@ import math
 from dataclasses import dataclass
 
 from perfloop.exceptions import ConfigError
+from perfloop.schemas.job import FAULT_KINDS
 
 __all__ = ["FAULT_FACTORS", "INJECTABLE_FAULTS", "Fault"]
 
-INJECTABLE_FAULTS = (
-    "dataloader_starvation",
-    "straggler",
-    "thermal_throttle",
-    "memory_leak",
-    "comm_degradation",
-    "hang",
-)
+INJECTABLE_FAULTS = tuple(k for k in FAULT_KINDS if k != "oom")
+"""The kinds a scenario injects: every fault kind but ``oom``, which a memory leak ends in."""
 
 FAULT_FACTORS: dict[str, tuple[float, str]] = {
     "dataloader_starvation": (10 / 3, "per-batch load time multiplier (> 1)"),

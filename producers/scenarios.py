@@ -40,16 +40,8 @@ __all__ = [
 
 __getattr__ = moved(__name__, {"simulate_command": "perfloop.cli.simulate"})
 
-SCENARIOS = (
-    "healthy",
-    "dataloader_starvation",
-    "straggler",
-    "thermal_throttle",
-    "memory_leak",
-    "comm_degradation",
-    "hang",
-    "mixed",
-)
+SCENARIOS = ("healthy", *INJECTABLE_FAULTS, "mixed")
+"""A healthy job, one scenario per injectable fault, and ``mixed`` (several at once)."""
 
 
 def _window(rng: np.random.Generator, duration_s: float, lo: float, hi: float) -> float:

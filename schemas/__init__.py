@@ -56,6 +56,7 @@ from perfloop.schemas.export import export_json_schemas
 from perfloop.schemas.job import (
     FAULT_KINDS,
     CapabilityReport,
+    FaultKind,
     GroundTruth,
     JobInfo,
     JobLifecycle,
@@ -101,6 +102,7 @@ __all__ = [
     "Decision",
     "Diagnosis",
     "Event",
+    "FaultKind",
     "GpuSample",
     "GroundTruth",
     "HostSample",

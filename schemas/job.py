@@ -7,7 +7,7 @@ they travel one JSON object per message on ``perfloop.telemetry.job``.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, get_args
 
 from pydantic import Field
 
@@ -16,6 +16,7 @@ from perfloop.schemas.base import Event
 __all__ = [
     "FAULT_KINDS",
     "CapabilityReport",
+    "FaultKind",
     "GroundTruth",
     "JobInfo",
     "JobLifecycle",
@@ -25,7 +26,7 @@ __all__ = [
 
 Short = Annotated[str, Field(max_length=256)]
 
-FAULT_KINDS = (
+FaultKind = Literal[
     "dataloader_starvation",
     "straggler",
     "thermal_throttle",
@@ -33,7 +34,10 @@ FAULT_KINDS = (
     "oom",
     "comm_degradation",
     "hang",
-)
+]
+"""The kinds of fault a ground truth names (a memory leak may end in an ``oom``)."""
+
+FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 
 
 class JobInfo(Event):
@@ -195,15 +199,7 @@ class GroundTruth(Event):
     KIND: ClassVar[str] = "ground_truth"
 
     scenario: Annotated[str, Field(min_length=1, max_length=64)]
-    fault: Literal[
-        "dataloader_starvation",
-        "straggler",
-        "thermal_throttle",
-        "memory_leak",
-        "oom",
-        "comm_degradation",
-        "hang",
-    ]
+    fault: FaultKind
     onset_ns: int = Field(ge=0)
     end_ns: int = Field(0, ge=0)
     ranks: list[int] = Field(default_factory=list)
