@@ -42,33 +42,36 @@ from their environment); ``enable_gpu=False`` skips NVML (its report then says "
 ``flush=True`` makes the control thread flush the emitter every ``publish_interval_ms`` and
 count that in the overhead (leave it off when the emitter has its own flusher).
 ``perfloop sample`` is `perfloop.cli.sample`.
+
+This module is the public one: the service, its threads and what it publishes. Beside it, in
+private modules: each signal's interval (`GPU_TOLERANCES`, `CONTROL_WINDOW_S`, the controller
+built from the settings and a live setting applied to it) in ``_sampler_intervals``; making a
+backend's rows schema-valid before the emitter sees them in ``_sampler_rows``. The host's
+readings themselves are `perfloop.producers.host`'s.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import annotated_types
-
 from perfloop.deprecation import moved
 from perfloop.producers._priority import lower_this_thread
-from perfloop.producers.adaptive import (
-    SAMPLING_KEYS,
-    AdaptiveController,
-    OverheadMeter,
-    SignalSpec,
-    sampling_value,
+from perfloop.producers._sampler_intervals import (
+    CONTROL_WINDOW_S,
+    GPU_TOLERANCES,
+    apply_setting,
+    sampling_controller,
 )
+from perfloop.producers._sampler_rows import GPU_BOUNDS, HOST_BOUNDS, clean, columns
+from perfloop.producers.adaptive import SAMPLING_KEYS, OverheadMeter, sampling_value
 from perfloop.producers.gpu import GPU_SIGNALS, GpuBackend, GpuCapability, NvmlBackend
 from perfloop.producers.host import HOST_SIGNALS, HostSampler
 from perfloop.schemas.base import Event
 from perfloop.schemas.job import CapabilityReport, ProducerStats
-from perfloop.schemas.telemetry import GpuSample, HostSample
 from perfloop.settings import ProducerSettings
 
 __all__ = ["CONTROL_WINDOW_S", "GPU_TOLERANCES", "NodeSampler", "config_listener"]
@@ -76,87 +79,6 @@ __all__ = ["CONTROL_WINDOW_S", "GPU_TOLERANCES", "NodeSampler", "config_listener
 __getattr__ = moved(__name__, {"sample_command": "perfloop.cli.sample"})
 
 log = logging.getLogger("perfloop.producers.node")
-
-CONTROL_WINDOW_S = 2.0
-"""The budget controller judges overhead over this recent window (the published figure uses
-the meter's whole window) and changes the scale at most once per window."""
-
-GPU_TOLERANCES: dict[str, dict[str, Any]] = {
-    "utilization": {"abs_tol": 2.0},  # percentage points
-    "memory": {"rel_tol": 0.01, "abs_tol": float(16 << 20)},
-    "power": {"rel_tol": 0.03, "abs_tol": 5.0},
-    "power_limit": {"abs_tol": 1.0},
-    "energy": {"counter": True, "rel_tol": 0.05, "abs_tol": 5000.0},  # mJ/s
-    "temperature": {"abs_tol": 1.0},
-    "clocks": {"abs_tol": 15.0},
-    "throttle": {"abs_tol": 0.5},  # any change of the bitmask
-    "pcie": {"rel_tol": 0.1, "abs_tol": 1e6},
-    "nvlink": {"rel_tol": 0.1, "abs_tol": 1e6},
-    "ecc": {"counter": True, "abs_tol": 0.0},  # any new error
-    "xid": {"abs_tol": 0.5},
-    "process_memory": {"rel_tol": 0.01, "abs_tol": float(16 << 20)},
-}
-"""What counts as "unchanged" for each GPU signal (see `SignalSpec`)."""
-
-
-def _bounds(model: type[Event], names: Iterable[str]) -> list[tuple[str, float, float, bool]]:
-    out = []
-    for name in names:
-        info = model.model_fields[name]
-        lo, hi = -math.inf, math.inf
-        for meta in info.metadata:
-            if isinstance(meta, annotated_types.Ge):
-                lo = float(meta.ge)  # type: ignore[arg-type]
-            elif isinstance(meta, annotated_types.Le):
-                hi = float(meta.le)  # type: ignore[arg-type]
-        out.append((name, lo, hi, info.annotation is int))
-    return out
-
-
-_GPU_BOUNDS = _bounds(GpuSample, [f for fs in GPU_SIGNALS.values() for f in fs])
-_HOST_BOUNDS = _bounds(
-    HostSample,
-    [n for n in HostSample.model_fields if n not in Event.model_fields and n != "rank"],
-)
-
-
-def _clean(row: Mapping[str, Any], bounds: list[tuple[str, float, float, bool]]) -> dict[str, Any]:
-    """Schema-valid values: clamped to the field's bounds, ints as int, strings as they are;
-    NaN and infinities are left out (the field keeps its default)."""
-    out: dict[str, Any] = {}
-    for name, lo, hi, is_int in bounds:
-        v = row.get(name)
-        if v is None:
-            continue
-        if type(v) is str:
-            out[name] = v
-            continue
-        if is_int and type(v) is int:
-            out[name] = v if lo <= v <= hi else int(max(lo, min(hi, v)))
-            continue
-        f = float(v)
-        if not math.isfinite(f):
-            continue
-        if not lo <= f <= hi:
-            f = max(lo, min(hi, f))
-        out[name] = int(f) if is_int else f
-    return out
-
-
-def _columns(
-    rows: Sequence[Mapping[str, Any]], bounds: list[tuple[str, float, float, bool]]
-) -> dict[str, list[Any]]:
-    """The rows as schema-valid columns (see `_clean`); one emitter call per round."""
-    cleaned = [_clean(r, bounds) for r in rows]
-    out: dict[str, list[Any]] = {}
-    for name, _, _, is_int in bounds:
-        if all(name in c for c in cleaned):
-            out[name] = [c[name] for c in cleaned]
-        elif any(name in c for c in cleaned):
-            some = next(c[name] for c in cleaned if name in c)
-            zero = "" if type(some) is str else 0 if is_int else 0.0
-            out[name] = [c.get(name, zero) for c in cleaned]
-    return out
 
 
 def _why(e: BaseException) -> str:
@@ -240,7 +162,9 @@ class NodeSampler:
         self._host_max_factor = (
             settings.host_max_interval_factor if host_max_factor is None else host_max_factor
         )
-        self.controller = self._controller({})
+        self.controller = sampling_controller(
+            settings, {}, gpu_max_s=self._gpu_max_s, host_max_factor=self._host_max_factor
+        )
         self._config_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -250,27 +174,6 @@ class NodeSampler:
         self._gpu_generation = -1
 
     # -- configuration ---------------------------------------------------------------------
-
-    def _controller(self, floors: Mapping[str, float]) -> AdaptiveController:
-        st = self.settings
-        gpu_min = st.gpu_min_interval_ms / 1000.0
-        gpu_start = st.gpu_interval_ms / 1000.0
-        specs = []
-        for name in GPU_SIGNALS:
-            lo = max(gpu_min, floors.get(name, 0.0))
-            hi = max(self._gpu_max_s, gpu_start, lo)
-            start = min(hi, max(lo, gpu_start))
-            specs.append(SignalSpec(f"gpu.{name}", lo, hi, start, **GPU_TOLERANCES[name]))
-        host_s = st.host_interval_ms / 1000.0
-        specs.append(
-            SignalSpec("host", host_s, host_s * max(1.0, self._host_max_factor), adaptive=False)
-        )
-        return AdaptiveController(
-            specs,
-            budget_pct=st.overhead_budget_pct,
-            enabled=st.adaptive_sampling,
-            settle_s=CONTROL_WINDOW_S,
-        )
 
     def configure(self, key: str, value: Any) -> tuple[Any, Any]:
         """Change one sampling setting live (thread-safe); return ``(old, new)``.
@@ -283,25 +186,13 @@ class NodeSampler:
         with self._config_lock:
             old = getattr(self.settings, name)
             self.settings = self.settings.model_copy(update={name: new})
-            ctl = self.controller
-            if name == "gpu_interval_ms":
-                sec = float(new) / 1000.0
-                for signal_name in GPU_SIGNALS:
-                    ctl.set_interval(
-                        f"gpu.{signal_name}", sec, max_interval_s=max(self._gpu_max_s, sec)
-                    )
-            elif name == "host_interval_ms":
-                sec = float(new) / 1000.0
-                ctl.set_interval(
-                    "host",
-                    sec,
-                    min_interval_s=sec,
-                    max_interval_s=sec * max(1.0, self._host_max_factor),
-                )
-            elif name == "adaptive_sampling":
-                ctl.set_enabled(bool(new))
-            else:
-                ctl.set_budget(float(new))
+            apply_setting(
+                self.controller,
+                name,
+                new,
+                gpu_max_s=self._gpu_max_s,
+                host_max_factor=self._host_max_factor,
+            )
         log.info("sampling setting %s: %r -> %r", key, old, new)
         return old, new
 
@@ -529,7 +420,7 @@ class NodeSampler:
                 ts_ns=[time.time_ns()] * n,
                 rank=[self.rank] * n,
                 device=[int(r["device"]) for r in rows],
-                **_columns(rows, _GPU_BOUNDS),
+                **columns(rows, GPU_BOUNDS),
             )
             self.gpu_samples += n
         for s in due:
@@ -554,7 +445,7 @@ class NodeSampler:
                                 "host",
                                 ts_ns=ts,
                                 rank=int(row["rank"]),
-                                **_clean(row, _HOST_BOUNDS),
+                                **clean(row, HOST_BOUNDS),
                             )
                     self.host_samples += len(rows)
                 except Exception as e:  # skip this round; say it once per kind of failure

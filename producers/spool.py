@@ -23,6 +23,10 @@ Contract:
 - **One owner**: an exclusive ``flock`` on ``<dir>/lock``; a second `Spool` on the same
   directory raises `SpoolLocked`. Not thread-safe: one thread (the publisher's) uses it.
 
+This module is the public one: the queue itself (appending within the bound, reading, replay
+after a failure, committing). The files' format (`SpoolRecord`, the record's framing and its
+decoding, the segments' names, the cursor file) lives beside it in ``_spool_format``.
+
 >>> import tempfile
 >>> d = tempfile.mkdtemp()
 >>> sp = Spool(d, max_bytes=1 << 20, segment_bytes=1 << 16)
@@ -45,29 +49,31 @@ import contextlib
 import fcntl
 import logging
 import os
-import struct
 import time
-import zlib
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from perfloop.exceptions import PerfloopError
+from perfloop.producers._spool_format import (
+    Position,
+    Segment,
+    SpoolRecord,
+    count_records,
+    decode,
+    frame,
+    fsync_dir,
+    read_cursor,
+    segment_ids,
+    segment_path,
+    write_cursor,
+)
 
 __all__ = ["Position", "Spool", "SpoolError", "SpoolLocked", "SpoolRecord"]
 
 log = logging.getLogger("perfloop.producers.spool")
 
-Position = tuple[int, int]
-"""(segment id, byte offset): where a record starts, or where the next one would."""
-
-_MAGIC = b"PFS1"
-_HEADER = struct.Struct("<4sII")  # magic, payload length, crc32(payload)
-_META = struct.Struct("<IHI")  # samples, topic length, key length; then topic, key, value
-_CURSOR = struct.Struct("<QQI")  # segment id, offset, crc32 of the 16 bytes before
 _FIRST_ID = 1 << 32  # leaves room below for `prepend`
-_SUFFIX = ".seg"
 _CURSOR_EVERY_S = 0.2
 
 
@@ -77,43 +83,6 @@ class SpoolError(PerfloopError):
 
 class SpoolLocked(SpoolError):
     """Another spool (another process) owns this directory."""
-
-
-@dataclass(frozen=True, slots=True)
-class SpoolRecord:
-    """One spooled message: where it goes, its key and value, and its sample count."""
-
-    topic: str
-    key: bytes
-    value: bytes
-    samples: int = 0
-
-    @property
-    def size(self) -> int:
-        """Bytes this record takes in a segment file."""
-        return (
-            _HEADER.size + _META.size + len(self.topic.encode()) + len(self.key) + len(self.value)
-        )
-
-
-@dataclass
-class _Segment:
-    id: int
-    path: Path
-    size: int = 0  # bytes in the file
-    records: int = 0  # every record in the file
-    samples: int = 0
-    consumed: int = 0  # records committed (at the head segment only)
-    consumed_samples: int = 0
-    end: int = -1  # where a torn or corrupt tail starts (-1: none found)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Spool:
@@ -147,7 +116,7 @@ class Spool:
         except OSError as e:
             os.close(self._lock_fd)
             raise SpoolLocked(f"spool {self.dir} is in use by another process") from e
-        self._segs: deque[_Segment] = deque()
+        self._segs: deque[Segment] = deque()
         self._wfd: int | None = None  # the active (write) segment: always the last one
         self._rfd: tuple[int, int] | None = None  # (segment id, fd) open for reading
         self._dirty = False
@@ -180,19 +149,13 @@ class Spool:
 
     # -- opening ---------------------------------------------------------------------------
     def _load(self) -> None:
-        ids = []
-        for p in self.dir.glob(f"*{_SUFFIX}"):
-            try:
-                ids.append(int(p.name[: -len(_SUFFIX)]))
-            except ValueError:
-                continue
-        cur_id, cur_off = self._read_cursor()
-        for sid in sorted(ids):
+        cur_id, cur_off = read_cursor(self.dir)
+        for sid in sorted(segment_ids(self.dir)):
             path = self._path(sid)
             if sid < cur_id:  # fully consumed before a crash
                 path.unlink(missing_ok=True)
                 continue
-            seg = _Segment(sid, path, size=path.stat().st_size)
+            seg = Segment(sid, path, size=path.stat().st_size)
             self._scan(seg, consumed_before=cur_off if sid == cur_id else 0)
             if seg.records - seg.consumed == 0:
                 path.unlink(missing_ok=True)
@@ -212,62 +175,26 @@ class Spool:
                 self.bytes,
             )
 
-    def _read_cursor(self) -> Position:
-        try:
-            raw = (self.dir / "cursor").read_bytes()
-            sid, off, crc = _CURSOR.unpack(raw)
-        except (OSError, struct.error):
-            return (0, 0)
-        if zlib.crc32(raw[:16]) != crc:
-            return (0, 0)
-        return (sid, off)
-
     def _write_cursor(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._cursor_at < _CURSOR_EVERY_S:
             return
         self._cursor_at = now
-        sid, off = self._commit_pos
-        head = struct.pack("<QQ", sid, off)
-        tmp = self.dir / "cursor.tmp"
-        try:
-            tmp.write_bytes(head + struct.pack("<I", zlib.crc32(head)))
-            os.replace(tmp, self.dir / "cursor")
-        except OSError as e:  # a lost cursor only means replaying some records twice
-            log.warning("spool %s: cannot save the read cursor: %s", self.dir, e)
+        write_cursor(self.dir, self._commit_pos)
 
-    def _scan(self, seg: _Segment, consumed_before: int) -> None:
+    def _scan(self, seg: Segment, consumed_before: int) -> None:
         """Count records by their headers (those ending by ``consumed_before`` as consumed);
         find a torn tail (a crash mid-write) and cut it off, so it is reported once."""
-        fd = os.open(seg.path, os.O_RDONLY)
-        try:
-            off = 0
-            while off < seg.size:
-                head = os.pread(fd, _HEADER.size + _META.size, off)
-                bad = len(head) < _HEADER.size + _META.size
-                if not bad:
-                    magic, length, _ = _HEADER.unpack_from(head)
-                    bad = magic != _MAGIC or length < _META.size
-                    bad = bad or off + _HEADER.size + length > seg.size
-                if bad:
-                    self._torn(seg, off, "torn or corrupt record", 1)
-                    break
-                samples = _META.unpack_from(head, _HEADER.size)[0]
-                off += _HEADER.size + length
-                seg.records += 1
-                seg.samples += samples
-                if off <= consumed_before:
-                    seg.consumed += 1
-                    seg.consumed_samples += samples
-        finally:
-            os.close(fd)
+        torn = count_records(seg, consumed_before)
+        if torn >= 0:
+            self._torn(seg, torn, "torn or corrupt record", 1)
         if seg.end >= 0:
             with contextlib.suppress(OSError):
                 os.truncate(seg.path, seg.end)
                 seg.size = seg.end
                 seg.end = -1
 
-    def _torn(self, seg: _Segment, off: int, why: str, records: int) -> None:
+    def _torn(self, seg: Segment, off: int, why: str, records: int) -> None:
         lost = seg.size - off
         self.corrupt += max(records, 1)
         self.corrupt_bytes += lost
@@ -284,7 +211,7 @@ class Spool:
             )
 
     def _path(self, sid: int) -> Path:
-        return self.dir / f"{sid:020d}{_SUFFIX}"
+        return segment_path(self.dir, sid)
 
     # -- writing ---------------------------------------------------------------------------
     def append(self, record: SpoolRecord) -> tuple[int, int]:
@@ -337,7 +264,7 @@ class Spool:
         self.dropped_samples += ds
         if not keep:
             return (dn, ds)
-        seg = _Segment(head.id - 1, self._path(head.id - 1))
+        seg = Segment(head.id - 1, self._path(head.id - 1))
         fd = os.open(seg.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             for r in reversed(keep):
@@ -350,7 +277,7 @@ class Spool:
         finally:
             os.close(fd)
         if self._fsync:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         self._segs.appendleft(seg)
         self._commit_pos = self._read_pos = (seg.id, 0)
         self._write_cursor(force=True)
@@ -362,15 +289,10 @@ class Spool:
             os.fsync(self._wfd)
         self._dirty = False
 
-    def _write(self, seg: _Segment, record: SpoolRecord, fd: int | None = None) -> None:
-        topic = record.topic.encode()
-        meta = _META.pack(record.samples, len(topic), len(record.key))
-        crc = zlib.crc32(record.value, zlib.crc32(record.key, zlib.crc32(topic, zlib.crc32(meta))))
-        length = len(meta) + len(topic) + len(record.key) + len(record.value)
-        parts = [_HEADER.pack(_MAGIC, length, crc), meta, topic, record.key, record.value]
+    def _write(self, seg: Segment, record: SpoolRecord, fd: int | None = None) -> None:
+        parts, total = frame(record)
         target = self._wfd if fd is None else fd
         assert target is not None
-        total = _HEADER.size + length
         try:
             written = os.writev(target, parts)
             while written < total:  # a short write: finish it from where it stopped
@@ -391,11 +313,11 @@ class Spool:
             self.sync()
             os.close(self._wfd)
             self._wfd = None
-        seg = _Segment(self._next_id, self._path(self._next_id))
+        seg = Segment(self._next_id, self._path(self._next_id))
         self._next_id += 1
         self._wfd = os.open(seg.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         if self._fsync:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         self._segs.append(seg)
         if len(self._segs) == 1:
             self._commit_pos = self._read_pos = (seg.id, 0)
@@ -453,13 +375,13 @@ class Spool:
             taken += rec.size
         return out
 
-    def _seg(self, sid: int) -> _Segment | None:
+    def _seg(self, sid: int) -> Segment | None:
         for s in self._segs:
             if s.id == sid:
                 return s
         return None
 
-    def _reader(self, seg: _Segment) -> int:
+    def _reader(self, seg: Segment) -> int:
         if self._rfd is not None and self._rfd[0] == seg.id:
             return self._rfd[1]
         self._close_reader()
@@ -495,7 +417,7 @@ class Spool:
                     return None
                 self._read_pos = nxt
                 continue
-            rec, size, why = self._decode(seg, off, limit)
+            rec, size, why = decode(self._reader(seg), off, limit)
             if rec is None:  # corrupt: skip the rest of this segment (counted)
                 lost = max(seg.records - seg.consumed - self._counted_upto(seg, off), 0)
                 seg.records -= lost
@@ -508,42 +430,9 @@ class Spool:
             self._inflight.append((sid, off + size, rec.samples))
             return rec, end
 
-    def _counted_upto(self, seg: _Segment, off: int) -> int:
+    def _counted_upto(self, seg: Segment, off: int) -> int:
         """Records of a segment before ``off`` that were read and not yet committed."""
         return sum(1 for sid, end, _ in self._inflight if sid == seg.id and end <= off)
-
-    def _decode(self, seg: _Segment, off: int, limit: int) -> tuple[SpoolRecord | None, int, str]:
-        fd = self._reader(seg)
-        head = os.pread(fd, _HEADER.size, off)
-        why = ""
-        if len(head) < _HEADER.size:
-            why = "truncated record header"
-        else:
-            magic, length, crc = _HEADER.unpack(head)
-            if magic != _MAGIC or length < _META.size or off + _HEADER.size + length > limit:
-                why = "bad record header"
-            else:
-                body = os.pread(fd, length, off + _HEADER.size)
-                if len(body) < length:
-                    why = "truncated record"
-                elif zlib.crc32(body) != crc:
-                    why = "checksum mismatch"
-                else:
-                    samples, tlen, klen = _META.unpack_from(body)
-                    a = _META.size
-                    if a + tlen + klen > length:
-                        why = "bad record lengths"
-                    else:
-                        try:
-                            topic = body[a : a + tlen].decode()
-                        except UnicodeDecodeError:
-                            why = "bad topic name"
-                        else:
-                            key = body[a + tlen : a + tlen + klen]
-                            value = body[a + tlen + klen :]
-                            rec = SpoolRecord(topic, key, value, samples)
-                            return rec, _HEADER.size + length, ""
-        return None, 0, why
 
     def rewind(self) -> tuple[int, int]:
         """Move the read position back to the commit position (after a failed replay).
