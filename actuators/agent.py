@@ -10,8 +10,8 @@ Nothing here ever raises into the training loop.
 
 Verification: the training loop reports each step (`JobAgent.observe_step`: its time, and its
 loss when known). A change is applied alone, and the steps after it are compared with as many
-steps just before it (`perfloop.actuators.verification.ChangeVerifier`); the next command waits until
-the verdict.
+steps just before it (`perfloop.actuators.verification.ChangeVerifier`); the next command
+waits until the verdict.
 A change that hurt (significantly slower steps) or broke training (a NaN loss) is rolled back
 to the last value known good at the next step boundary, within ``settle_steps + verify_steps``
 steps of being applied; one slower by the median but not yet significantly is judged on more
@@ -53,14 +53,12 @@ import uuid
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from confluent_kafka import KafkaError
-
 from perfloop.actuators._notice import notice, say
 from perfloop.actuators.patch import ConfigPatch
 from perfloop.actuators.signing import verify
 from perfloop.actuators.verification import ChangeVerifier, Verdict
 from perfloop.exceptions import ConfigError
-from perfloop.kafka import consumer, producer, tail
+from perfloop.kafka import consumer, follow, producer
 from perfloop.schemas import (
     ActuationResult,
     Command,
@@ -163,7 +161,6 @@ class ConfigListener:
         )
         self._stop = threading.Event()
         self._assigned = threading.Event()
-        self._errors: set[int] = set()
         self._thread = threading.Thread(target=self.run, name="perfloop-config", daemon=True)
 
     def start(self, wait_assigned_s: float = 0.0) -> bool:
@@ -183,22 +180,11 @@ class ConfigListener:
             self._consumer.close()
 
     def run(self) -> None:
-        try:
-            tail(self._consumer, [Topics.CONTROL], self._stop, self._assigned)
-            while not self._stop.is_set():
-                msg = self._consumer.poll(POLL_S)
-                if msg is None:
-                    continue
-                if msg.error():
-                    code = msg.error().code()
-                    if code != KafkaError._PARTITION_EOF and code not in self._errors:
-                        self._errors.add(code)  # once per kind: the broker may be away long
-                        log.warning("control consumer error: %s", msg.error())
-                    continue
-                if _for_job(msg.key(), self.job_id):
-                    self.receive(msg.value() or b"")
-        finally:
-            self._consumer.close()
+        follow(
+            self._consumer, [Topics.CONTROL], lambda msg: self.receive(msg.value() or b""),
+            self._stop, self._assigned, key=lambda k: _for_job(k, self.job_id), poll_s=POLL_S,
+            what="control consumer", log=log,
+        )  # fmt: skip
 
     def receive(self, data: bytes) -> tuple[Any, Any] | str | None:
         """Apply one control message if it is a change for this job's producers (see
@@ -271,7 +257,7 @@ class JobAgent:
         self._on_result = on_result
         self.on_config = on_config
         """Where live `ConfigChange` events for this job's producers go (see the module)."""
-        # Each agent reads every control partition from its start (`tail`: no group to join).
+        # Each agent reads every control partition from its start (`follow`: no group to join).
         self._consumer = consumer(
             settings,
             f"perfloop-agent-{job_id}-{uuid.uuid4().hex[:8]}",
@@ -316,21 +302,11 @@ class JobAgent:
             self._consumer.close()  # run() closes it otherwise
 
     def run(self) -> None:
-        try:
-            tail(self._consumer, [Topics.CONTROL], self._stop, self._assigned)
-            while not self._stop.is_set():
-                msg = self._consumer.poll(POLL_S)
-                if msg is None:
-                    continue
-                if msg.error():
-                    if msg.error().code() != KafkaError._PARTITION_EOF:
-                        log.warning("control consumer error: %s", msg.error())
-                    continue
-                if not _for_job(msg.key(), self.job_id):
-                    continue
-                self.receive(msg.value() or b"")
-        finally:
-            self._consumer.close()
+        follow(
+            self._consumer, [Topics.CONTROL], lambda msg: self.receive(msg.value() or b""),
+            self._stop, self._assigned, key=lambda k: _for_job(k, self.job_id), poll_s=POLL_S,
+            what="control consumer", log=log,
+        )  # fmt: skip
 
     # -- checks and application --------------------------------------------------------------
     def receive(self, data: bytes, *, now_ns: int | None = None) -> str | None:

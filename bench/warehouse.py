@@ -6,8 +6,9 @@ with the catalog's merge setting against ClickHouse's default, in the same run.
 
 Simulated jobs (scenario ``--scenario``) make every telemetry message and, through the stream
 core in-process, the window messages; the sink's own row builders turn them into the Arrow
-batches it inserts. For each variant a fresh warehouse server (``perfloop.stack.warehouse_server``, its own
-data directory, all migrations applied) takes those batches as the sink sends them: one insert
+batches it inserts. For each variant a fresh warehouse server
+(``perfloop.stack.warehouse_server``, its own data directory, all migrations applied) takes
+those batches as the sink sends them: one insert
 per table per flush of ``--per-flush`` rows, a flush every ``--every-s`` seconds, then
 ``--tail-s`` seconds of quiet for the merges still running. Reported per variant: the server's
 CPU seconds by thread (ClickHouse names them: ``ThreadPool`` runs inserts and their

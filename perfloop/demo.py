@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from perfloop.actuators.agent import JobAgent
 from perfloop.exceptions import PerfloopError
-from perfloop.kafka import consumer
+from perfloop.kafka import consumer, follow
 from perfloop.producers.publisher import Publisher
 from perfloop.producers.scenarios import Fault
 from perfloop.producers.simulator import SimConfig, SimulatedJob, StepReport
@@ -72,9 +72,6 @@ class _Watcher:
         self._t = threading.Thread(target=self._run, daemon=True)
 
     def start(self, timeout_s: float) -> bool:
-        self._c.subscribe(
-            [Topics.RECOMMENDATIONS, Topics.CONTROL], on_assign=lambda *_: self._assigned.set()
-        )
         self._t.start()
         return self._assigned.wait(timeout_s)
 
@@ -101,22 +98,20 @@ class _Watcher:
             )
 
     def _run(self) -> None:
+        job = self.job_id.encode()
+        follow(self._c, [Topics.RECOMMENDATIONS, Topics.CONTROL], self._take, self._stop,
+               self._assigned, key=lambda k: k == job, poll_s=0.1, what="demo watcher")  # fmt: skip
+
+    def _take(self, msg: Any) -> None:
         try:
-            while not self._stop.is_set():
-                msg = self._c.poll(0.1)
-                if msg is None or msg.error() or msg.key() != self.job_id.encode():
-                    continue
-                try:
-                    ev = decode_event(msg.value() or b"")
-                except SchemaError:
-                    continue
-                if isinstance(ev, Recommendation) and self.rec is None:
-                    self.rec = ev
-                elif isinstance(ev, Command) and self.cmd is None:
-                    self.cmd = ev
-                self._show()
-        finally:
-            self._c.close()
+            ev = decode_event(msg.value() or b"")
+        except SchemaError:
+            return
+        if isinstance(ev, Recommendation) and self.rec is None:
+            self.rec = ev
+        elif isinstance(ev, Command) and self.cmd is None:
+            self.cmd = ev
+        self._show()
 
 
 def run_demo(

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from perfloop.kafka import consumer, tail
+from perfloop.kafka import consumer, follow
 from perfloop.schemas import (
     ActuationResult,
     Command,
@@ -141,22 +141,19 @@ class _Follow:
         self._t.join(10)
 
     def _loop(self) -> None:
+        job = self.run.job_id.encode()
+        follow(self._c, list(self.TOPICS), self._take, self._stop, self._assigned,
+               key=lambda k: k == job, what="demo follower")  # fmt: skip
+
+    def _take(self, msg: Any) -> None:
         try:
-            tail(self._c, list(self.TOPICS), self._stop, self._assigned)
-            while not self._stop.is_set():
-                msg = self._c.poll(0.2)
-                if msg is None or msg.error() or (msg.key() or b"") != self.run.job_id.encode():
-                    continue
-                try:
-                    ev = decode_event(msg.value() or b"")
-                except SchemaError:
-                    continue
-                self.run.events.append((msg.timestamp()[1] * MS, ev))
-                line = describe(ev)
-                if line:
-                    self.show(line)
-        finally:
-            self._c.close()
+            ev = decode_event(msg.value() or b"")
+        except SchemaError:
+            return
+        self.run.events.append((msg.timestamp()[1] * MS, ev))
+        line = describe(ev)
+        if line:
+            self.show(line)
 
 
 def describe(ev: Any) -> str:

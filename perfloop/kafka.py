@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from confluent_kafka import (
@@ -16,6 +16,7 @@ from confluent_kafka import (
     Consumer,
     KafkaError,
     KafkaException,
+    Message,
     Producer,
     TopicPartition,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "dead_letter_counts",
     "dlq_headers",
     "ensure_topics",
+    "follow",
     "ping",
     "producer",
     "reason_class",
@@ -114,6 +116,47 @@ def tail(c: Consumer, topics: list[str], stop: threading.Event, assigned: thread
             _CLIENT_LOG.debug("topics %s not reachable yet: %s", topics, e)
         stop.wait(1.0)
     return False
+
+
+def follow(
+    c: Consumer,
+    topics: list[str],
+    on_message: Callable[[Message], object],
+    stop: threading.Event,
+    assigned: threading.Event,
+    *,
+    key: Callable[[bytes | None], bool] | None = None,
+    poll_s: float = 0.2,
+    what: str = "consumer",
+    log: logging.Logger | None = None,
+) -> None:
+    """Follow ``topics`` from their end (`tail`) and hand each message to ``on_message`` until
+    ``stop`` is set; then close ``c``. The one loop of every reader that follows live topics
+    (the control topic in a job, the demos' followers).
+
+    ``key``, if given, picks the messages by their key (the others are skipped unread). A
+    consumer error is logged once per kind (as ``"<what> error: …"``): the broker may be away
+    long, and a job's stderr is no place for a line every poll. The end of a partition is no
+    error.
+    """
+    log = log or _CLIENT_LOG
+    seen: set[int] = set()
+    try:
+        tail(c, topics, stop, assigned)
+        while not stop.is_set():
+            msg = c.poll(poll_s)
+            if msg is None:
+                continue
+            if msg.error():
+                code = msg.error().code()
+                if code != KafkaError._PARTITION_EOF and code not in seen:
+                    seen.add(code)
+                    log.warning("%s error: %s", what, msg.error())
+                continue
+            if key is None or key(msg.key()):
+                on_message(msg)
+    finally:
+        c.close()
 
 
 def ping(settings: BaseServiceSettings, timeout_s: float = 3.0) -> int:

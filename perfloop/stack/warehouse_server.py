@@ -504,7 +504,8 @@ class WarehouseServer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m perfloop.stack.warehouse_server [--host H] [--port P] [--data-dir D]``; rest from env."""
+    """``python -m perfloop.stack.warehouse_server [--host H] [--port P] [--data-dir D]``; the
+    rest from the environment."""
     parser = argparse.ArgumentParser(
         prog="python -m perfloop.stack.warehouse_server", description=__doc__.splitlines()[0]
     )
