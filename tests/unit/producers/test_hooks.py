@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from perfloop.producers import hooks
+from perfloop.producers import _hooks_loader, hooks
 from perfloop.producers.launch import BOOTSTRAP_DIR, child_env
 from perfloop.schemas import decode_batch, decode_event, is_batch
 from perfloop.settings import ProducerSettings
@@ -378,7 +378,7 @@ def test_a_failing_hook_never_breaks_the_script(
     def broken(*_: Any) -> Any:
         raise ZeroDivisionError("perfloop bug")
 
-    monkeypatch.setattr(hooks, "_inspect_batch", broken)
+    monkeypatch.setattr(_hooks_loader, "_inspect_batch", broken)  # where the loader hook reads it
     monkeypatch.setattr(hooks.Tracer, "backward_end", broken)
     assert _loop(epochs=1) == 6
     assert hooks._S.errors >= 12
