@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from perfloop.exceptions import ConfigError
-from perfloop.producers import simulator
+from perfloop.producers import _simulator_samples
 from perfloop.schemas import JobLifecycle, PhaseChange, decode_batch
 from perfloop.schemas.codec import Batch, encode_batch
 from perfloop.streams._phase_signatures import SignatureLibrary
@@ -341,8 +341,10 @@ def test_gpu_only_classification_agrees_with_the_spans() -> None:
 def test_gpu_only_classification_learns_a_signature_unlike_the_priors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # patched where the GPU samples look it up
+    signature = _simulator_samples._SIGNATURE
     monkeypatch.setattr(
-        simulator, "_SIGNATURE", np.concatenate([OTHER_SIGNATURE, simulator._SIGNATURE[5:]])
+        _simulator_samples, "_SIGNATURE", np.concatenate([OTHER_SIGNATURE, signature[5:]])
     )
     _cfg, msgs = simulate("healthy", 90.0, **LONG_STEPS)
     _pm, predicted, gpu = _classify_job(without_spans(msgs))
