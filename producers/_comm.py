@@ -1,6 +1,6 @@
 """Communication the training hooks cannot time from the calling thread alone.
 
-Three things live here, all used by `perfloop.producers.hooks`:
+Three things live here, all used by the training hooks (`_hooks_state`, `_hooks_distributed`):
 
 - `InFlight`: asynchronous collectives (``async_op=True``, and every gradient all-reduce of
   DDP) are timed from the call — the rank's arrival at the collective — to the completion of

@@ -1,8 +1,8 @@
 """`Tracer`: what the training hooks see, turned into steps and tiled phase spans.
 
-Pure Python, no torch: `perfloop.producers.hooks` calls it from its torch patches with
-``perf_counter_ns`` times, and it hands spans, collectives and finished steps to a
-`perfloop.producers.training.Recorder`.
+Pure Python, no torch: the training hooks (`perfloop.producers.hooks` and its `_hooks_*`
+modules) call it from their torch patches with ``perf_counter_ns`` times, and it hands spans,
+collectives and finished steps to a `perfloop.producers.training.Recorder`.
 """
 
 from __future__ import annotations
