@@ -49,8 +49,9 @@ from confluent_kafka import KafkaError, KafkaException
 from perfloop.actuators.hook import render, run_hook
 from perfloop.actuators.policy import HOOK_KNOBS, KNOB_BOUNDS, JobRules, Policy
 from perfloop.actuators.signing import sign
+from perfloop.bad_input import Failed, OnError, decide, skip_policy
 from perfloop.exceptions import ConfigError
-from perfloop.kafka import consumer, producer
+from perfloop.kafka import consumer, dlq_headers, producer
 from perfloop.schemas import (
     ActuationResult,
     Approval,
@@ -90,8 +91,10 @@ class ActuatorService:
     """Consumes recommendations and approvals, decides with `Policy`, publishes signed
     commands and every decision."""
 
-    def __init__(self, settings: ActuatorSettings) -> None:
+    def __init__(self, settings: ActuatorSettings, *, on_error: OnError = skip_policy) -> None:
         self.settings = settings
+        self.on_error = on_error
+        """What to do with a message that does not decode (`perfloop.bad_input`)."""
         self._key = settings.signing_key.get_secret_value().encode()
         self.policy = Policy(
             _rules(settings),
@@ -149,7 +152,8 @@ class ActuatorService:
                     if msg.error().code() != KafkaError._PARTITION_EOF:
                         log.warning("consumer error: %s", msg.error())
                     continue
-                self.handle(msg.value() or b"", msg.topic())
+                self.handle(msg.value() or b"", msg.topic(), partition=msg.partition(),
+                            offset=msg.offset(), key=msg.key())  # fmt: skip
                 if msg.topic() in (Topics.JOB, Topics.ACTUATIONS):  # nothing published for it
                     self._consumer.commit(message=msg, asynchronous=True)
                     continue
@@ -224,12 +228,27 @@ class ActuatorService:
             self.policy.observe_lifecycle(event, now_ns=now)
         return sum(bool(self.policy.ended(job_id)) for job_id, _, _ in rows)
 
-    def handle(self, data: bytes, topic: str = Topics.RECOMMENDATIONS) -> Command | None:
-        """Decide on one message; publish the command if one is issued, and the decision."""
+    def handle(
+        self,
+        data: bytes,
+        topic: str = Topics.RECOMMENDATIONS,
+        *,
+        partition: int = -1,
+        offset: int = -1,
+        key: bytes | None = None,
+    ) -> Command | None:
+        """Decide on one message; publish the command if one is issued, and the decision.
+
+        A message that does not decode is left to `on_error` (`perfloop.bad_input`): skipped,
+        by default, with one line in the log, since the sink, which reads every topic the
+        actuator reads, dead-letters it."""
         try:
             ev = decode_event(data)
         except SchemaError as e:
-            log.warning("ignoring a bad message on %s: %s", topic, e)
+            action, why = decide(self.on_error, e, Failed(topic, partition, offset, key, data), log)
+            if action == "dead_letter":
+                headers = dlq_headers(why, topic, partition, offset)
+                self._producer.produce(Topics.DLQ, key=key, value=data, headers=headers)
             return None
         now = time.time_ns()
         for job_id in self.policy.sweep(now):  # ended a while ago: forget what it left here

@@ -15,6 +15,7 @@ import pyarrow as pa
 from clickhouse_connect.driver.client import Client
 from clickhouse_connect.driver.exceptions import ClickHouseError, OperationalError
 
+from perfloop.bad_input import Refused
 from perfloop.exceptions import PerfloopError
 from perfloop.warehouse._sink_batch import Pending
 
@@ -27,7 +28,7 @@ TRANSIENT_CODES = frozenset(
 ENCODING_ERRORS = (TypeError, ValueError, OverflowError, struct.error, pa.ArrowException)
 
 
-class Rejected(Exception):
+class Rejected(Refused):
     """The warehouse (or the client encoding for it) refused the rows themselves."""
 
 

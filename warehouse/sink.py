@@ -36,7 +36,8 @@ last position taken, so a position from before a rebalance, or from a log the br
 when it restarted empty, must never be the one resumed. A held partition being revoked is
 resumed first (a pause outlives the assignment).
 
-Bad input never stops the sink. A message that does not decode goes to ``perfloop.dlq`` with
+Bad input never stops the sink (`perfloop.bad_input` decides what becomes of it). A message
+that does not decode, or whose rows a bug kept from being built, goes to ``perfloop.dlq`` with
 the reason and the source in its headers and is committed past. A batch the warehouse refuses
 as data (the server is up, the error is not transient) is split: each message is inserted on
 its own, and a message still refused is dead-lettered with the warehouse's reason. Messages
@@ -58,8 +59,8 @@ import time
 from clickhouse_connect.driver.client import Client
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
+from perfloop.bad_input import Failed, OnError, dead_letter_policy, decide
 from perfloop.kafka import consumer, dlq_headers, producer
-from perfloop.schemas import SchemaError
 from perfloop.schemas.arrow_batch import warm_up
 from perfloop.schemas.topics import Topics
 from perfloop.service_heap import libc_trim
@@ -102,6 +103,8 @@ class Sink:
 
     ``consumer_``, ``dlq_producer`` and ``warehouse`` replace the clients built from
     ``settings`` (tests and embedding); the sink closes whatever it holds when ``run`` ends.
+    ``on_error`` decides what becomes of a message that cannot land (`perfloop.bad_input`;
+    by default it goes to ``perfloop.dlq``, a dead letter that cannot land is dropped).
     The warehouse client is used by one thread at a time: the insert thread while a flight is
     in the air, the reading thread otherwise.
 
@@ -117,8 +120,11 @@ class Sink:
         consumer_: Consumer | None = None,
         dlq_producer: Producer | None = None,
         warehouse: Client | None = None,
+        on_error: OnError = dead_letter_policy,
     ) -> None:
         self.settings = settings
+        self.on_error = on_error
+        """What to do with a message that cannot land (`perfloop.bad_input`)."""
         self.max_batch_bytes = settings.max_batch_bytes
         self.stats = SinkStats()
         self._stop = threading.Event()
@@ -303,8 +309,8 @@ class Sink:
                 )
             else:
                 table, part, dedup = rows_from_message(topic, value)
-        except SchemaError as e:
-            self._dead_letter(str(e), topic, partition, off, msg.key(), value)
+        except Exception as e:  # bad input, or a bug in a row builder: never stops the sink
+            self._failed(e, Failed(topic, partition, off, msg.key(), value))
         else:
             if dedup in self._seen:  # sent twice (a producer's resend): drop
                 self.stats.duplicates += 1
@@ -316,16 +322,18 @@ class Sink:
                     self._fast_since = time.monotonic()
         self._offsets[(topic, partition)] = off + 1
 
-    def _dead_letter(
-        self, reason: str, topic: str, part: int, off: int, key: bytes | None, value: bytes
-    ) -> None:
-        if topic == Topics.DLQ:  # never dead-letter a dead letter
-            log.warning("dropping dead letter %s[%s]@%s: %s", topic, part, off, reason)
+    def _failed(self, exc: BaseException, message: Failed) -> None:
+        """What `on_error` says for a message that cannot land: to ``perfloop.dlq``, or
+        dropped (a dead letter is never dead-lettered again)."""
+        action, why = decide(self.on_error, exc, message, log)
+        if action != "dead_letter":
             self.stats.dead_letters_dropped += 1
             return
-        log.warning("dead letter %s[%s]@%s: %s", topic, part, off, reason)
         self._dlq.produce(
-            Topics.DLQ, key=key, value=value, headers=dlq_headers(reason, topic, part, off)
+            Topics.DLQ,
+            key=message.key,
+            value=message.value,
+            headers=dlq_headers(why, message.topic, message.partition, message.offset),
         )
         self._dlq.poll(0)
         self.stats.dead_letters += 1
@@ -476,14 +484,11 @@ class Sink:
                 except Rejected as e:
                     self.stats.rejected += 1
                     flight.rejected.append(source.message_id)
-                    self._dead_letter(
-                        str(e),
-                        source.topic,
-                        source.partition,
-                        source.offset,
-                        source.key,
-                        source.value,
-                    )
+                    self._failed(
+                        e,
+                        Failed(source.topic, source.partition, source.offset, source.key,
+                               source.value),
+                    )  # fmt: skip
                 left.pop(0)
         finally:
             if left:  # the warehouse went away meanwhile: the rest waits as one batch

@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from perfloop.actuators import ActuatorService, verify
+from perfloop.bad_input import dead_letter_policy
 from perfloop.schemas import Command, ConfigChange, JobLifecycle, encode_event
 from perfloop.schemas.topics import Topics
 from perfloop.settings import ActuatorSettings
@@ -52,6 +53,29 @@ def test_service_ignores_unreadable_recommendations(
     service = ActuatorService(unreachable_settings)
     assert service.handle(data) is None
     assert service.issued == 0
+
+
+def test_a_message_that_does_not_decode_is_skipped_or_dead_lettered_as_told(
+    unreachable_settings: ActuatorSettings,
+) -> None:
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    class Producer:
+        def produce(self, topic: str, **kw: Any) -> None:
+            sent.append((topic, kw))
+
+    skipping = ActuatorService(unreachable_settings)  # the sink reports it: skipped
+    skipping._producer = Producer()
+    assert skipping.handle(b"garbage", partition=1, offset=5, key=b"j") is None
+    assert sent == []
+    telling = ActuatorService(unreachable_settings, on_error=dead_letter_policy)
+    telling._producer = Producer()
+    assert telling.handle(b"garbage", partition=1, offset=5, key=b"j") is None
+    ((topic, kw),) = sent
+    headers = dict(kw["headers"])
+    assert (topic, kw["value"], kw["key"]) == (Topics.DLQ, b"garbage", b"j")
+    assert headers["perfloop.source.offset"] == b"5" and headers["perfloop.reason"]
+    assert telling.issued == 0
 
 
 def test_service_ignores_other_event_kinds(unreachable_settings: ActuatorSettings) -> None:

@@ -13,6 +13,7 @@ import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError, DataError, OperationalError
 from confluent_kafka import KafkaError, TopicPartition
 
+from perfloop.bad_input import skip_policy
 from perfloop.kafka import dlq_headers
 from perfloop.schemas import JobLifecycle, encode_batch, encode_event
 from perfloop.schemas.topics import Topics
@@ -416,6 +417,39 @@ def test_poison_goes_to_the_dlq_with_its_reason_and_the_sink_goes_on(case: str) 
     h = dlq.sent[0]["headers"]
     assert h["perfloop.source.topic"] == topic.encode() and h["perfloop.reason"]
     assert sink.stats.dead_letters == 1
+
+
+def test_a_bug_building_rows_dead_letters_the_message_and_the_sink_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sink, broker, wh, dlq = make_sink()
+    built = sink_mod.rows_from_message
+
+    def buggy(topic: str, value: bytes) -> Any:
+        if topic == Topics.SPAN:
+            raise KeyError("duration_ms")  # a row builder's bug, not bad input
+        return built(topic, value)
+
+    monkeypatch.setattr(sink_mod, "rows_from_message", buggy)
+    broker.add(Topics.SPAN, span_batch(0))
+    broker.add(Topics.STEP, step_batch(0))
+    ends = {(m.topic(), m.partition()): m.offset() + 1 for m in broker.log}
+    run_until(sink, lambda: all(broker.committed(t, p) == o for (t, p), o in ends.items()))
+    assert len(wh.ids()) == ROWS  # the steps landed
+    (letter,) = dlq.sent
+    assert letter["value"] == span_batch(0)
+    assert letter["headers"]["perfloop.reason"] == b"internal error: KeyError: 'duration_ms'"
+
+
+def test_a_sink_told_to_skip_bad_input_counts_it_dropped() -> None:
+    broker, wh, dlq = Broker(), Warehouse(), DeadLetters()
+    conf = SinkSettings(flush_interval_s=0.05)
+    sink = Sink(conf, consumer_=broker, dlq_producer=dlq, warehouse=wh,  # type: ignore[arg-type]
+                on_error=skip_policy)  # fmt: skip
+    sink.start()
+    broker.add(Topics.STEP, b"not json")
+    run_until(sink, lambda: broker.committed(Topics.STEP) == 1)
+    assert dlq.sent == [] and sink.stats.dead_letters_dropped == 1
 
 
 def test_dead_letters_land_in_their_table_and_are_never_dead_lettered_again() -> None:
