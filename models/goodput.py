@@ -2,7 +2,7 @@
 the package's function, `perfloop.models.goodput`, which stays). These names warn and keep
 working for one release."""
 
-from perfloop.deprecation import moved
+from perfloop.deprecation import callable_as, moved
 
 __all__: list[str] = []
 
@@ -20,3 +20,7 @@ __getattr__ = moved(
         )
     },
 )
+
+# Importing this module makes the package's ``goodput`` this module: it calls through to the
+# function, so every caller of the package's ``goodput`` still gets the function's answer.
+callable_as(__name__, "perfloop.models.batch_size", "goodput")

@@ -23,11 +23,13 @@ AttributeError: module 'old.place' has no attribute 'loads'
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["moved"]
+__all__ = ["callable_as", "moved"]
 
 
 def moved(module: str, names: Mapping[str, str]) -> Callable[[str], Any]:
@@ -50,3 +52,20 @@ def moved(module: str, names: Mapping[str, str]) -> Callable[[str], Any]:
 
     __getattr__.moved = table  # type: ignore[attr-defined]
     return __getattr__
+
+
+def callable_as(module: str, package: str, function: str) -> None:
+    """Let the moved module ``module`` be called as ``package``'s ``function`` of the same name.
+
+    A module whose name was also a function of its package (``perfloop.models.goodput``)
+    moves so the name means the function alone; its old place stays for a release. But
+    importing that old module makes the package's attribute the module (Python sets it after
+    the import), and whoever then calls the package's function would call a module. So the
+    old module calls through to the function.
+    """
+
+    class _CallableModule(types.ModuleType):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return getattr(importlib.import_module(package), function)(*args, **kwargs)
+
+    sys.modules[module].__class__ = _CallableModule
