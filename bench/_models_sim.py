@@ -230,7 +230,7 @@ def window_features(
 ) -> dict[str, np.ndarray]:
     """A job's features per complete 1-s window of event time (windows start at t0 + k s).
 
-    The stream tier's default window metrics (`perfloop.streams._extract.DEFAULT_METRICS`)
+    The stream tier's default window metrics (`perfloop.streams.windows.DEFAULT_METRICS`)
     reduced to the job: ``step_time_ms`` (median of the window's step samples),
     ``data_wait_share`` (summed wait / summed step time), ``comm_share`` (summed comm spans /
     summed step time), ``collective_ms`` (mean all-reduce); the mean over the window and ranks

@@ -95,7 +95,7 @@ class ProducerSettings(BaseServiceSettings):
     but the job ran no faster (0.899x against 0.909x of its plain speed at 250 ms, six
     alternating triplets: `bench/README.md`), and what is seen would wait up to 0.75 s more.
     The stream worker judges a step once every rank's rows of it are in, and waits for a step
-    2 s of the job's steps behind the newest (`perfloop.streams._detect_state.JobState.
+    2 s of the job's steps behind the newest (`perfloop.streams.detection.JobState.
     horizon`: at least 32 steps, at most half its ring, 512 steps up to 32 ranks and 64 from
     256): a rank whose batch comes an interval after another's must be within that, so at 250
     ms a job of up to 32 ranks is seen whole up to ~1000 steps a second, one of 256 ranks or

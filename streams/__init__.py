@@ -9,6 +9,23 @@ top-down bottleneck funnel) and the rules (`DataWaitRule`, `ThreadRule`, `Stragg
 whose output goes to ``perfloop.windows``, ``perfloop.phases``, ``perfloop.diagnoses`` and
 ``perfloop.recommendations``. State is snapshotted to disk before
 input is acknowledged. The sink (`perfloop.warehouse.sink`) lands every topic in the warehouse.
+
+Layout, one concept per subpackage or module:
+
+- ``app``: the Faust stream worker (`StreamsService`); ``_publisher``: what it publishes, through
+  a librdkafka producer off its event loop;
+- ``engine``: `StreamEngine`, the worker's pure core (validation, routing, snapshots);
+  ``_event_time``: each job's event-time clock and how the engine runs the analyses on it;
+- ``windows/``: the event-time windows (`WindowSet`); ``sketch``: the mergeable quantile
+  sketches their quantiles come from;
+- ``steps/``: the per-step analysis (`StepAnalysis`); ``phases/``: the run and step phases
+  (`PhaseMachine`); ``_batch_groups``: the batch grouping both apply their input with;
+  ``_spans``: which nested comm spans are blocked time (steps and detection);
+- ``funnel``: the top-down bottleneck funnel (`Funnel`); ``detection/``: the per-job state and
+  the detectors it runs;
+- ``rules/``: diagnoses to recommendations; ``outcomes``: what applied changes did;
+- ``predict/``: the online models (`PredictionHost`) and the history they start from;
+- ``evaluation``, ``sink``: moved names, kept for one release.
 """
 
 from perfloop.streams.engine import Outputs, StreamEngine

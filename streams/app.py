@@ -11,7 +11,7 @@ timer ticks the engine every ``tick_interval_s`` (first telling it which partiti
 read from yet have input waiting, and which held ones have since been read to their end) and
 publishes closed windows (``perfloop.windows``), phase changes, diagnoses, the online models'
 predictions (``perfloop.predictions``) and recommendations, keyed by job, through a librdkafka
-producer whose threads deliver them off the event loop (`perfloop.streams._output`).
+producer whose threads deliver them off the event loop (`perfloop.streams._publisher`).
 
 Processing is at least once, with durable state: input is read without automatic
 acknowledgement; every ``snapshot_interval_s`` (longer for a large state, see `SNAPSHOT_SHARE`)
@@ -45,9 +45,9 @@ from perfloop.schemas.topics import Topics
 from perfloop.schemas.windows import encode_windows
 from perfloop.service_heap import GcClock, libc_trim
 from perfloop.settings import StreamsSettings
-from perfloop.streams._history import load_history
-from perfloop.streams._output import Output
+from perfloop.streams._publisher import Output
 from perfloop.streams.engine import INPUT_TOPICS, TELEMETRY_TOPICS, Outputs, StreamEngine
+from perfloop.streams.predict.history import load_history
 from perfloop.streams.windows import WindowColumns, split_by_job
 
 __all__ = [

@@ -36,7 +36,8 @@ data read live. Two things make it so:
   messages give the same calls in the same order at any read speed. Diagnoses, phase changes
   and recommendations therefore carry event time in ``ts_ns``; only closed windows carry the
   wall time they closed (``closed_ns``). The windows of the step analysis's derived metrics
-  wait for the job's open steps (`StepAnalysis.open_since`), so none of them is late.
+  wait for the job's open steps (`StepAnalysis.open_since`), so none of them is late. The
+  clocks and the handing over are the engine's `EventTime` part (`perfloop.streams._event_time`).
 
 `tick` closes what is due and returns it as `Outputs`. `snapshot` / `restore` capture every
 component's state, the queued input and the offsets it covers; the app writes a snapshot
@@ -51,15 +52,14 @@ large that serialising it would take more than a tenth of the worker's time, see
 from __future__ import annotations
 
 import heapq
+import io
 import logging
 import os
 import pickle
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import (
@@ -68,8 +68,6 @@ from perfloop.schemas import (
     Command,
     ConfigChange,
     Diagnosis,
-    JobInfo,
-    JobLifecycle,
     PhaseChange,
     Prediction,
     Recommendation,
@@ -77,17 +75,15 @@ from perfloop.schemas import (
     decode_batch,
     decode_event,
 )
-from perfloop.schemas.base import Event
 from perfloop.schemas.topics import KIND_TOPICS, Topics
 from perfloop.settings import StreamsSettings
-from perfloop.streams._phase_clock import JobClock, QueueEntry
-from perfloop.streams._phase_steps import DERIVED_METRICS
+from perfloop.streams._event_time import EventTime, JobClock
 from perfloop.streams.funnel import Funnel
 from perfloop.streams.outcomes import Outcomes
 from perfloop.streams.phases import PhaseMachine
 from perfloop.streams.predict import PredictionHost
 from perfloop.streams.rules import DataWaitRule, StragglerRule, ThreadRule
-from perfloop.streams.steps import StepAnalysis
+from perfloop.streams.steps import DERIVED_METRICS, StepAnalysis
 from perfloop.streams.windows import NS, WindowSet, parse_specs
 
 __all__ = [
@@ -107,8 +103,12 @@ DEFAULT_DERIVED = ("gpu_idle_ms", "straggler_score")
 TELEMETRY_TOPICS = (Topics.GPU, Topics.HOST, Topics.STEP, Topics.SPAN)
 INPUT_TOPICS = (*TELEMETRY_TOPICS, Topics.JOB, Topics.CONTROL, Topics.ACTUATIONS)
 _TOPIC_KINDS = {t: {k for k, kt in KIND_TOPICS.items() if kt == t} for t in INPUT_TOPICS}
-_MAX_GAP_NS = 120 * NS  # a job's clock leaping further skips the analysis ticks in between
-_FORGET_MARGIN_NS = 60 * NS
+_MOVED_CLASSES = {
+    ("perfloop.streams.predict", "_Job"): "perfloop.streams.predict.host",
+    ("perfloop.streams._phase_steps", "StepRecord"): "perfloop.streams.steps.records",
+}
+"""Classes a snapshot holds by reference, at the module they had before the stream tier's
+subpackages (the snapshots written then still load): (old module, name) → their module now."""
 
 
 @dataclass
@@ -143,7 +143,7 @@ _EVENT_OUTPUTS = {
 }
 
 
-class StreamEngine:
+class StreamEngine(EventTime):
     """Validates and routes messages to the stream components; closes what is due on `tick`."""
 
     def __init__(self, settings: StreamsSettings) -> None:
@@ -329,131 +329,6 @@ class StreamEngine:
                 )
         return batch
 
-    # -- event time --------------------------------------------------------------------------
-    def _queue(self, job: str, t: int, kind: str, node: str, item: Batch | Event) -> None:
-        jt = self._time.get(job)
-        if jt is None:
-            jt = self._time[job] = JobClock((t // self._tick_ns + 1) * self._tick_ns)
-        heapq.heappush(jt.queue, (t, kind, node, self._seq, item))
-        self._seq += 1
-        jt.newest = max(jt.newest, t)
-
-    def _advance(self, job: str, wall_ns: int) -> None:
-        """Move the job's clock on; hand the analyses what it passed, ticking them at each
-        ``tick_interval_s`` boundary (the input up to a boundary first)."""
-        jt = self._time[job]
-        clock = self.windows.watermark_ns(job, wall_ns, derived=False)
-        if clock is None:  # no telemetry (yet, or any more): its events' time, then the wall's
-            clock = max(jt.newest, jt.clock + max(0, wall_ns - jt.at_wall) if jt.clock else 0)
-        jt.clock, jt.at_wall = max(jt.clock, clock), wall_ns
-        q, step = jt.queue, self._tick_ns
-        while True:  # strictly before the clock: all of that time's input has been read
-            if q and q[0][0] <= jt.next_tick and q[0][0] < jt.clock:
-                self._release(jt, heapq.heappop(q))
-                continue
-            if jt.next_tick >= jt.clock:
-                return
-            gap = (min(jt.clock, q[0][0]) if q else jt.clock) - jt.next_tick
-            if gap > _MAX_GAP_NS:  # nothing came for long: tick its last _MAX_GAP_NS only
-                jt.next_tick += (gap - _MAX_GAP_NS) // step * step
-            self._analyse(job, jt.next_tick, wall_ns)
-            jt.next_tick += step
-
-    def _release(self, jt: JobClock, entry: QueueEntry) -> None:
-        jt.evt = max(jt.evt, entry[0])
-        item = entry[4]
-        job = item.job_id
-        if isinstance(item, Batch) and item.kind == "step":
-            jt.gone.add(entry[3])
-        if job in self._ended:
-            if not (isinstance(item, JobLifecycle) and item.state == "started"):
-                return  # late input of an ended job: windows only (they took it at ingest)
-            del self._ended[job]  # the job runs again
-        if isinstance(item, Batch):
-            self.steps.observe(item, jt.evt)
-            self.phases.observe(item, jt.evt)
-            self.funnel.observe(item, jt.evt)
-            self.predict.observe(item, jt.evt)
-            if item.kind == "step":
-                cols = item.columns
-                workers = int(cols["num_workers"][-1])
-                self.rule.observe_workers(item.job_id, workers, int(cols["ts_ns"][-1]))
-                self.threads.observe_steps(
-                    item.job_id,
-                    steps=len(cols["step_time_ms"]),
-                    step_ms=float(cols["step_time_ms"].sum()),
-                    wait_ms=float(cols["data_wait_ms"].sum()),
-                    workers=workers,
-                )
-        else:
-            if isinstance(item, JobInfo):
-                self.rule.observe_info(item)
-                self.threads.observe_info(item)
-                self.outcomes.observe_info(item)
-            self.steps.observe_event(item, jt.evt)
-            self.phases.observe_event(item, jt.evt)
-            self.funnel.observe_event(item, jt.evt)
-            self.predict.observe_event(item, jt.evt)
-            if isinstance(item, JobLifecycle) and self.funnel.has_ended(job):
-                self._ended[job] = jt.evt
-
-    def _analyse(self, job: str, now: int, wall_ns: int) -> None:
-        """Tick the analyses for one job at event time ``now``."""
-        jobs = (job,)
-        derived = self.steps.tick(now, jobs)
-        if derived is not None and len(derived["ts_ns"]):
-            self._add_derived(derived, wall_ns)
-        # the derived metrics still to come are of open steps and of step batches queued
-        pending = [self.steps.open_since(job), self._time[job].queued_steps_since()]
-        self.windows.set_clock(job, "derived", min([now, *(t for t in pending if t is not None)]))
-        phases = self.phases.tick(now, jobs)
-        self._out.phases.extend(phases)
-        diagnoses = self.funnel.tick(now, jobs)
-        self._out.diagnoses.extend(diagnoses)
-        if job in self._ended:  # what ends with it was said above (resolved, finished)
-            self._free(job)
-            return
-        self._out.recommendations.extend(self.rule.evaluate(diagnoses, now_ns=now, job=job))
-        self._out.recommendations.extend(self.stragglers.evaluate(diagnoses))
-        for note in self.rule.drain_notes():  # why it stops: on the diagnosis, next tick
-            self.funnel.annotate(*note)
-        planned = self.rule.workers(job, now)  # the threads fit the workers asked for
-        self._out.recommendations.extend(
-            self.threads.evaluate(job, now, workers=planned, diagnoses=diagnoses)
-        )
-        if self.predict.enabled:
-            self.predict.steps(self.steps.last_done)
-            self.predict.phases(phases)
-            self._out.predictions.extend(self.predict.tick(now, jobs))
-
-    def _free(self, job: str) -> None:
-        """The job ended: nothing more is diagnosed, predicted or recommended for it, and what
-        every component keeps of it goes (once; its windows close as they are due)."""
-        if self._ended.get(job, 0) < 0:
-            return
-        self.steps.forget(job)
-        self.phases.forget(job)
-        self.rule.forget(job)
-        self.threads.forget(job)
-        self.stragglers.forget(job)
-        self.outcomes.forget(job)
-        self.predict.forget(job)
-        self._out.predictions.extend(self.predict.drain())
-        self._ended[job] = -1  # freed
-
-    def _forget_time(self, job: str, wall_ns: int) -> bool:
-        """Whether the job's clock can go: the windows forgot it and every analysis has had
-        the time to (their forget settings, in its event time)."""
-        jt = self._time[job]
-        horizon = max(
-            self.funnel.config.funnel.idle_job_s, self.steps.forget_s, self.phases.forget_s
-        )
-        return (
-            not jt.queue
-            and self.windows.watermark_ns(job, wall_ns) is None
-            and jt.clock - jt.evt > int(horizon * NS) + _FORGET_MARGIN_NS
-        )
-
     # -- live configuration ------------------------------------------------------------------
     def _config(self, change: ConfigChange) -> None:
         if change.target != "streams":
@@ -540,26 +415,6 @@ class StreamEngine:
         self.stats["predictions"] += len(out.predictions)
         return out
 
-    def _add_derived(self, d: dict[str, Any], wall_ns: int) -> None:
-        """Feed the chosen `StepAnalysis` metrics (idle, straggler score, …) to the windows."""
-        metrics = np.asarray(d["metric"], dtype=object)
-        keep = np.flatnonzero(np.isin(metrics, self.derived_metrics))
-        if not len(keep):
-            return
-        jobs = np.asarray(d["job_id"], dtype=object)[keep]
-        nodes = np.asarray(d["node"], dtype=object)[keep]
-        ranks = np.asarray(d["rank"], dtype=np.int64)[keep]
-        ts = np.asarray(d["ts_ns"], dtype=np.int64)[keep]
-        values = np.asarray(d["value"], dtype=np.float64)[keep]
-        groups: dict[tuple[str, str, str], list[int]] = defaultdict(list)
-        keys = zip(jobs.tolist(), nodes.tolist(), metrics[keep].tolist(), strict=True)
-        for i, key in enumerate(keys):
-            groups[key].append(i)
-        for (job, node, metric), idx in groups.items():
-            sel = np.asarray(idx)
-            devices = np.full(len(sel), -1)
-            self.windows.add(job, node, ranks[sel], devices, ts[sel], metric, values[sel], wall_ns)
-
     # -- durable state -----------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """Everything a restarted worker needs to resume, with the offsets it covers."""
@@ -641,7 +496,7 @@ class StreamEngine:
         if not path.exists():
             return False
         try:
-            self.restore(pickle.loads(path.read_bytes()))  # our own file, written by `save`
+            self.restore(_Unpickler(io.BytesIO(path.read_bytes())).load())  # written by `save`
         except (OSError, pickle.UnpicklingError, ConfigError, KeyError, EOFError) as e:
             log.warning("ignoring unreadable stream snapshot %s: %s", path, e)
             return False
@@ -652,3 +507,10 @@ def _positive(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ConfigError(f"{key} must be a number > 0, got {value!r}")
     return float(value)
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads a snapshot, finding a class that moved (`_MOVED_CLASSES`) at its new module."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(_MOVED_CLASSES.get((module, name), module), name)

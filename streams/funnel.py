@@ -1,7 +1,7 @@
 """The top-down bottleneck funnel: detectors over a job's telemetry → `Diagnosis` events.
 
 `Funnel` is a stream-engine component (no I/O, picklable state): ``observe`` folds decoded
-telemetry batches into compact per-job state (`perfloop.streams._detect_state`),
+telemetry batches into compact per-job state (`JobState`, `perfloop.streams.detection`),
 ``observe_event`` reads `JobInfo` (world size, GPU memory) and `JobLifecycle` (a job's end; a
 failure whose message says out of memory is an ``oom``). `GroundTruth` and every other event
 are ignored: ground truth is the answer key of evaluations, never an input.
@@ -52,11 +52,15 @@ from perfloop.schemas.analysis import BOTTLENECKS, FUNNEL_LEVELS, Diagnosis
 from perfloop.schemas.base import Event
 from perfloop.schemas.codec import Batch
 from perfloop.schemas.job import JobInfo, JobLifecycle, RankProgress
-from perfloop.streams._detect_config import DetectConfig
-from perfloop.streams._detect_gpu import device_detectors
-from perfloop.streams._detect_hang import hang_detector
-from perfloop.streams._detect_state import NS, Finding, JobState
-from perfloop.streams._detect_steps import step_detectors
+from perfloop.streams.detection import (
+    NS,
+    DetectConfig,
+    Finding,
+    JobState,
+    device_detectors,
+    hang_detector,
+    step_detectors,
+)
 
 __all__ = ["EXPLAINS", "LEVELS", "LOOPS", "DetectConfig", "Funnel", "actionable"]
 

@@ -13,7 +13,7 @@ from perfloop.producers import Publisher
 from perfloop.schemas import BatchBuilder, JobInfo, JobLifecycle, encode_event
 from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
-from perfloop.streams._history import load_history
+from perfloop.streams.predict.history import load_history
 from perfloop.warehouse import client
 
 from .conftest import wait_for

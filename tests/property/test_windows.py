@@ -10,9 +10,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from perfloop.streams._aggregates import Agg, reduce_samples
 from perfloop.streams.sketch import LogBuckets
 from perfloop.streams.windows import COLUMNS, NS, WindowSet, parse_specs
+from perfloop.streams.windows._aggregates import Agg, reduce_samples
 
 FAST = settings(max_examples=60, deadline=None)
 T0 = 1_700_000_040 * NS

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from perfloop.schemas import JobInfo
 from perfloop.schemas.codec import decode_batch, encode_batch
-from perfloop.streams._detect_state import JobState
+from perfloop.streams.detection.job_state import JobState
 
 NS = 1_000_000_000
 T0 = 1_700_000_000 * NS

@@ -11,7 +11,7 @@ import asyncio
 import socket
 
 from perfloop.settings import StreamsSettings
-from perfloop.streams._output import Output
+from perfloop.streams._publisher import Output
 
 
 def _closed_port() -> int:

@@ -20,8 +20,8 @@ from perfloop.exceptions import ConfigError
 from perfloop.producers import _simulator_samples
 from perfloop.schemas import JobLifecycle, PhaseChange, decode_batch
 from perfloop.schemas.codec import Batch, encode_batch
-from perfloop.streams._phase_signatures import SignatureLibrary
 from perfloop.streams.phases import STEP_PHASES, PhaseMachine
+from perfloop.streams.phases._signatures import SignatureLibrary
 from tests.helpers import SIM_T0, simulate
 
 T0 = SIM_T0
@@ -364,7 +364,7 @@ def test_gpu_only_classification_learns_a_signature_unlike_the_priors(
 
 
 def _raw(b: Batch) -> np.ndarray:
-    from perfloop.streams._phase_signatures import gpu_features
+    from perfloop.streams.phases._signatures import gpu_features
 
     return gpu_features(b.columns)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import pickle
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -155,6 +156,37 @@ def test_models_survive_a_snapshot_and_predict_as_before(
     assert sorted(ids) == sorted(want)
     values = {p.prediction_id + p.state: p.value for p in whole}
     assert all(values[p.prediction_id + p.state] == p.value for p in after)
+
+
+def test_a_snapshot_written_before_the_stream_tier_had_subpackages_still_resumes(
+    starvation: tuple[list[Any], list[Prediction]], tmp_path: Path
+) -> None:
+    """A snapshot names two classes by the module they were in when the stream tier was flat
+    (``perfloop.streams.predict._Job``, ``perfloop.streams._phase_steps.StepRecord``): a
+    worker of this release loads it and predicts as after its own snapshot."""
+    messages, whole = starvation
+    half = len(messages) // 2
+    first = StreamEngine(StreamsSettings())
+    _feed(first, messages[:half], final=False)
+    data = pickle.dumps(first.snapshot(), protocol=2)  # a class is "c<module>\n<name>\n"
+    for new, old in (
+        (b"perfloop.streams.predict.host\n_Job\n", b"perfloop.streams.predict\n_Job\n"),
+        (
+            b"perfloop.streams.steps.records\nStepRecord\n",
+            b"perfloop.streams._phase_steps\nStepRecord\n",
+        ),
+    ):
+        assert new in data
+        data = data.replace(new, old)
+    with pytest.raises((AttributeError, ImportError)):
+        pickle.loads(data)  # as a plain unpickler finds them
+    path = tmp_path / "0.snapshot"
+    path.write_bytes(data)
+    again = StreamEngine(StreamsSettings())
+    assert again.load(path)
+    after = _feed(again, messages[half:], first=half)
+    values = {p.prediction_id + p.state: p.value for p in whole}
+    assert after and all(values[p.prediction_id + p.state] == p.value for p in after)
 
 
 def test_predictions_can_be_turned_off_live_and_bad_settings_are_refused() -> None:

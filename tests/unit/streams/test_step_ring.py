@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from perfloop.streams._detect_base import MAX_STEPS, STEPS, ring_depth
-from perfloop.streams._detect_state import JobState
+from perfloop.streams.detection._state_parts import MAX_STEPS, STEPS, ring_depth
+from perfloop.streams.detection.job_state import JobState
 
 NS = 1_000_000_000
 T0 = 1_700_000_000 * NS
