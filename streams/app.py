@@ -37,9 +37,10 @@ import faust
 from faust.types import TP
 
 from perfloop.autogroup import CatchUp
+from perfloop.bad_input import Failed, OnError, dead_letter_policy, decide
 from perfloop.exceptions import WarehouseError
 from perfloop.kafka import cluster_id, dlq_headers
-from perfloop.schemas import SchemaError, encode_event
+from perfloop.schemas import encode_event
 from perfloop.schemas.arrow_batch import warm_up
 from perfloop.schemas.topics import Topics
 from perfloop.schemas.windows import encode_windows
@@ -177,8 +178,10 @@ def windows_messages(cols: WindowColumns) -> list[tuple[bytes, bytes]]:
     return out
 
 
-def create_app(settings: StreamsSettings) -> faust.App:
-    """Build the Faust app, its agents and timers for the given settings."""
+def create_app(settings: StreamsSettings, on_error: OnError = dead_letter_policy) -> faust.App:
+    """Build the Faust app, its agents and timers for the given settings. ``on_error``
+    decides what becomes of an input message the worker cannot take (`perfloop.bad_input`;
+    by default it goes to ``perfloop.dlq`` with the reason, and the worker goes on)."""
     app = faust.App(
         settings.app_id,
         broker=f"kafka://{settings.kafka_bootstrap}",
@@ -347,21 +350,13 @@ def create_app(settings: StreamsSettings) -> faust.App:
                     offset=msg.offset, caught_up=at_end and not unsure, sent_ns=sent,
                     unsure=unsure,
                 )  # fmt: skip
-                reason = ""
-            except SchemaError as e:
-                reason = str(e)
-            except Exception as e:  # a component's bug must not stop the worker
-                log.exception("internal error on %s[%s]@%s", msg.topic, msg.partition, msg.offset)
-                reason = f"internal error: {type(e).__name__}: {e}".splitlines()[0]
-            if reason:
+            except Exception as e:  # bad input, or a component's bug: never stops the worker
+                failed = Failed(msg.topic, msg.partition, msg.offset, msg.key, value)
+                action, why = decide(on_error, e, failed, log)
                 engine.rejected[msg.topic] += 1
-                log.warning("rejected %s[%s]@%s: %s", msg.topic, msg.partition, msg.offset, reason)
-                await output.send(
-                    Topics.DLQ,
-                    msg.key,
-                    value,
-                    headers=dlq_headers(reason, msg.topic, msg.partition, msg.offset),
-                )
+                if action == "dead_letter":
+                    headers = dlq_headers(why, msg.topic, msg.partition, msg.offset)
+                    await output.send(Topics.DLQ, msg.key, value, headers=headers)
             held.append(event)
 
     for topic_name in INPUT_TOPICS:
