@@ -3,7 +3,8 @@ profiler capture; with CUDA, the GPU power limit), the DataLoader the training d
 from, and the script's own thread count (its ``torch.set_num_threads`` calls, a bound the agent
 never raises threads past).
 
-`Session` starts the agent (`perfloop.producers.knobs.start_agent`) with these.
+`Session` starts the agent with these, as a callback of its pipeline
+(`perfloop.producers._training_agent.start_agent_callback`, as the explicit API does).
 """
 
 from __future__ import annotations

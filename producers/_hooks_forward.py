@@ -37,7 +37,7 @@ def _after_step(rec: StepRecord) -> None:
         for row in s.posted.older(rec.step):
             _funcol_done(row, 0, 0)
     if s.session is not None:
-        s.session.boundary(rec)
+        s.session.pipeline.step_boundary(rec)  # where the job agent acts
         s.session.after_step(rec)
     if s.ddp.pending:  # after the first step: no hook of the script's can come after ours
         if getattr(s.settings, "ddp_comm_hook", True):

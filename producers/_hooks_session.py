@@ -18,6 +18,7 @@ from perfloop.producers._hooks_state import _S, _get_ident, _now, _oops
 from perfloop.producers._priority import in_background
 from perfloop.producers._progress import ProgressWatch, Where
 from perfloop.producers._tracer import Tracer
+from perfloop.producers._training_agent import NOT_STARTED, start_agent_callback
 from perfloop.producers.training import (
     Callback,
     CallbackSet,
@@ -92,7 +93,7 @@ class Session:
         self.knobs: Any = None
         self.agent: Any = None
         if getattr(settings, "agent", False):
-            self._start_agent(job_id, node, world["rank"])
+            self._start_agent(world["rank"])
         self.progress = ProgressWatch(
             self._publish_progress, wall_offset_ns=self.pipeline.recorder.offset
         )
@@ -132,35 +133,26 @@ class Session:
             phase, op, since = "other", "", rec._cursor
         return rec.step, start, phase, op, since
 
-    def _start_agent(self, job_id: str, node: str, rank: int) -> None:
-        """The job agent: this process's knobs, changed by signed commands between steps."""
+    def _start_agent(self, rank: int) -> None:
+        """The job agent: this process's knobs, changed by signed commands between steps (a
+        callback of the pipeline's). The knobs stay, for the job info, if it cannot start."""
         try:
-            from perfloop.producers.knobs import TorchKnobs, start_agent
+            from perfloop.producers.knobs import TorchKnobs
 
             self.knobs = TorchKnobs(_S.torch, _live_loader, **_optional_knobs(self.pipeline, rank))
-            self.agent = in_background(
-                start_agent, self.settings, self.knobs, job_id=job_id, node=node, rank=rank,
-                on_result=self._changed, nice=self.nice,
-            )  # fmt: skip
         except Exception as e:  # the job runs on, unchanged
-            self.agent = None
-            self.pipeline.errors("starting the job agent (no changes will be applied)", e)
+            self.pipeline.errors(NOT_STARTED, e)
+            return
+        started = start_agent_callback(
+            self.pipeline, self.settings, self.knobs, on_result=self._changed, nice=self.nice,
+            loss=_last_loss,
+        )  # fmt: skip
+        self.agent = started.agent if started is not None else None
 
     def _changed(self, result: Any) -> None:
         """An ack: a knob that moved is published in the next job info."""
         if result.status in ("applied", "rolled_back"):
             self.info_dirty = True
-
-    def boundary(self, rec: StepRecord) -> None:
-        """Between two steps: the agent judges the step, then applies what is due."""
-        agent = self.agent
-        if agent is None:
-            return
-        losses = rec.fields.get("loss") or ()
-        loss = _scalar(losses[-1]) if losses else None
-        agent.observe_step(rec.step, rec.step_time_ms, loss)
-        agent.step_boundary(rec.step + 1)
-        self.knobs.step_boundary(rec.step + 1)
 
     @property
     def job_id(self) -> str:
@@ -204,11 +196,7 @@ class Session:
             self.pipeline.job_info(self.describe(rec))
 
     def close(self, state: str = "finished", exit_code: int | None = None) -> None:
-        if self.agent is not None:
-            with contextlib.suppress(Exception):
-                self.agent.stop()
-            with contextlib.suppress(Exception):
-                self.knobs.close()
+        self.pipeline.ending(state)  # the job agent stops, before the tracer's last rows
         try:
             for row in (*_S.unwaited.older(), *_S.posted.older()):  # never waited on
                 self.tracer.waited(row, 0, 0)
@@ -228,6 +216,11 @@ def _capability() -> type[Any]:
     from perfloop.schemas import CapabilityReport
 
     return CapabilityReport
+
+
+def _last_loss(losses: Any) -> float | None:
+    """The job agent's loss of a step: the last of the step's losses, read as `_scalar`."""
+    return _scalar(losses[-1]) if losses else None
 
 
 def _scalar(v: Any) -> float | None:

@@ -1,11 +1,15 @@
 """Training callbacks: do-nothing hooks at step and phase boundaries, and the records they get.
 
-`Callback` has one method per boundary (train begin and end, step begin and end, phase begin
-and end, a collective call) that does nothing; a callback overrides the ones it needs.
-`CallbackSet` fans each hook out to its callbacks in order and knows which hooks some callback
-overrides (`CallbackSet.wanted`), so the `Recorder` skips the others without a call.
-`StepRecord`, `SpanRecord` and `CollectiveRecord` are what ``on_step_end``, ``on_phase_end``
-and ``on_collective`` receive. Public through `perfloop.producers.training`.
+`Callback` has one method per boundary (train begin and end, step begin and end, the boundary
+between two steps, phase begin and end, a collective call, the close) that does nothing; a
+callback overrides the ones it needs. `CallbackSet` fans each hook out to its callbacks in order
+and knows which hooks some callback overrides (`CallbackSet.wanted`), so the `Recorder` and the
+owners of a `Pipeline` skip the others without a call. `StepRecord`, `SpanRecord` and
+`CollectiveRecord` are what ``on_step_end`` and ``on_step_boundary``, ``on_phase_end`` and
+``on_collective`` receive. Public through `perfloop.producers.training`.
+
+The job agent is one of them (`perfloop.producers._training_agent`): it acts in
+``on_step_boundary`` and stops in ``on_close``.
 """
 
 from __future__ import annotations
@@ -79,7 +83,14 @@ class Callback:
         """Step ``step`` started."""
 
     def on_step_end(self, record: StepRecord) -> None:
-        """A step finished; the place to act at a step boundary."""
+        """A step finished; its record is out."""
+
+    def on_step_boundary(self, record: StepRecord) -> None:
+        """Between step ``record.step`` and the next, after every ``on_step_end``, on the
+        training thread: the place to change the job before the next step runs (the job
+        agent applies its commands here). The explicit API calls it as the step block closes;
+        `perfloop run`'s hooks after the optimizer step that ended the step, when the next
+        step's clock already runs (its ``on_step_begin`` came first)."""
 
     def on_phase_begin(self, phase: str, name: str) -> None:
         """A phase started (explicit API, and the forward/backward/optimizer hooks)."""
@@ -89,6 +100,11 @@ class Callback:
 
     def on_collective(self, op: CollectiveRecord) -> None:
         """A collective call finished."""
+
+    def on_close(self, state: str) -> None:
+        """Training ends (``state`` as for ``on_train_end``), called once, before what is
+        pending is published: the last moment to publish something or to stop a thread of
+        one's own. ``on_train_end`` follows once publishing stopped."""
 
 
 class CallbackSet(Callback):
@@ -135,6 +151,10 @@ class CallbackSet(Callback):
         for c in self.callbacks:
             c.on_step_end(record)
 
+    def on_step_boundary(self, record: StepRecord) -> None:
+        for c in self.callbacks:
+            c.on_step_boundary(record)
+
     def on_phase_begin(self, phase: str, name: str) -> None:
         for c in self.callbacks:
             c.on_phase_begin(phase, name)
@@ -146,6 +166,10 @@ class CallbackSet(Callback):
     def on_collective(self, op: CollectiveRecord) -> None:
         for c in self.callbacks:
             c.on_collective(op)
+
+    def on_close(self, state: str) -> None:
+        for c in self.callbacks:
+            c.on_close(state)
 
 
 _HOOKS = tuple(n for n in vars(Callback) if n.startswith("on_"))

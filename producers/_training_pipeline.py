@@ -5,7 +5,10 @@ one worker thread that publishes the recorder's rows off the training thread, fl
 emitter and publishes `ProducerStats` (its own overhead, from an `OverheadMeter`). It also
 publishes the job-level events (`JobLifecycle`, `JobInfo`). The explicit API
 (`perfloop.producers.training.Monitor`) and the hooks (`perfloop.producers.hooks`) each run one.
-`close_publisher` flushes a publisher for a bounded time and closes it.
+The owner also tells the callbacks what only it knows: the boundary between two steps
+(`Pipeline.step_boundary`, where the job agent acts) and that training ends (`Pipeline.ending`,
+which `Pipeline.close` calls first if the owner has not). `close_publisher` flushes a
+publisher for a bounded time and closes it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from perfloop.producers._training_callbacks import Callback, CallbackSet
+from perfloop.producers._training_callbacks import Callback, CallbackSet, StepRecord
 from perfloop.producers._training_spans import ErrorCounter, Recorder
 from perfloop.schemas import JobInfo, JobLifecycle, ProducerStats
 
@@ -133,6 +136,7 @@ class Pipeline:
         self.t0_ns = time.perf_counter_ns()
         self._last_stats = (self.t0_ns, 0)
         self._closed = False
+        self._ending = False
         self._stop = threading.Event()
         self.tick: Callable[[], None] | None = None
         """Called on the worker thread every drain interval (the hooks' progress reports)."""
@@ -171,6 +175,27 @@ class Pipeline:
     def job_info(self, fields: dict[str, Any]) -> None:
         known = JobInfo.model_fields
         self.event(JobInfo, **{k: v for k, v in fields.items() if k in known})
+
+    def step_boundary(self, record: StepRecord) -> None:
+        """Between step ``record.step`` and the next (the owner calls it on the training thread
+        once the step is recorded): the callbacks' ``on_step_boundary``; a failure is counted."""
+        callbacks = self.callbacks
+        if "on_step_boundary" in callbacks.wanted:
+            try:
+                callbacks.on_step_boundary(record)
+            except Exception as e:
+                self.errors("a callback (on_step_boundary)", e)
+
+    def ending(self, state: str) -> None:
+        """Training ends as ``state`` (the owner calls it once before `close`; later calls do
+        nothing): the callbacks' ``on_close``; a failure is counted."""
+        if self._ending:
+            return
+        self._ending = True
+        try:
+            self.callbacks.on_close(state)
+        except Exception as e:
+            self.errors("a callback (on_close)", e)
 
     def _feed_meter(self) -> None:
         """Give the `OverheadMeter` the hooks' time and the steps' time since last time."""
@@ -265,7 +290,9 @@ class Pipeline:
         message: str = "",
         timeout_s: float = 3.0,
     ) -> None:
-        """Record what is pending, publish the final lifecycle and stats, flush (bounded)."""
+        """Tell the callbacks training ends (`ending`, if the owner has not), record what is
+        pending, publish the final lifecycle and stats, flush (bounded)."""
+        self.ending(state)
         if self._closed:
             return
         self._closed = True

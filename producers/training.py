@@ -22,7 +22,7 @@ name, any other name is a ``"user"`` span. Depth-0 spans of a step tile it: a ga
 ``"other"``, so the spans of a step add up to its step time. The monitor also publishes
 `JobInfo` (`Monitor.job_info`), `JobLifecycle` (started at creation, finished or failed at
 `Monitor.close`) and `ProducerStats` every ``stats_interval_s``. With the settings' ``agent``
-on, it starts the job agent and lets it act between steps.
+on, it starts the job agent, a callback that acts between steps (``_training_agent``).
 
 Nothing here raises into the training loop: a failure is counted (`Monitor.errors`) and logged
 once. torch is optional: it is only looked at (``sys.modules``) once the script imported it.
@@ -31,8 +31,9 @@ This module holds the `Monitor`; the parts it is built from live in private modu
 it, and every name below is public here:
 
 - `Callback`, `CallbackSet` and the records they get (`StepRecord`, `SpanRecord`,
-  `CollectiveRecord`): ``_training_callbacks``. Other parts of perfloop (the job agent) act
-  at step boundaries through them.
+  `CollectiveRecord`): ``_training_callbacks``. Other parts of perfloop act at step
+  boundaries through them: the job agent's callback is in ``_training_agent`` (not public),
+  and the hooks' `Session` starts it the same way.
 - `Recorder`, the span tiling shared with the zero-code-change hooks
   (`perfloop.producers.hooks`): ``_training_spans``.
 - `step_row` and `clean_float`, a step's figures cleaned into a row, and the rows' columns:
@@ -55,6 +56,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from perfloop.producers._training_agent import NOT_STARTED, start_agent_callback
 from perfloop.producers._training_callbacks import (
     Callback,
     CallbackSet,
@@ -210,14 +212,14 @@ class Monitor:
 
     def _start_agent(self, settings: Any) -> None:
         try:
-            from perfloop.producers.knobs import TorchKnobs, start_agent
+            from perfloop.producers.knobs import TorchKnobs
 
             knobs = TorchKnobs(sys.modules.get("torch"), None)
-            self.agent = start_agent(
-                settings, knobs, job_id=self.job_id, node=self.node, rank=self._rec.rank
-            )
         except Exception as e:  # the job runs on, unchanged
-            self._pipe.errors("starting the job agent (no changes will be applied)", e)
+            self._pipe.errors(NOT_STARTED, e)
+            return
+        started = start_agent_callback(self._pipe, settings, knobs)
+        self.agent = started.agent if started is not None else None
 
     @property
     def steps(self) -> int:
@@ -281,11 +283,8 @@ class Monitor:
             fields.update(self._report)
             self._report = {}
             rec = self._rec.end_step(t, **fields)
-            if rec is not None and self.agent is not None:
-                loss = fields.get("loss")
-                loss = float(loss) if isinstance(loss, int | float) else None
-                self.agent.observe_step(rec.step, rec.step_time_ms, loss)
-                self.agent.step_boundary(rec.step + 1)
+            if rec is not None:
+                self._pipe.step_boundary(rec)  # the job agent acts here
         except Exception as e:
             self._pipe.errors("recording a step", e)
         self._pipe.overhead_ns += time.perf_counter_ns() - t
@@ -314,11 +313,9 @@ class Monitor:
         """Publish what is pending and the lifecycle end: ``finished`` for exit code 0."""
         with contextlib.suppress(Exception):
             atexit.unregister(self._at_exit)
-        if self.agent is not None:
-            with contextlib.suppress(Exception):
-                self.agent.stop()
-            self.agent = None
         state = "finished" if not exit_code else "failed"
+        self._pipe.ending(state)  # the job agent stops
+        self.agent = None
         self._pipe.close(state, exit_code, message)
 
     def _at_exit(self) -> None:

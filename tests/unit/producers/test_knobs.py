@@ -190,3 +190,131 @@ def test_the_explicit_monitor_runs_a_job_agent_too(
     assert [r.status for r in agent.results] == ["applied"]
     assert "1 command results not delivered" in caplog.text, "dropped, and said so"
     assert mon.agent is None, "closing the monitor stops its agent"
+
+
+class _Agent:
+    """Stands for the `JobAgent` `start_agent` returns; notes what it is given, in order."""
+
+    def __init__(self, pub: Any, knobs: TorchKnobs, log: list[Any]) -> None:
+        self.pub, self.log = pub, log
+        self._handlers = knobs.handlers
+        spied = knobs.step_boundary
+        closed = knobs.close
+
+        def knobs_boundary(step: int) -> None:
+            log.append(("knobs.boundary", step))
+            spied(step)
+
+        def knobs_close() -> None:
+            log.append(("knobs.close",))
+            closed()
+
+        knobs.step_boundary, knobs.close = knobs_boundary, knobs_close  # type: ignore[method-assign]
+
+    def observe_step(self, step: int, step_time_ms: float, loss: float | None = None) -> None:
+        self.log.append(("observe", step, step_time_ms > 0, loss))
+
+    def step_boundary(self, step: int) -> list[Any]:
+        self.log.append(("boundary", step))
+        return []
+
+    def stop(self) -> None:
+        self.log.append(("stop", [e.state for e in self.pub.events("lifecycle")]))
+
+
+@pytest.fixture
+def fake_agent(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """`start_agent` makes an `_Agent`; returns its log, which starts with how it was made."""
+    from perfloop.producers import knobs as module
+
+    log: list[Any] = []
+
+    def start_agent(settings: Any, knobs: TorchKnobs, **kw: Any) -> _Agent:
+        log.append(("start", kw["job_id"], kw["node"], kw["rank"], kw.get("on_result")))
+        return _Agent(pub, knobs, log)
+
+    pub = FakePublisher()
+    log.append(pub)
+    monkeypatch.setattr(module, "start_agent", start_agent)
+    return log
+
+
+def test_the_monitors_agent_gets_each_step_then_its_boundary_and_stops_before_the_end(
+    fake_agent: list[Any],
+) -> None:
+    """The explicit API's agent: each step's time and reported loss after the script's
+    callbacks saw the step, the next step's number at the boundary, and its stop before the
+    job's end is published."""
+    from perfloop.producers.training import Callback, Monitor, StepRecord
+
+    pub, log = fake_agent[0], fake_agent
+    del log[0]
+
+    class Watch(Callback):
+        def on_step_end(self, record: StepRecord) -> None:
+            log.append(("script", record.step))
+
+    settings = ProducerSettings(job_id="knobs-test", node="n0", agent=True, signing_key=KEY)
+    mon = Monitor(settings=settings, publisher=pub, rank=3, callbacks=[Watch()])
+    assert mon.agent is not None
+    for i, loss in enumerate([0.5, torch.tensor(0.25)]):
+        with mon.step():
+            mon.report(loss=loss)
+        log.append(("loop", i))
+    mon.close()
+    assert log == [
+        ("start", "knobs-test", "n0", 3, None),
+        ("script", 0), ("observe", 0, True, 0.5), ("boundary", 1), ("knobs.boundary", 1),
+        ("loop", 0),
+        # a tensor loss is not read for the agent (it could wait on the GPU)
+        ("script", 1), ("observe", 1, True, None), ("boundary", 2), ("knobs.boundary", 2),
+        ("loop", 1),
+        ("stop", ["started"]), ("knobs.close",),
+    ]  # fmt: skip
+    assert mon.agent is None and mon.errors == 0
+
+
+def test_the_hooks_agent_gets_each_step_then_its_boundary_and_stops_before_the_end(
+    fake_agent: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`perfloop run`'s agent: each step's time and its last CPU loss as the optimizer step
+    ends it, then the boundary, the knobs' own after the agent's (a profiler capture starts or
+    ends there); its acks mark the job info for republishing; at the end the agent stops and
+    the knobs close before the job's end is published."""
+    pub, log = fake_agent[0], fake_agent
+    del log[0]
+    monkeypatch.setenv("PERFLOOP_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    settings = ProducerSettings(
+        job_id="knobs-test", node="n0", stats_interval_s=3600, agent=True, signing_key=KEY
+    )
+    assert hooks.install(settings, publisher=pub, command="pytest")
+    losses: list[float] = []
+    try:
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for i in range(3):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+            log.append(("loop", i))
+        sess = hooks.session()
+        assert sess is not None and sess.agent is not None
+        assert log[0] == ("start", "knobs-test", "n0", 0, sess._changed)
+    finally:
+        hooks.uninstall()
+    assert log[1:] == [
+        *(
+            e
+            for i in range(3)
+            for e in (
+                ("observe", i, True, pytest.approx(losses[i])),
+                ("boundary", i + 1),
+                ("knobs.boundary", i + 1),
+                ("loop", i),
+            )
+        ),
+        ("stop", ["started"]),
+        ("knobs.close",),
+    ]

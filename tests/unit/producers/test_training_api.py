@@ -212,6 +212,48 @@ def test_callbacks_see_steps_and_phases_and_cannot_break_the_loop() -> None:
     assert mon.errors == 2 and mon.steps == 2
 
 
+def test_the_step_boundary_follows_the_step_end_and_the_close_precedes_the_last_events() -> None:
+    """``on_step_boundary`` comes after every ``on_step_end`` of its step, before the next step
+    begins; ``on_close`` comes once, before the final lifecycle is published, and
+    ``on_train_end`` after it."""
+    pub = FakePublisher()
+    seen: list[tuple[str, Any]] = []
+
+    class Watch(Callback):
+        def on_step_begin(self, step: int) -> None:
+            seen.append(("begin", step))
+
+        def on_step_end(self, record: StepRecord) -> None:
+            seen.append(("end", record.step))
+
+        def on_step_boundary(self, record: StepRecord) -> None:
+            seen.append(("boundary", record.step))
+
+        def on_close(self, state: str) -> None:
+            seen.append(("close", [e.state for e in pub.events("lifecycle")]))
+
+        def on_train_end(self, state: str) -> None:
+            seen.append(("train_end", [e.state for e in pub.events("lifecycle")]))
+
+    class Broken(Callback):
+        def on_step_boundary(self, record: StepRecord) -> None:
+            raise RuntimeError("callback bug")
+
+    mon = _monitor(pub, callbacks=[Watch(), Broken()])
+    for _ in range(2):
+        with mon.step():
+            pass
+    mon.close()
+    mon.close()
+    assert seen == [
+        ("begin", 0), ("end", 0), ("boundary", 0),
+        ("begin", 1), ("end", 1), ("boundary", 1),
+        ("close", ["started"]), ("train_end", ["started", "finished"]),
+    ]  # fmt: skip
+    assert mon.errors == 2, "a failing boundary callback is counted, the loop goes on"
+    assert CallbackSet([Watch()]).wanted >= {"on_step_boundary", "on_close"}
+
+
 def test_callback_set_only_calls_hooks_someone_overrides() -> None:
     class OnStep(Callback):
         def on_step_end(self, record: StepRecord) -> None:
