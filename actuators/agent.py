@@ -54,7 +54,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from perfloop.actuators._notice import notice, say
-from perfloop.actuators.patch import ConfigPatch
+from perfloop.actuators.config_patch import ConfigPatch
 from perfloop.actuators.signing import verify
 from perfloop.actuators.verification import ChangeVerifier, Verdict
 from perfloop.exceptions import ConfigError
@@ -239,7 +239,7 @@ class JobAgent:
         self.bounds: Mapping[str, tuple[float, float]] = bounds if bounds is not None else {}
         self._read = read
         self.patch = patch
-        """Where slow-loop commands go (`perfloop.actuators.patch`); None: they are refused."""
+        """Where slow-loop commands go (`perfloop.actuators.config_patch`); None: refused."""
         self.verify_changes = verify_changes
         self.settle_steps, self.verify_steps = settle_steps, verify_steps
         self.max_verify_steps = 3 * verify_steps if max_verify_steps is None else max_verify_steps

@@ -31,7 +31,7 @@ import pynvml
 from bench._common import save_result, say
 from perfloop.producers.gpu import NvmlBackend
 from perfloop.producers.host import HostSampler
-from perfloop.producers.node import NodeSampler
+from perfloop.producers.node_sampler import NodeSampler
 from perfloop.settings import ProducerSettings
 from perfloop.testing import FakeGpuBackend, busy_gpu
 

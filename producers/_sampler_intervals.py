@@ -1,4 +1,4 @@
-"""How often the node sampler (`perfloop.producers.node.NodeSampler`) reads each signal.
+"""How often the node sampler (`perfloop.producers.node_sampler.NodeSampler`) reads each signal.
 
 Every GPU signal (`GPU_SIGNALS`) gets its own interval in an `AdaptiveController`, between the
 settings' least and most (never under a floor the backend asks for), judged unchanged within its

@@ -1,4 +1,4 @@
-"""Schema-valid rows for the node sampler (`perfloop.producers.node.NodeSampler`).
+"""Schema-valid rows for the node sampler (`perfloop.producers.node_sampler.NodeSampler`).
 
 A backend's readings are numbers as the hardware gave them: a counter past its field's bound, a
 NaN where a reading failed, a float where the schema wants an int. Before the emitter sees a row

@@ -216,7 +216,7 @@ def _load_patch(settings: Any) -> None:
     if not job_id:
         return
     try:
-        from perfloop.actuators.patch import patch_path, read_patch
+        from perfloop.actuators.config_patch import patch_path, read_patch
         from perfloop.producers.knobs import use_patch
 
         use_patch(read_patch(settings.config_patch or patch_path(settings.home_dir, job_id)))

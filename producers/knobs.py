@@ -83,7 +83,7 @@ _LOCK = threading.Lock()
 
 def use_patch(values: Mapping[str, KnobValue]) -> None:
     """The values of the job's config patch (slow-loop changes): tunables declared from now on
-    start from them (`perfloop.actuators.patch`; `perfloop run`'s hooks call this)."""
+    start from them (`perfloop.actuators.config_patch`; `perfloop run`'s hooks call this)."""
     with _LOCK:
         _PATCHED.clear()
         _PATCHED.update(values)
@@ -265,7 +265,7 @@ def start_agent(
     returns the `perfloop.actuators.JobAgent` (listening within a second, never blocking
     here)."""
     from perfloop.actuators.agent import JobAgent
-    from perfloop.actuators.patch import ConfigPatch, patch_path
+    from perfloop.actuators.config_patch import ConfigPatch, patch_path
 
     path = settings.config_patch or patch_path(settings.home_dir, job_id)
     agent = JobAgent(

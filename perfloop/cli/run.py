@@ -18,7 +18,7 @@ job's agents refuse commands for it (``PERFLOOP_PINNED_KNOBS`` in the command's 
 and the actuator is told not to issue them (``actuator.pinned`` for this job, published like
 the tier). The job agents print each change, verdict and rejection as one line on the
 command's stderr (``PERFLOOP_QUIET=1`` silences them). The job's config patch (slow-loop
-changes its agent recorded, `perfloop.actuators.patch`) is passed to the command as
+changes its agent recorded, `perfloop.actuators.config_patch`) is passed to the command as
 ``PERFLOOP_CONFIG_PATCH`` and what it holds is printed.
 
 The command's exit code is ``perfloop run``'s (128 + N when it dies of signal N). SIGTERM,
@@ -70,7 +70,7 @@ def _terminal_sent_it() -> bool:
 def _start_sampler(settings: Any, emitter: Any, pid: int, gpu: bool) -> tuple[Any, Any]:
     """The node sampler watching ``pid`` and its live-config listener (None, None if off)."""
     try:
-        from perfloop.producers.node import NodeSampler, config_listener
+        from perfloop.producers.node_sampler import NodeSampler, config_listener
     except ImportError as e:  # pragma: no cover - shipped with the observation tier
         log.info("no node sampler: %s", e)
         return None, None
@@ -216,7 +216,7 @@ def run_command(args: argparse.Namespace, settings: Any = None) -> int:
 
 def _show_patch(settings: Any, job_id: str) -> Path:
     """The job's config patch file (slow-loop changes for this start); say what it holds."""
-    from perfloop.actuators.patch import patch_path, read_patch
+    from perfloop.actuators.config_patch import patch_path, read_patch
 
     path = Path(settings.config_patch or patch_path(settings.home_dir, job_id))
     try:

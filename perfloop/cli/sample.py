@@ -1,5 +1,5 @@
 """``perfloop sample --job-id ID [--node N] [--duration S] [--pid PID …]``: run the node
-samplers (`perfloop.producers.node.NodeSampler`: NVML, host) in the foreground."""
+samplers (`perfloop.producers.node_sampler.NodeSampler`: NVML, host) in the foreground."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from perfloop.exceptions import BrokerError, ConfigError
-from perfloop.producers.node import NodeSampler, config_listener
+from perfloop.producers.node_sampler import NodeSampler, config_listener
 from perfloop.schemas.base import JOB_ID_PATTERN
 from perfloop.settings import ProducerSettings, load_settings
 

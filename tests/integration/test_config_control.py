@@ -21,7 +21,7 @@ from confluent_kafka import Consumer, TopicPartition
 from perfloop.actuators.agent import ConfigListener
 from perfloop.cli.config import build_change
 from perfloop.kafka import consumer, producer
-from perfloop.producers.node import NodeSampler
+from perfloop.producers.node_sampler import NodeSampler
 from perfloop.schemas import ConfigChange, decode_event, encode_event
 from perfloop.schemas.topics import Topics
 from perfloop.settings import ProducerSettings, StackSettings

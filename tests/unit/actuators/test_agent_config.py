@@ -13,7 +13,7 @@ import pytest
 
 from perfloop.actuators.agent import ConfigListener, JobAgent
 from perfloop.exceptions import ConfigError
-from perfloop.producers.node import NodeSampler
+from perfloop.producers.node_sampler import NodeSampler
 from perfloop.schemas import Command, ConfigChange, encode_event
 from perfloop.settings import BaseServiceSettings, ProducerSettings
 from perfloop.testing import FakeGpuBackend

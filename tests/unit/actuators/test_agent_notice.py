@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from perfloop.actuators import JobAgent, sign
-from perfloop.actuators.patch import ConfigPatch
+from perfloop.actuators.config_patch import ConfigPatch
 from perfloop.schemas import Command, KnobValue, encode_event
 from perfloop.settings import BaseServiceSettings
 

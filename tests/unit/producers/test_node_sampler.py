@@ -17,7 +17,7 @@ from perfloop.cli.sample import sample_command
 from perfloop.exceptions import ConfigError
 from perfloop.producers.adaptive import OverheadMeter
 from perfloop.producers.emitter import Emitter
-from perfloop.producers.node import NodeSampler
+from perfloop.producers.node_sampler import NodeSampler
 from perfloop.schemas import decode_batch, decode_event
 from perfloop.schemas.job import CapabilityReport, ProducerStats
 from perfloop.schemas.topics import KIND_TOPICS

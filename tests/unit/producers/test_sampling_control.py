@@ -19,7 +19,7 @@ from perfloop.producers.adaptive import (
 )
 from perfloop.producers.emitter import Emitter
 from perfloop.producers.gpu import GPU_SIGNALS
-from perfloop.producers.node import NodeSampler
+from perfloop.producers.node_sampler import NodeSampler
 from perfloop.settings import ProducerSettings
 from perfloop.testing import FakeGpuBackend
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from perfloop.actuators import JobAgent, sign
-from perfloop.actuators.patch import ConfigPatch, patch_path, read_patch
+from perfloop.actuators.config_patch import ConfigPatch, patch_path, read_patch
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import Command, encode_event
 from perfloop.settings import BaseServiceSettings
