@@ -20,7 +20,7 @@ from perfloop.exceptions import WarehouseError
 from perfloop.schemas.job import JobInfo
 from perfloop.settings import BaseServiceSettings
 from perfloop.streams.predict.features import job_features
-from perfloop.warehouse import client
+from perfloop.warehouse import query
 
 __all__ = ["HISTORY_SQL", "load_history"]
 
@@ -74,13 +74,11 @@ def load_history(
 
     Raise `WarehouseError` (one line) if the warehouse cannot be asked.
     """
-    ch = client(settings, timeout_s=10.0)
     try:
-        rows = ch.query(HISTORY_SQL, parameters={"limit": limit}).result_rows
-    except Exception as e:
-        raise WarehouseError(f"cannot read the job history: {str(e).splitlines()[0]}") from e
-    finally:
-        ch.close()
+        rows = query(settings, HISTORY_SQL, {"limit": limit}, timeout_s=10.0).result_rows
+    except Exception as e:  # WarehouseError's one line, or whatever else went wrong
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise WarehouseError(f"cannot read the job history: {first}") from e
     out = []
     for row in rows:
         job_id, *info, med, peak = row
