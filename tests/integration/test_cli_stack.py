@@ -132,9 +132,35 @@ def test_sql_command_against_the_stack(stack_env_vars: dict[str, str]) -> None:
     assert out.stdout.splitlines()[0] == '{"version": 1}'
     bad = perfloop_cli("sql", "SELEC nonsense", env=stack_env_vars)
     assert bad.returncode == 1
-    assert "Code: 62" in _one_line_error(bad.stderr)
+    assert "DB::Exception" in _one_line_error(bad.stderr)
     missing = perfloop_cli("sql", "SELECT count() FROM no_such_table", env=stack_env_vars)
     assert missing.returncode == 1
     assert _one_line_error(missing.stderr).endswith(
         "the warehouse has no no_such_table table yet; run `perfloop migrate`"
     )
+
+
+def test_sql_takes_format_ddl_and_several_statements(stack_env_vars: dict[str, str]) -> None:
+    """What a ClickHouse client takes: the server's own FORMAT, DDL and INSERT (``ok``), and
+    several statements run in order; a failing one stops the rest in one line that says how
+    many ran."""
+    fmt = perfloop_cli("sql", "SELECT 1 AS x, 'a;b' AS s FORMAT JSONEachRow", env=stack_env_vars)
+    assert fmt.returncode == 0, fmt.stderr
+    assert fmt.stdout == '{"x":1,"s":"a;b"}\n'
+    script = (
+        "CREATE TABLE sql_cli_t (x Int32) ENGINE = Memory; "
+        "INSERT INTO sql_cli_t VALUES (1), (2); "
+        "SELECT sum(x) AS total FROM sql_cli_t -- a comment; not a statement\n; "
+        "DROP TABLE sql_cli_t;"
+    )
+    out = perfloop_cli("sql", script, env=stack_env_vars)
+    assert out.returncode == 0, out.stderr
+    blocks = [b.split() for b in out.stdout.strip().split("\n\n")]
+    assert blocks == [["ok"], ["ok"], ["total", "-----", "3"], ["ok"]], out.stdout
+    gone = perfloop_cli("sql", "EXISTS TABLE sql_cli_t", "--format", "json", env=stack_env_vars)
+    assert gone.returncode == 0 and gone.stdout.strip() == '{"result": 0}', gone.stdout
+    bad = perfloop_cli("sql", "SELECT 1 AS a; SELEC 2; SELECT 3", env=stack_env_vars)
+    assert bad.returncode == 1 and bad.stdout.split() == ["a", "-", "1"]
+    assert _one_line_error(bad.stderr).startswith("perfloop: statement 2 of 3 (1 ran before it): ")
+    empty = perfloop_cli("sql", " ; -- nothing", env=stack_env_vars)
+    assert empty.returncode != 0 and "empty query" in _one_line_error(empty.stderr)
