@@ -235,7 +235,9 @@ def dead_letter_counts(
     """Read ``perfloop.dlq`` from the start and count its messages by source topic and reason.
 
     Reasons are grouped with their numbers masked (``sample N``), so one kind of bad input is
-    one line however many times it came.
+    one line however many times it came. A source message dead-lettered more than once (by
+    two services that read its topic, or again after a restart) counts once, under the
+    reason it was first dead-lettered for.
     """
     from perfloop.schemas.topics import Topics
 
@@ -246,6 +248,7 @@ def dead_letter_counts(
         **{"enable.partition.eof": True},
     )
     counts: dict[tuple[str, str], int] = {}
+    seen: set[tuple[str, str | None, str | None]] = set()  # source places counted
     try:
         md = c.list_topics(Topics.DLQ, timeout=timeout_s).topics.get(Topics.DLQ)
         parts = len(md.partitions) if md is not None and not md.error else 0
@@ -263,8 +266,13 @@ def dead_letter_counts(
                     done.add(msg.partition())
                 continue
             h = {k: v.decode(errors="replace") for k, v in msg.headers() or []}
-            key = (h.get("perfloop.source.topic", "?"), h.get("perfloop.reason", "?"))
-            key = (key[0], reason_class(key[1]))
+            topic = h.get("perfloop.source.topic", "?")
+            place = (topic, h.get("perfloop.source.partition"), h.get("perfloop.source.offset"))
+            if None not in place:
+                if place in seen:
+                    continue
+                seen.add(place)
+            key = (topic, reason_class(h.get("perfloop.reason", "?")))
             counts[key] = counts.get(key, 0) + 1
     finally:
         c.close()

@@ -37,7 +37,7 @@ import faust
 from faust.types import TP
 
 from perfloop.autogroup import CatchUp
-from perfloop.bad_input import Failed, OnError, dead_letter_policy, decide
+from perfloop.bad_input import ErrorAction, Failed, OnError, dead_letter_policy, decide
 from perfloop.exceptions import WarehouseError
 from perfloop.kafka import cluster_id, dlq_headers
 from perfloop.schemas import encode_event
@@ -47,9 +47,16 @@ from perfloop.schemas.windows import encode_windows
 from perfloop.service_heap import GcClock, libc_trim
 from perfloop.settings import StreamsSettings
 from perfloop.streams._publisher import Output
-from perfloop.streams.engine import INPUT_TOPICS, TELEMETRY_TOPICS, Outputs, StreamEngine
+from perfloop.streams.engine import (
+    INPUT_TOPICS,
+    TELEMETRY_TOPICS,
+    Outputs,
+    StreamEngine,
+    Unreadable,
+)
 from perfloop.streams.predict.history import load_history
 from perfloop.streams.windows import WindowColumns, split_by_job
+from perfloop.warehouse.tables import TABLES
 
 __all__ = [
     "StreamsService",
@@ -58,6 +65,7 @@ __all__ = [
     "sent_ns",
     "set_fetch_wait",
     "snapshot_path",
+    "streams_policy",
     "windows_messages",
 ]
 
@@ -178,10 +186,28 @@ def windows_messages(cols: WindowColumns) -> list[tuple[bytes, bytes]]:
     return out
 
 
-def create_app(settings: StreamsSettings, on_error: OnError = dead_letter_policy) -> faust.App:
+def streams_policy(exc: BaseException, message: Failed) -> ErrorAction:
+    """The stream workers' `perfloop.bad_input` policy: `dead_letter_policy`, except for a
+    message that is no perfloop message of its topic (`Unreadable`) on a topic the sink stores:
+    the sink reads it with the same codecs and dead-letters it, so the worker skips it (logged
+    and counted in its ``rejected``), and a bad message is one dead letter. What only the
+    stream tier refuses (an event time far off this worker's clock, a refused config change,
+    a component's bug) is dead-lettered here.
+
+    >>> m = Failed("perfloop.telemetry.step", 0, 7, b"job", b"{")
+    >>> streams_policy(Unreadable("not valid JSON"), m), streams_policy(ValueError("x"), m)
+    ('skip', 'dead_letter')
+    """
+    if isinstance(exc, Unreadable) and message.topic in TABLES:
+        return "skip"
+    return dead_letter_policy(exc, message)
+
+
+def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) -> faust.App:
     """Build the Faust app, its agents and timers for the given settings. ``on_error``
     decides what becomes of an input message the worker cannot take (`perfloop.bad_input`;
-    by default it goes to ``perfloop.dlq`` with the reason, and the worker goes on)."""
+    by default `streams_policy`: it goes to ``perfloop.dlq`` with the reason, unless the sink
+    dead-letters it, and the worker goes on)."""
     app = faust.App(
         settings.app_id,
         broker=f"kafka://{settings.kafka_bootstrap}",

@@ -93,6 +93,7 @@ __all__ = [
     "TELEMETRY_TOPICS",
     "Outputs",
     "StreamEngine",
+    "Unreadable",
 ]
 
 log = logging.getLogger("perfloop.streams")
@@ -103,6 +104,22 @@ DEFAULT_DERIVED = ("gpu_idle_ms", "straggler_score")
 TELEMETRY_TOPICS = (Topics.GPU, Topics.HOST, Topics.STEP, Topics.SPAN)
 INPUT_TOPICS = (*TELEMETRY_TOPICS, Topics.JOB, Topics.CONTROL, Topics.ACTUATIONS)
 _TOPIC_KINDS = {t: {k for k, kt in KIND_TOPICS.items() if kt == t} for t in INPUT_TOPICS}
+
+
+class Unreadable(SchemaError):
+    """A message that is no perfloop message of its topic (bytes the codecs cannot decode,
+    or a kind that does not belong on the topic): every reader of the topic decodes it with
+    the same codecs (`perfloop.schemas`) and refuses it alike (the sink dead-letters what it
+    stores; `streams.app`'s policy leaves those to it)."""
+
+
+def _decoded(decode: Any, data: bytes) -> Any:
+    try:
+        return decode(data)
+    except SchemaError as e:
+        raise Unreadable(str(e)) from None
+
+
 _MOVED_CLASSES = {
     ("perfloop.streams.predict", "_Job"): "perfloop.streams.predict.host",
     ("perfloop.streams._phase_steps", "StepRecord"): "perfloop.streams.steps.records",
@@ -245,9 +262,9 @@ class StreamEngine(EventTime):
             self.stats["samples"] += len(batch)
             return len(batch)
         if topic in (Topics.JOB, Topics.CONTROL, Topics.ACTUATIONS):
-            event = decode_event(data)
+            event = _decoded(decode_event, data)
             if event.KIND not in _TOPIC_KINDS[topic]:
-                raise SchemaError(f"a {event.KIND} event does not belong on {topic}")
+                raise Unreadable(f"a {event.KIND} event does not belong on {topic}")
             self.stats["events"] += 1
             if isinstance(event, ConfigChange):
                 self._config(event)
@@ -309,9 +326,9 @@ class StreamEngine(EventTime):
             self._restored = False
 
     def _batch(self, topic: str, data: bytes, wall_ns: int) -> Batch:
-        batch = decode_batch(data)
+        batch = _decoded(decode_batch, data)
         if batch.kind not in _TOPIC_KINDS[topic]:
-            raise SchemaError(f"a {batch.kind} batch does not belong on {topic}")
+            raise Unreadable(f"a {batch.kind} batch does not belong on {topic}")
         if len(batch):
             ts = batch.columns["ts_ns"]
             ahead = int(ts.max()) - wall_ns
