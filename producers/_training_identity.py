@@ -1,6 +1,7 @@
 """Job identity: the `JobInfo` fields of a training job, found by looking at what runs.
 
-`describe_job` reads the launcher's world (`perfloop.producers.world`), the host, torch when
+`describe_job` reads the launcher's world and the scheduler's identity (Slurm, Kubernetes:
+`perfloop.producers.world`), the host, torch when
 the script imported it (never imported here), and the model and optimizer it is given: model
 name, parameters, precision, parallelism. Public through `perfloop.producers.training`.
 """
@@ -12,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from perfloop.producers.world import launcher_world
+from perfloop.producers.world import launcher_world, scheduler_identity
 
 __all__ = ["describe_job"]
 
@@ -43,6 +44,7 @@ def describe_job(
     info: dict[str, Any] = dict(launcher_world())
     info.pop("rank")
     info.pop("local_rank")
+    info.update(scheduler_identity())
     info["cpu_count"] = os.cpu_count() or 0
     with contextlib.suppress(ValueError, OSError, AttributeError):
         info["host_mem_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

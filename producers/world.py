@@ -1,12 +1,13 @@
 """Where this process sits in its job: its rank, the job's size, and its node's share of it,
-from torch.distributed once initialised, else from the launcher's environment."""
+from torch.distributed once initialised, else from the launcher's environment; and the job's
+identity in its scheduler (Slurm, Kubernetes)."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-__all__ = ["launcher_world"]
+__all__ = ["launcher_world", "scheduler_identity"]
 
 
 def launcher_world() -> dict[str, int]:
@@ -48,3 +49,61 @@ def launcher_world() -> dict[str, int]:
         "local_world_size": local_world,
         "nodes": max(nodes, 1),
     }
+
+
+_SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def scheduler_identity(
+    environ: dict[str, str] | None = None, namespace_file: str = _SA_NAMESPACE
+) -> dict[str, str]:
+    """The job's identity in its scheduler: `JobInfo`'s ``scheduler`` and ``slurm_*`` or
+    ``k8s_*`` fields, empty where there is none.
+
+    Slurm from its job environment (``SLURM_JOB_ID``, ``SLURM_JOB_NAME``,
+    ``SLURM_JOB_NODELIST``, ``SLURM_STEP_ID``). Kubernetes where ``KUBERNETES_SERVICE_HOST``
+    says the process runs in a pod: the pod, namespace and node from the downward API's
+    environment (``POD_NAME``, ``POD_NAMESPACE``, ``NODE_NAME``, set in the pod spec with
+    ``fieldRef`` — docs/training-integration.md), else the pod from ``HOSTNAME`` and the
+    namespace from the service account's file. Like `launcher_world`, reading the launcher's
+    environment is its whole job.
+
+    >>> scheduler_identity({"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "llm",
+    ...                     "SLURM_JOB_NODELIST": "gpu[01-04]", "SLURM_STEP_ID": "0"})
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'scheduler': 'slurm', 'slurm_job_id': '4242', 'slurm_job_name': 'llm',
+     'slurm_nodelist': 'gpu[01-04]', 'slurm_step_id': '0'}
+    >>> scheduler_identity({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "POD_NAME": "train-0",
+    ...                     "POD_NAMESPACE": "ml", "NODE_NAME": "node-7"}, namespace_file="")
+    {'scheduler': 'kubernetes', 'k8s_pod': 'train-0', 'k8s_namespace': 'ml', 'k8s_node': 'node-7'}
+    >>> scheduler_identity({"HOME": "/root"})
+    {}
+    """
+    env = os.environ if environ is None else environ
+
+    def get(name: str, limit: int = 256) -> str:
+        return str(env.get(name, "")).strip()[:limit]
+
+    if get("SLURM_JOB_ID"):
+        return {
+            "scheduler": "slurm",
+            "slurm_job_id": get("SLURM_JOB_ID"),
+            "slurm_job_name": get("SLURM_JOB_NAME"),
+            "slurm_nodelist": get("SLURM_JOB_NODELIST", 4096) or get("SLURM_NODELIST", 4096),
+            "slurm_step_id": get("SLURM_STEP_ID"),
+        }
+    if get("KUBERNETES_SERVICE_HOST"):
+        namespace = get("POD_NAMESPACE")
+        if not namespace and namespace_file:
+            try:
+                with open(namespace_file, encoding="utf-8") as f:
+                    namespace = f.read().strip()[:256]
+            except OSError:
+                namespace = ""
+        return {
+            "scheduler": "kubernetes",
+            "k8s_pod": get("POD_NAME") or get("HOSTNAME"),
+            "k8s_namespace": namespace,
+            "k8s_node": get("NODE_NAME"),
+        }
+    return {}

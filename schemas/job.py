@@ -44,13 +44,17 @@ class JobInfo(Event):
     """What the job is: model, optimizer, parallelism, precision, world size and hardware.
 
     Published once per rank at start (and again if it changes); unknown fields stay empty.
+    v2 adds the job's identity in its scheduler: ``scheduler`` with the Slurm job (id, name,
+    node list, step) or the Kubernetes pod (pod, namespace, node).
 
     >>> JobInfo(ts_ns=1, job_id="j", node="n", rank=0, world_size=8, precision="bf16").nodes
     1
     """
 
     KIND: ClassVar[str] = "job_info"
+    SCHEMA_VERSION: ClassVar[int] = 2
 
+    schema_version: int = Field(2, ge=1)
     model_name: Short = ""
     model_params: int = Field(0, ge=0)
     optimizer: Short = ""
@@ -75,6 +79,14 @@ class JobInfo(Event):
     backend: Short = Field("", description="torch.distributed backend: nccl, gloo, …")
     command: str = Field("", max_length=4096)
     extra: dict[str, str] = Field(default_factory=dict)
+    scheduler: Short = Field("", description="slurm, kubernetes, or empty (none seen)")
+    slurm_job_id: Short = ""
+    slurm_job_name: Short = ""
+    slurm_nodelist: str = Field("", max_length=4096)
+    slurm_step_id: Short = ""
+    k8s_pod: Short = ""
+    k8s_namespace: Short = ""
+    k8s_node: Short = ""
 
 
 class JobLifecycle(Event):

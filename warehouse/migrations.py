@@ -252,3 +252,26 @@ MIGRATIONS = (
         (add_columns("host_samples", "    proc_run_delay_pct Float32"),),
     ),
 )
+
+
+# -- migration 16: the job's identity in its scheduler --------------------------------------------
+MIGRATIONS = (
+    *MIGRATIONS,
+    Migration(
+        16,
+        "job_info: the job's identity in its scheduler (Slurm job, Kubernetes pod)",
+        (
+            add_columns(
+                "job_info",
+                """    scheduler LowCardinality(String),
+    slurm_job_id String,
+    slurm_job_name String,
+    slurm_nodelist String,
+    slurm_step_id String,
+    k8s_pod String,
+    k8s_namespace LowCardinality(String),
+    k8s_node LowCardinality(String)""",
+            ),
+        ),
+    ),
+)

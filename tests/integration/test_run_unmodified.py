@@ -108,7 +108,10 @@ def test_cnn_steps_match_the_script_and_spans_tile_them(
     stack: StackSettings, stack_env_vars: dict[str, str]
 ) -> None:
     job = _job()
-    n = _script_steps(_run(stack_env_vars, job, sys.executable, str(SCRIPTS / "mnist_cnn.py")))
+    slurm = {"SLURM_JOB_ID": "7071", "SLURM_JOB_NAME": "cnn", "SLURM_JOB_NODELIST": "gpu[01-02]",
+             "SLURM_STEP_ID": "0"}  # fmt: skip
+    env = {**stack_env_vars, **slurm}  # as if launched by srun: the job's scheduler identity
+    n = _script_steps(_run(env, job, sys.executable, str(SCRIPTS / "mnist_cnn.py")))
     assert n == 20
     _tiled(stack, job, {0: n})
 
@@ -142,6 +145,13 @@ def test_cnn_steps_match_the_script_and_spans_tile_them(
     )
     assert info[0][:2] == (0, "Net")
     assert info[0][2] > 100_000 and info[0][3:] == ("Adadelta", 1, "fp32", "torch", 64)
+    who = _query(
+        stack,
+        "SELECT DISTINCT scheduler, slurm_job_id, slurm_job_name, slurm_nodelist, slurm_step_id, "
+        "k8s_pod FROM job_info WHERE job_id = {j:String} AND rank = 0",
+        j=job,
+    )
+    assert who == [("slurm", "7071", "cnn", "gpu[01-02]", "0", "")], who
 
     def lifecycle() -> set[tuple[int, str, int | None]]:
         return set(
