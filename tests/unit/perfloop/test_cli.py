@@ -75,3 +75,49 @@ def test_invalid_setting_fails_with_one_line_naming_it(
     assert main(["sql", "SELECT 1"]) == 1
     line = one_line(capsys.readouterr().err)
     assert line.startswith("perfloop: ") and "PERFLOOP_KAFKA_PORT" in line
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "said"),
+    [
+        # a service the command does not start reads it later: checked at the entry point
+        (
+            "PERFLOOP_TIER",
+            "bogus",
+            "PERFLOOP_TIER='bogus': must be one of observe, recommend, approve, auto",
+        ),
+        (
+            "PERFLOOP_WINDOW_S",
+            "zero",
+            "unknown setting PERFLOOP_WINDOW_S (did you mean PERFLOOP_WINDOWS",
+        ),
+        ("PERFLOOP_WINDOWS", "", "PERFLOOP_WINDOWS=''"),
+        ("PERFLOOP_SINK_FLUSH_S", "soon", "unknown setting PERFLOOP_SINK_FLUSH_S"),
+    ],
+)
+def test_every_perfloop_variable_is_checked_before_any_command(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    value: str,
+    said: str,
+) -> None:
+    monkeypatch.setenv(name, value)
+    assert main(["status"]) == 1
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("perfloop: ") and said in line, line
+
+
+def test_aliases_internal_and_compose_variables_are_not_unknown() -> None:
+    from perfloop.settings import check_environment
+
+    check_environment(
+        {
+            "PERFLOOP_KAFKA_BOOTSTRAP": "kafka:9092",
+            "PERFLOOP_CLICKHOUSE_URL": "http://ch:8123",
+            "PERFLOOP_RUN_HOOKS": "1",
+            "PERFLOOP_STREAMS_REPLICAS": "3",
+            "PERFLOOP_BENCH_KAFKA_PORT": "1",
+            "PERFLOOP_TIER": "approve",
+        }
+    )
