@@ -9,6 +9,7 @@ evaluation loops, collectives, the job's lifecycle, exit codes and SIGTERM forwa
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from perfloop.cli._export_trace import check_trace
 from perfloop.settings import StackSettings
 
 from .conftest import perfloop_cli, wait_for
@@ -205,7 +207,7 @@ def test_evaluation_loops_make_eval_spans_not_steps(
 
 
 def test_torchrun_ranks_world_size_and_collectives(
-    stack: StackSettings, stack_env_vars: dict[str, str]
+    stack: StackSettings, stack_env_vars: dict[str, str], tmp_path: Path
 ) -> None:
     job = _job()
     out = _run(
@@ -257,6 +259,25 @@ def test_torchrun_ranks_world_size_and_collectives(
         j=job,
     )
     assert comm[0][0] >= 2 * steps
+
+    # the job as a Chrome trace: every step of both ranks, its spans and collectives
+    trace_file = tmp_path / "trace.json"
+    out = perfloop_cli("export", job, "-o", str(trace_file), env=stack_env_vars)
+    assert out.returncode == 0, out.stderr
+    trace = json.loads(trace_file.read_text())
+    assert check_trace(trace)["ranks"] == 2
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for rank, (_, n) in ranks.items():
+        got = sorted(e["args"]["step"] for e in xs if e["pid"] == rank and e["cat"] == "step")
+        assert got == list(range(n)), f"rank {rank}: steps {got[:5]}… of {n}"
+        mine = {e["cat"] for e in xs if e["pid"] == rank}
+        assert {"forward", "backward", "optimizer", "comm", "collective"} <= mine, mine
+    part = perfloop_cli("export", job, "--steps", "2..4", "-o", str(trace_file), env=stack_env_vars)
+    assert part.returncode == 0, part.stderr
+    kept = json.loads(trace_file.read_text())["traceEvents"]
+    assert sorted(e["args"]["step"] for e in kept if e.get("cat") == "step") == [2, 2, 3, 3, 4, 4]
+    nope = perfloop_cli("export", "no-such-job", env=stack_env_vars)
+    assert nope.returncode == 1 and nope.stderr.count("\n") == 1 and "no steps" in nope.stderr
 
 
 def test_exit_code_and_failure_are_reported(
