@@ -13,10 +13,13 @@ from typing import Any, NoReturn
 from perfloop import __version__
 from perfloop.cli.config import config_command
 from perfloop.cli.demo import demo_command
+from perfloop.cli.export import export_command, step_range
+from perfloop.cli.jobs import duration_arg, jobs_command
 from perfloop.cli.plan import plan_command
 from perfloop.cli.query import schemas_command, sql_command
 from perfloop.cli.recs import approve_command, recs_command
 from perfloop.cli.replay import replay_command
+from perfloop.cli.report import positive_float, report_command
 from perfloop.cli.run import run_command
 from perfloop.cli.sample import sample_command
 from perfloop.cli.simulate import simulate_command
@@ -29,7 +32,10 @@ from perfloop.cli.stack import (
     status_command,
     up_command,
 )
+from perfloop.cli.top import top_command
+from perfloop.cli.watch import watch_command
 from perfloop.exceptions import PerfloopError
+from perfloop.settings import check_environment
 
 __all__ = ["build_parser", "main"]
 
@@ -143,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(sub, _Parser)
     _add_plan(sub)
     _add_recs(sub)
+    _add_jobs(sub)
+    _add_report(sub)
+    _add_watch(sub)
+    _add_export(sub)
     return p
 
 
@@ -210,6 +220,19 @@ def _add_plan(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
+def _add_jobs(sub: Any) -> None:
+    """Register ``jobs`` and ``top`` on the CLI's subparsers."""
+    j = sub.add_parser("jobs", help="running and recent jobs: state, step time, diagnoses, changes")
+    j.add_argument("--all", action="store_true", help="every job the warehouse holds")
+    j.add_argument(
+        "--since", type=duration_arg, default=86400.0, metavar="T",
+        help="jobs seen in the last T: 30m, 12h, 1d, 1w (default 1d)",
+    )  # fmt: skip
+    j.add_argument("--json", action="store_true", help="print JSON")
+    t = sub.add_parser("top", help="a live terminal view of a job's ranks, diagnoses and changes")
+    t.add_argument("--job", metavar="J", help="show this job at start (default: the latest)")
+
+
 def _add_recs(sub: Any) -> None:
     """Register ``recs``, ``approve`` and ``reject`` on the CLI's subparsers."""
     recs = sub.add_parser("recs", help="recommendations pending approval (--all: every one)")
@@ -225,6 +248,44 @@ def _add_recs(sub: Any) -> None:
             "--wait-s", type=float, default=15.0, metavar="S",
             help="wait this long for the actuator's decision (15; 0: do not wait)",
         )  # fmt: skip
+
+
+def _add_export(sub: Any) -> None:
+    """Register ``export`` on the CLI's subparsers."""
+    e = sub.add_parser("export", help="a job's steps, spans and collectives as a Chrome trace")
+    e.add_argument("job", metavar="JOB", help="the job's id")
+    e.add_argument(
+        "--steps", type=step_range, metavar="A..B", help="only these steps (A..B, A.., or N)"
+    )
+    e.add_argument(
+        "-o", "--output", metavar="FILE", help="where (default perfloop-trace-<job>.json; .gz ok)"
+    )
+
+
+def _add_watch(sub: Any) -> None:
+    """Register ``watch`` on the CLI's subparsers."""
+    w = sub.add_parser("watch", help="follow diagnoses, recommendations, commands… as published")
+    w.add_argument("--job", action="append", metavar="J", help="this job's only (repeatable)")
+    w.add_argument(
+        "--kind", action="append", metavar="K",
+        help="these event kinds only (repeatable, or K1,K2): diagnosis, recommendation, …",
+    )  # fmt: skip
+    w.add_argument("--since", metavar="T", help="from 30s/10m/2h/1d ago or an ISO time (now)")
+    w.add_argument("--json", action="store_true", help="one JSON object per line")
+
+
+def _add_report(sub: Any) -> None:
+    """Register ``report`` on the CLI's subparsers."""
+    r = sub.add_parser("report", help="one self-contained HTML page of a job: plots, accounting")
+    r.add_argument("job", metavar="JOB", help="the job id")
+    r.add_argument(
+        "-o", "--output", metavar="FILE.html",
+        help="where to write it (default: perfloop-report-<job>.html here)",
+    )  # fmt: skip
+    r.add_argument(
+        "--flops-per-step", type=positive_float, metavar="N",
+        help="FLOPs of one step of one rank, for MFU (default: the job info's flops_per_step)",
+    )  # fmt: skip
 
 
 _COMMANDS = {
@@ -246,6 +307,11 @@ _COMMANDS = {
     "recs": recs_command,
     "approve": approve_command,
     "reject": approve_command,
+    "jobs": jobs_command,
+    "top": top_command,
+    "report": report_command,
+    "watch": watch_command,
+    "export": export_command,
 }
 
 
@@ -255,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Client libraries log their retries; a command's answer is its own one line.
         logging.getLogger().addHandler(logging.NullHandler())
     try:
+        check_environment()  # every PERFLOOP_* variable, whichever service will read it
         return _COMMANDS[args.command](args)
     except PerfloopError as e:
         print(f"perfloop: {e}", file=sys.stderr)
