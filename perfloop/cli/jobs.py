@@ -165,6 +165,23 @@ def load_jobs(
     return build_rows(seen, lifecycle, info, steps, diagnoses, changes, now_ns)
 
 
+_IDENTITY = """
+SELECT job_id, argMax(scheduler, ts), argMax(slurm_job_id, ts), argMax(slurm_job_name, ts),
+       argMax(k8s_namespace, ts), argMax(k8s_pod, ts)
+FROM job_info WHERE job_id IN {jobs:Array(String)} GROUP BY job_id
+"""
+IDENTITY_FIELDS = ("scheduler", "slurm_job_id", "slurm_job_name", "k8s_namespace", "k8s_pod")
+
+
+def load_identities(settings: BaseServiceSettings, jobs: list[str]) -> dict[str, dict[str, str]]:
+    """Each job's identity in its scheduler (`JobInfo` v2: Slurm job, Kubernetes pod), as its
+    latest job info says; a job without one has empty values."""
+    if not jobs:
+        return {}
+    rows = _rows(settings, _IDENTITY, {"jobs": jobs})
+    return {str(r[0]): dict(zip(IDENTITY_FIELDS, map(str, r[1:]), strict=True)) for r in rows}
+
+
 def jobs_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     """``perfloop jobs``."""
     from perfloop.settings import StackSettings
@@ -174,8 +191,21 @@ def jobs_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     now = time.time_ns()
     since_ns = 0 if args.all else now - int(args.since * NS)
     rows = load_jobs(settings, since_ns=since_ns, now_ns=now)
+    slurm_job, namespace = getattr(args, "slurm_job", None), getattr(args, "namespace", None)
+    ids = load_identities(settings, [r.job_id for r in rows]) if rows else {}
+    if slurm_job or namespace:  # what the cluster's users know the job by
+        none = dict.fromkeys(IDENTITY_FIELDS, "")
+        rows = [
+            r
+            for r in rows
+            if (not slurm_job or ids.get(r.job_id, none)["slurm_job_id"] == slurm_job)
+            and (not namespace or ids.get(r.job_id, none)["k8s_namespace"] == namespace)
+        ]
     if args.json:
-        print(json.dumps(to_json(rows), indent=2), file=out)
+        docs = to_json(rows)
+        for doc in docs:
+            doc["identity"] = ids.get(doc["job_id"], {})
+        print(json.dumps(docs, indent=2), file=out)
         return 0
     if not rows:
         print("no jobs" + ("" if args.all else " seen since " + _since_text(args.since)), file=out)

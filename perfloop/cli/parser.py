@@ -229,6 +229,8 @@ def _add_jobs(sub: Any) -> None:
         help="jobs seen in the last T: 30m, 12h, 1d, 1w (default 1d)",
     )  # fmt: skip
     j.add_argument("--json", action="store_true", help="print JSON")
+    j.add_argument("--slurm-job", metavar="ID", help="only the job of this Slurm job id")
+    j.add_argument("--namespace", metavar="NS", help="only jobs in this Kubernetes namespace")
     t = sub.add_parser("top", help="a live terminal view of a job's ranks, diagnoses and changes")
     t.add_argument("--job", metavar="J", help="show this job at start (default: the latest)")
 

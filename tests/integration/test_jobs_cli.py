@@ -34,7 +34,9 @@ def test_jobs_lists_a_running_job_with_its_diagnosis_and_a_finished_one(
     now = time.time_ns()
     em = Emitter(pub, job_id=running, node="n0", producer_id="it-jobs")
     common = {"job_id": running, "node": "n0"}
-    em.event(JobInfo(ts_ns=now - 20 * NS, **common, rank=0, world_size=2, nodes=1))
+    slurm = f"9{tag[:4]}"
+    em.event(JobInfo(ts_ns=now - 20 * NS, **common, rank=0, world_size=2, nodes=1,
+                     scheduler="slurm", slurm_job_id=slurm, slurm_job_name="llm"))  # fmt: skip
     em.event(JobLifecycle(ts_ns=now - 20 * NS, **common, rank=-1, state="started"))
     times = [100.0 + (i % 5) for i in range(20)]
     for i, ms in enumerate(times):
@@ -88,6 +90,14 @@ def test_jobs_lists_a_running_job_with_its_diagnosis_and_a_finished_one(
     }  # fmt: skip
     assert job["started_ns"] <= now - 19 * NS and job["last_seen_ns"] >= now - 2 * NS
     assert (jobs[finished]["state"], jobs[finished]["exit_code"]) == ("finished", 0)
+    assert (
+        job["identity"]["slurm_job_id"] == f"9{tag[:4]}" and job["identity"]["scheduler"] == "slurm"
+    )
+    by_slurm = perfloop_cli(
+        "jobs", "--json", "--since", "1h", "--slurm-job", slurm, env=stack_env_vars
+    )
+    assert by_slurm.returncode == 0, by_slurm.stderr
+    assert [j["job_id"] for j in json.loads(by_slurm.stdout)] == [running]
 
     table = perfloop_cli("jobs", "--since", "1h", env=stack_env_vars)
     assert table.returncode == 0, table.stderr
