@@ -38,7 +38,11 @@ EXPECTED_COMMANDS = {
     "actuator": ["service", "actuator"],
 }
 # What a deployer supplies; everything else has a default in compose.yaml.
-REQUIRED_VARS = {"PERFLOOP_SIGNING_KEY": "test-key", "PERFLOOP_CLICKHOUSE_PASSWORD": "test-pw"}
+REQUIRED_VARS = {
+    "PERFLOOP_SIGNING_KEY": "test-key",
+    "PERFLOOP_CLICKHOUSE_PASSWORD": "test-pw",
+    "GRAFANA_ADMIN_PASSWORD": "test-admin-pw",
+}
 
 _VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
 
