@@ -19,9 +19,19 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from perfloop._webhook_values import (
+    DEFAULT_WEBHOOK_KINDS,
+    WEBHOOK_EVENTS,
+    webhook_kinds,
+    webhook_urls,
+)
+
 __all__ = [
+    "DEFAULT_WEBHOOK_KINDS",
+    "WEBHOOK_EVENTS",
     "ActuatorSettings",
     "BaseServiceSettings",
+    "NotifierSettings",
     "ProducerSettings",
     "ReportSettings",
     "SinkSettings",
@@ -177,6 +187,13 @@ class StackSettings(BaseServiceSettings):
         "SCHED_BATCH (it never preempts a thread when it wakes up); normal: every service "
         "like any other process.",
     )
+    webhook_urls: Annotated[tuple[str, ...], NoDecode] = ()
+    """`NotifierSettings.webhook_urls`: when any is set, `up` starts the notifier too."""
+
+    @field_validator("webhook_urls", mode="before")
+    @classmethod
+    def _urls(cls, value: Any) -> tuple[str, ...]:
+        return webhook_urls(value)
 
 
 class WarehouseServerSettings(BaseServiceSettings):
@@ -237,6 +254,25 @@ class StreamsSettings(BaseServiceSettings):
     ``predict.enabled`` changes it live."""
     prediction_every_s: float = Field(5.0, ge=0, le=3600)
     """Event-time seconds between two step-time forecasts of a job (``predict.every_s``)."""
+    metrics_port: int = Field(19464, ge=0, le=65535)
+    """Port of the worker's Prometheus endpoint, ``http://<metrics_host>:<port>/metrics``
+    (docs/alerts.md); 0: none. A port already taken is one line in the log, and the worker
+    runs on without it."""
+    metrics_host: str = Field("127.0.0.1", pattern=r"^[A-Za-z0-9_.:-]{1,255}$")
+    """The address the endpoint binds: loopback by default; ``0.0.0.0`` for a Prometheus on
+    another host (docker/compose.yaml)."""
+    metrics_max_series: int = Field(10_000, ge=100, le=10_000_000)
+    """The most series the endpoint exports. Past it, the jobs with the most ranks have their
+    per-rank series folded into one per job (``rank="all"``), then the jobs seen least
+    recently are left out; ``perfloop_metrics_series_dropped`` says how many series that
+    kept out."""
+    metrics_grace_s: float = Field(300.0, gt=0, le=86_400)
+    """A job's series, and a rank's, go this long after the last window, diagnosis, phase
+    change or prediction that named it: an ended job's stay this long."""
+    approval_ttl_s: float = Field(900.0, gt=0)
+    """A recommendation pending approval stops counting in ``perfloop_pending_approvals``
+    this long after it was asked (the actuator's `ActuatorSettings.approval_ttl_s`: the
+    same variable)."""
 
 
 class SinkSettings(BaseServiceSettings):
@@ -333,6 +369,43 @@ class ActuatorSettings(BaseServiceSettings):
             except ConfigError as e:  # one line naming what is wrong
                 raise ValueError(str(e)) from None
         return value
+
+
+class NotifierSettings(BaseServiceSettings):
+    """The notifier (`perfloop service notifier`, `perfloop.notify`): webhooks for the
+    diagnoses, rollbacks and pending approvals the loop produces (docs/alerts.md)."""
+
+    webhook_urls: Annotated[tuple[str, ...], NoDecode] = ()
+    """Where to POST: comma-separated, or a JSON list. Empty: the notifier has nothing to do
+    (``up`` starts it only when one is set)."""
+    webhook_format: str = Field("slack", pattern="^(slack|alertmanager)$")
+    """slack: ``{"text": …, "blocks": […]}`` (a Slack incoming webhook, or anything that takes
+    its JSON); alertmanager: Alertmanager's webhook payload (version 4)."""
+    webhook_kinds: Annotated[tuple[str, ...], NoDecode] = DEFAULT_WEBHOOK_KINDS
+    """What is sent: bottleneck names (a diagnosis opened or resolved), ``oom_warning``,
+    ``rollback``, ``approval``, or ``all``."""
+    webhook_timeout_s: float = Field(5.0, gt=0, le=120)
+    """How long one POST may take."""
+    webhook_tries: int = Field(3, ge=1, le=20)
+    """POSTs of one notification at most (a timeout, a refused connection, HTTP 429 or 5xx
+    is tried again; any other answer is final)."""
+    webhook_backoff_s: float = Field(1.0, ge=0, le=600)
+    """The wait before the second try, doubled before each next one (a 429's Retry-After is
+    honoured up to 10 times this)."""
+    webhook_queue: int = Field(1000, ge=1, le=1_000_000)
+    """Notifications waiting per URL; past it the oldest is dropped (and counted)."""
+    notifier_group_id: str = "perfloop-notifier"
+    """The notifier's consumer group."""
+
+    @field_validator("webhook_urls", mode="before")
+    @classmethod
+    def _urls(cls, value: Any) -> tuple[str, ...]:
+        return webhook_urls(value)
+
+    @field_validator("webhook_kinds", mode="before")
+    @classmethod
+    def _kinds(cls, value: Any) -> tuple[str, ...]:
+        return webhook_kinds(value)
 
 
 class ReportSettings(BaseServiceSettings):

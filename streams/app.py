@@ -46,6 +46,7 @@ from perfloop.schemas.topics import Topics
 from perfloop.schemas.windows import encode_windows
 from perfloop.service_heap import GcClock, libc_trim
 from perfloop.settings import StreamsSettings
+from perfloop.streams._metrics_http import MetricsEndpoint
 from perfloop.streams._publisher import Output
 from perfloop.streams.engine import (
     INPUT_TOPICS,
@@ -249,6 +250,7 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
 
         threading.Thread(target=read_history, name="job-history", daemon=True).start()
     engine.use_cluster(cluster_id(settings))
+    metrics = MetricsEndpoint(settings, engine, app, output)  # /metrics (docs/alerts.md)
     held: list[Any] = []
     trim = libc_trim()
     gc_clock = GcClock()
@@ -376,6 +378,7 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
                     offset=msg.offset, caught_up=at_end and not unsure, sent_ns=sent,
                     unsure=unsure,
                 )  # fmt: skip
+                metrics.message(msg.topic, value, now, sent)
             except Exception as e:  # bad input, or a component's bug: never stops the worker
                 failed = Failed(msg.topic, msg.partition, msg.offset, msg.key, value)
                 action, why = decide(on_error, e, failed, log)
@@ -413,6 +416,7 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
         if o:
             await emit(o)
         output.poll()
+        metrics.tick(o, now)  # never raises
         if catch_up is not None and (moved := catch_up.tick()) is not None:
             word = "behind" if moved == "raised" else "caught up"
             log.info("input %s: scheduling group %s", word, catch_up.describe(moved))
@@ -487,6 +491,7 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
         )
 
     app.perfloop_engine = engine  # type: ignore[attr-defined]
+    app.perfloop_metrics = metrics  # type: ignore[attr-defined]
     return app
 
 
@@ -505,7 +510,11 @@ class StreamsService:
         warm_up()  # before the first job's input, not with it
         self.start()
         assert self._worker is not None
-        self._worker.execute_from_commandline()
+        self.app.perfloop_metrics.start()  # type: ignore[attr-defined]
+        try:
+            self._worker.execute_from_commandline()
+        finally:
+            self.app.perfloop_metrics.stop()  # type: ignore[attr-defined]
 
     def stop(self) -> None:
         if self._worker is not None:

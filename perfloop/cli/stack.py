@@ -20,7 +20,7 @@ __all__ = [
     "up_command",
 ]
 
-SERVICE_NAMES = ("warehouse", "streams", "sink", "actuator")
+SERVICE_NAMES = ("warehouse", "streams", "sink", "actuator", "notifier")
 """What ``perfloop service NAME`` runs in the foreground."""
 
 
@@ -110,6 +110,11 @@ def service_command(args: argparse.Namespace) -> int:
         from perfloop.warehouse.sink import Sink
 
         service = Sink(load_settings(SinkSettings))
+    elif args.name == "notifier":
+        from perfloop.notify import NotifierService
+        from perfloop.settings import NotifierSettings
+
+        service = NotifierService(load_settings(NotifierSettings))
     else:
         from perfloop.actuators.service import ActuatorService
         from perfloop.settings import ActuatorSettings

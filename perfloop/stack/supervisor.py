@@ -2,7 +2,8 @@
 
 `Supervisor` starts, watches and restarts perfloop's processes — the Tansu broker and the chDB
 warehouse server (embedded mode only), then the topics and migrations, then the stream
-workers, the sink and the actuator service — and records them in ``$PERFLOOP_HOME/stack.json``.
+workers, the sink and the actuator service (and the notifier, `perfloop.notify`, when
+``PERFLOOP_WEBHOOK_URLS`` is set) — and records them in ``$PERFLOOP_HOME/stack.json``.
 `down` stops exactly what `up` started and nothing else: the supervisor's process group and
 the services it recorded. Logs are ``$PERFLOOP_HOME/logs/<service>.log``.
 
@@ -66,18 +67,22 @@ from perfloop.stack.broker import RETENTION_NOTE, broker_argv
 from perfloop.warehouse import migrate
 
 __all__ = [
+    "NOTIFIER",
     "SERVICES",
     "STATE_FILE",
     "Supervisor",
     "check_external",
     "down",
     "read_state",
+    "services_for",
     "status",
     "up_detached",
 ]
 
 STATE_FILE = "stack.json"
 SERVICES = ("streams", "sink", "actuator")
+NOTIFIER = "notifier"
+"""Started after `SERVICES` when webhook URLs are set (`perfloop.notify`)."""
 IDLE_SERVICES = frozenset({"warehouse", "sink"})
 """What runs under ``SCHED_IDLE`` with ``stack_priority`` "idle": history, not the loop (which
 runs under ``SCHED_BATCH``)."""
@@ -120,6 +125,12 @@ def _at_priority(priority: str, start: Callable[[], subprocess.Popen[bytes]]) ->
     if "error" in out:
         raise out["error"]
     return out["proc"]
+
+
+def services_for(settings: StackSettings) -> tuple[str, ...]:
+    """The perfloop services `up` starts: `SERVICES`, and the notifier when a webhook URL is
+    set (``PERFLOOP_WEBHOOK_URLS``)."""
+    return (*SERVICES, NOTIFIER) if settings.webhook_urls else SERVICES
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -251,7 +262,8 @@ class Supervisor:
         ensure_topics(s)
         migrate(s)
         services = [
-            self._child(name, [py, "-m", "perfloop.cli", "service", name]) for name in SERVICES
+            self._child(name, [py, "-m", "perfloop.cli", "service", name])
+            for name in services_for(s)
         ]
         self._children.extend(services)
         for child in services:
@@ -279,8 +291,8 @@ class Supervisor:
         ``stop_timeout_s`` has passed since the stop began."""
         self._stop.set()
         deadline = time.monotonic() + self.settings.stop_timeout_s
-        services = [c for c in self._children if c.name in SERVICES]
-        rest = [c for c in self._children if c.name not in SERVICES]
+        services = [c for c in self._children if c.name in (*SERVICES, NOTIFIER)]
+        rest = [c for c in self._children if c.name not in (*SERVICES, NOTIFIER)]
         for wave in (services, rest):
             for child in reversed(wave):
                 if child.proc is not None and child.proc.poll() is None:
