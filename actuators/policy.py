@@ -334,7 +334,9 @@ class Policy:
         return self._issue(rec, rules, now_ns=now_ns, actor="actuator")
 
     def approve(self, appr: Approval, *, now_ns: int) -> tuple[Command | None, Decision]:
-        """What becomes of a person's approval or rejection."""
+        """What becomes of a person's approval or rejection. A signed approval of an action
+        knob (`ACTION_KNOBS`: a profiler capture) is a person asking for it (``perfloop
+        capture``): issued in every tier but observe, with no recommendation before it."""
         rules = self.rules(appr.job_id)
         key = self.keys.get(appr.key_id)
         who = appr.author or "unknown"
@@ -363,7 +365,18 @@ class Policy:
             why = NO_HOOK
         if why:
             return None, self._decision(appr, rules, now_ns, "refused", why, actor=who)
-        if rules.tier != "approve":
+        asked = appr.knob in ACTION_KNOBS  # a person asks the job for an action (a capture)
+        if asked and rules.tier == "observe":
+            return None, self._decision(
+                appr,
+                rules,
+                now_ns,
+                "refused",
+                f"tier observe: perfloop sends the job nothing, {appr.knob} included "
+                "(`perfloop config set actuator.tier recommend --job JOB` first)",
+                actor=who,
+            )
+        if rules.tier != "approve" and not asked:
             return None, self._decision(
                 appr,
                 rules,

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from perfloop import __version__
+from perfloop.cli.capture import capture_command, capture_steps
 from perfloop.cli.config import config_command
 from perfloop.cli.demo import demo_command
 from perfloop.cli.export import export_command, step_range
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(sub)
     _add_watch(sub)
     _add_export(sub)
+    _add_capture(sub)
     return p
 
 
@@ -252,6 +254,19 @@ def _add_recs(sub: Any) -> None:
         )  # fmt: skip
 
 
+def _add_capture(sub: Any) -> None:
+    """Register ``capture`` on the CLI's subparsers."""
+    c = sub.add_parser("capture", help="ask a running job for a profiler capture of N steps")
+    c.add_argument("job", metavar="JOB", help="the job's id")
+    c.add_argument(
+        "--steps", type=capture_steps, default=3, metavar="N", help="steps to capture (3)"
+    )
+    c.add_argument(
+        "--wait", dest="wait_s", type=float, default=60.0, metavar="S",
+        help="wait up to S seconds for the actuator and the capture (0: send and return)",
+    )  # fmt: skip
+
+
 def _add_export(sub: Any) -> None:
     """Register ``export`` on the CLI's subparsers."""
     e = sub.add_parser("export", help="a job's steps, spans and collectives as a Chrome trace")
@@ -314,6 +329,7 @@ _COMMANDS = {
     "report": report_command,
     "watch": watch_command,
     "export": export_command,
+    "capture": capture_command,
 }
 
 

@@ -164,3 +164,15 @@ def test_sql_takes_format_ddl_and_several_statements(stack_env_vars: dict[str, s
     assert _one_line_error(bad.stderr).startswith("perfloop: statement 2 of 3 (1 ran before it): ")
     empty = perfloop_cli("sql", " ; -- nothing", env=stack_env_vars)
     assert empty.returncode != 0 and "empty query" in _one_line_error(empty.stderr)
+
+
+def test_capture_refuses_an_unknown_job_and_a_bad_step_count(
+    stack_env_vars: dict[str, str],
+) -> None:
+    """`perfloop capture` asks only a job the warehouse knows, for a step count the knob
+    allows; each refusal is one line (the whole path, on a real job: docs/actuation.md)."""
+    out = perfloop_cli("capture", "no-such-job", "--steps", "3", env=stack_env_vars)
+    assert out.returncode == 1
+    assert "no job 'no-such-job' in the warehouse" in _one_line_error(out.stderr)
+    bad = perfloop_cli("capture", "j", "--steps", "500", env=stack_env_vars)
+    assert bad.returncode == 2 and "takes 1 to 50 steps" in _one_line_error(bad.stderr)

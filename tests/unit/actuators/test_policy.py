@@ -347,3 +347,34 @@ def test_a_jobs_own_range_from_its_job_info_narrows_the_allow_list() -> None:
     assert cmd is not None and cmd.value == 2
     other, _ = p.decide(rec.model_copy(update={"job_id": "k", "event_id": "r3"}), now_ns=10**18)
     assert other is not None, "another job keeps the allow-list's range"
+
+
+# -- a person asking for an action (perfloop capture) ---------------------------------------
+
+
+def _capture(steps: Any = 3, key: bytes = KEY, rec_id: str = "capture-1") -> Approval:
+    ask = Approval(
+        ts_ns=T0, job_id="j1", node="cli", rank=-1, rec_id=rec_id, verdict="approve",
+        author="ana@host", knob="profiler.capture_steps", from_value=0, to_value=steps,
+        loop="fast", rec_ts_ns=T0,
+    )  # fmt: skip
+    return sign(ask, key)
+
+
+@pytest.mark.parametrize("tier", ["recommend", "approve", "auto"])
+def test_a_signed_capture_request_is_issued_in_every_tier_but_observe(tier: str) -> None:
+    policy = _policy(tier=tier)
+    cmd, d = policy.approve(_capture(), now_ns=T0 + S)
+    assert cmd is not None and (cmd.knob, cmd.value) == ("profiler.capture_steps", 3)
+    assert (d.outcome, d.actor, d.rec_id) == ("issued", "ana@host", "capture-1")
+    again, d = policy.approve(_capture(), now_ns=T0 + 2 * S)  # the same request replayed
+    assert again is None and d.outcome == "refused" and "already" in d.reason
+
+
+def test_a_capture_request_is_refused_in_observe_unsigned_or_out_of_bounds() -> None:
+    cmd, d = _policy(tier="observe").approve(_capture(), now_ns=T0 + S)
+    assert cmd is None and d.outcome == "refused" and "tier observe" in d.reason
+    cmd, d = _policy(tier="auto").approve(_capture(key=b"not the key"), now_ns=T0 + S)
+    assert cmd is None and "does not verify" in d.reason
+    cmd, d = _policy(tier="auto").approve(_capture(steps=500, rec_id="c2"), now_ns=T0 + S)
+    assert cmd is None and d.outcome == "refused" and "profiler.capture_steps" in d.reason
