@@ -4,9 +4,10 @@ naming what is wrong. Private to `perfloop.settings`, which re-exports the const
 
 from __future__ import annotations
 
-import json
 from typing import Any
 from urllib.parse import urlsplit
+
+from perfloop.schemas.knobs import name_list
 
 __all__ = ["DEFAULT_WEBHOOK_KINDS", "WEBHOOK_EVENTS", "webhook_kinds", "webhook_urls"]
 
@@ -20,23 +21,6 @@ DEFAULT_WEBHOOK_KINDS = (
 """What the notifier sends unless ``webhook_kinds`` says otherwise."""
 
 
-def _names(value: Any, what: str) -> list[str]:
-    """Names from a list, a JSON list or a comma-separated string, in order, once each."""
-    names: Any = value
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                names = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{what} are not a JSON list: {e}") from None
-        else:
-            names = [part.strip() for part in text.split(",")]
-    if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"{what} must be a list or comma-separated, got {value!r}")
-    return list(dict.fromkeys(n.strip() for n in names if n.strip()))
-
-
 def webhook_urls(value: Any) -> tuple[str, ...]:
     """Webhook URLs from a list, a JSON list or a comma-separated string, each checked to be
     an http(s) URL with a host; `ValueError` naming the first that is not.
@@ -48,7 +32,7 @@ def webhook_urls(value: Any) -> tuple[str, ...]:
     ...
     ValueError: webhook URL 'hooks.example.com/a' is not an http:// or https:// URL with a host
     """
-    urls = _names(value, "webhook URLs")
+    urls = name_list(value, "webhook URLs")
     for url in urls:
         try:
             parts = urlsplit(url)
@@ -72,7 +56,7 @@ def webhook_kinds(value: Any) -> tuple[str, ...]:
     from perfloop.schemas.analysis import BOTTLENECKS  # (settings load without the schemas)
 
     valid = (*BOTTLENECKS, *WEBHOOK_EVENTS)
-    kinds = _names(value, "webhook kinds")
+    kinds = name_list(value, "webhook kinds")
     if "all" in kinds:
         return valid
     for kind in kinds:

@@ -23,6 +23,7 @@ __all__ = [
     "PINNABLE_KNOBS",
     "SPEED_KNOBS",
     "knob_problem",
+    "name_list",
     "pinned_knobs",
 ]
 
@@ -66,6 +67,35 @@ HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 """What a node named in a hook recommendation must look like (it becomes an argument)."""
 
 
+def name_list(value: Any, what: str) -> list[str]:
+    """Names from a list, a JSON list or a comma-separated string, in order, once each, blanks
+    dropped (how a setting takes a list: ``PERFLOOP_PINNED_KNOBS``, ``PERFLOOP_WEBHOOK_URLS``);
+    `ValueError` naming ``what`` for anything else.
+
+    >>> name_list('["b", "a", "b"]', "knobs"), name_list(" a, , b ", "knobs")
+    (['b', 'a'], ['a', 'b'])
+    >>> name_list("[1", "knobs")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: knobs '[1' are not a JSON list: ...
+    """
+    names: Any = value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                names = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{what} {value!r} are not a JSON list: {e}") from None
+        else:
+            names = text.split(",")
+    if not isinstance(names, list | tuple | set | frozenset) or not all(
+        isinstance(n, str) for n in names
+    ):
+        raise ValueError(f"{what} must be a list or comma-separated names, got {value!r}")
+    return list(dict.fromkeys(n.strip() for n in names if n.strip()))
+
+
 def pinned_knobs(value: Any) -> tuple[str, ...]:
     """Pinned knob names from a list, a JSON list or a comma-separated string, checked and
     sorted; `ConfigError` naming the valid knobs for an unknown one.
@@ -79,20 +109,10 @@ def pinned_knobs(value: Any) -> tuple[str, ...]:
     ...
     perfloop.exceptions.ConfigError: unknown knob 'threads' to pin; valid: cluster.drain_node, ...
     """
-    names: Any = value
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                names = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"pinned knobs {value!r} are not a JSON list: {e}") from None
-        else:
-            names = [n for n in (part.strip() for part in text.split(",")) if n]
-    if not isinstance(names, list | tuple | set | frozenset) or not all(
-        isinstance(n, str) for n in names
-    ):
-        raise ConfigError(f"pinned knobs must be a list of knob names, got {value!r}")
+    try:
+        names = name_list(value, "pinned knobs")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     for name in names:
         if name not in PINNABLE_KNOBS:
             raise ConfigError(f"unknown knob {name!r} to pin; valid: {', '.join(PINNABLE_KNOBS)}")

@@ -85,13 +85,9 @@ def _summary(settings: Any, job: str, since_ns: int) -> tuple[bool, str, dict[st
 def capture_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     """``perfloop capture``."""
     from perfloop.actuators.service import SIGNING_KEY_ID
-    from perfloop.actuators.signing import sign
     from perfloop.cli.config import _author
-    from perfloop.cli.recs import _await_decision
-    from perfloop.exceptions import BrokerError
-    from perfloop.kafka import ping, producer
-    from perfloop.schemas import Approval, encode_event
-    from perfloop.schemas.topics import Topics
+    from perfloop.cli.recs import _await_decision, send_signed
+    from perfloop.schemas import Approval
     from perfloop.settings import ActuatorSettings
 
     out = out or sys.stdout
@@ -116,19 +112,7 @@ def capture_command(args: argparse.Namespace, *, out: TextIO | None = None) -> i
         rec_ts_ns=sent_ns,
         key_id=SIGNING_KEY_ID,
     )
-    ask = sign(ask, settings.signing_key.get_secret_value().encode())
-    ping(settings)
-    errors: list[str] = []
-    p = producer(settings, **{"linger.ms": 0, "message.timeout.ms": 10_000})
-    p.produce(
-        Topics.RECOMMENDATIONS,
-        key=job.encode(),
-        value=encode_event(ask),
-        on_delivery=lambda err, _m: errors.append(err.str()) if err is not None else None,
-    )
-    if p.flush(15.0) or errors:
-        why = errors[0] if errors else "no answer"
-        raise BrokerError(f"the capture request was not delivered: {why} (`perfloop status`)")
+    ask = send_signed(settings, ask, "the capture request")
     print(f"asked job {job} for a profiler capture of {steps} step(s) ({ask.rec_id}, by {author})",
           file=out)  # fmt: skip
     if args.wait_s <= 0:

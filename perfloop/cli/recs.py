@@ -26,7 +26,7 @@ from typing import Any, TextIO
 from perfloop.exceptions import PerfloopError
 from perfloop.settings import load_settings
 
-__all__ = ["approve_command", "recs_command"]
+__all__ = ["approve_command", "recs_command", "send_signed"]
 
 _RECS_COLUMNS = (
     "ts",
@@ -116,12 +116,8 @@ def _stored_value(text: str, knob: str = "") -> Any:
 def approve_command(args: argparse.Namespace, *, out: TextIO | None = None) -> int:
     """``perfloop approve`` and ``perfloop reject``."""
     from perfloop.actuators.service import SIGNING_KEY_ID
-    from perfloop.actuators.signing import sign
     from perfloop.cli.config import _author
-    from perfloop.exceptions import BrokerError
-    from perfloop.kafka import ping, producer
-    from perfloop.schemas import Approval, encode_event
-    from perfloop.schemas.topics import Topics
+    from perfloop.schemas import Approval
     from perfloop.settings import ActuatorSettings
     from perfloop.warehouse import unix_ns
 
@@ -178,19 +174,7 @@ def approve_command(args: argparse.Namespace, *, out: TextIO | None = None) -> i
         rec_ts_ns=unix_ns(ts),
         key_id=SIGNING_KEY_ID,
     )
-    approval = sign(approval, settings.signing_key.get_secret_value().encode())
-    ping(settings)
-    errors: list[str] = []
-    p = producer(settings, **{"linger.ms": 0, "message.timeout.ms": 10_000})
-    p.produce(
-        Topics.RECOMMENDATIONS,
-        key=job_id.encode(),
-        value=encode_event(approval),
-        on_delivery=lambda err, _m: errors.append(err.str()) if err is not None else None,
-    )
-    if p.flush(15.0) or errors:
-        why = errors[0] if errors else "no answer"
-        raise BrokerError(f"{verdict} of {rec_id} not delivered: {why} (see `perfloop status`)")
+    send_signed(settings, approval, f"{verdict} of {rec_id}")
     change = f"job {job_id}: {knob} {from_text} → {to_text}"
     print(f"{verdict} of recommendation {rec_id} sent ({change}) by {author}", file=out)
     if args.wait_s <= 0:
@@ -207,6 +191,32 @@ def approve_command(args: argparse.Namespace, *, out: TextIO | None = None) -> i
     if outcome not in _DONE[verdict]:
         raise PerfloopError(f"the actuator did not {verdict} it: {reason}")
     return 0
+
+
+def send_signed(settings: Any, approval: Any, what: str) -> Any:
+    """Sign ``approval`` with the actuator's key and publish it where the actuator reads
+    recommendations (keyed by job); wait for the broker's acknowledgement. Return the signed
+    approval; `BrokerError` (one line naming ``what``) if it was not delivered."""
+    from perfloop.actuators.signing import sign
+    from perfloop.exceptions import BrokerError
+    from perfloop.kafka import ping, producer
+    from perfloop.schemas import encode_event
+    from perfloop.schemas.topics import Topics
+
+    approval = sign(approval, settings.signing_key.get_secret_value().encode())
+    ping(settings)
+    errors: list[str] = []
+    p = producer(settings, **{"linger.ms": 0, "message.timeout.ms": 10_000})
+    p.produce(
+        Topics.RECOMMENDATIONS,
+        key=approval.job_id.encode(),
+        value=encode_event(approval),
+        on_delivery=lambda err, _m: errors.append(err.str()) if err is not None else None,
+    )
+    if p.flush(15.0) or errors:
+        why = errors[0] if errors else "no answer"
+        raise BrokerError(f"{what} not delivered: {why} (see `perfloop status`)")
+    return approval
 
 
 def _await_decision(
