@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -16,6 +17,11 @@ import pytest
 
 from perfloop.settings import StackSettings
 from perfloop.stack import read_state
+
+NS = 1_000_000_000
+SETTLE_MARGIN_S = 3.0
+"""What `stream_settled` leaves, past its evidence, for the rows of the same stream output on the
+other topics and for the actuator's commands (each ~0.2-0.5 s on an idle stack)."""
 
 
 def free_port() -> int:
@@ -44,6 +50,7 @@ def stack_env(home: Path) -> dict[str, str]:
         PERFLOOP_HOME=str(home),
         PERFLOOP_KAFKA_PORT=str(free_port()),
         PERFLOOP_CLICKHOUSE_PORT=str(free_port()),
+        PERFLOOP_METRICS_PORT=str(free_port()),  # the stream worker's /metrics
     )
     return env
 
@@ -85,6 +92,67 @@ def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
+def last_step_ns(truth: Path) -> int:
+    """When the last step of a real-scenario job ended (the latest ``end_ns`` of the ground
+    truth its ranks wrote to ``truth``, `bench.realworld_jobs`)."""
+    ends = [json.loads(f.read_text()).get("end_ns") or 0 for f in truth.glob("rank*.json")]
+    assert ends and max(ends) > 0, f"no step ended in the ground truth in {truth}"
+    return max(ends)
+
+
+def stream_settled(settings: StackSettings, job: str, last_step: int, *, at_most_s: float) -> None:
+    """Wait until the stream tier has said what it will about the ended job ``job``, whose last
+    step ended at ``last_step`` (wall clock, ns): on the evidence, rather than for a fixed time.
+
+    - The job's end is in ``job_lifecycle``.
+    - The 1 s window of the job that holds its last step (or a later one) has closed. The stream
+      worker ticks a job's analyses (the funnel, the rules) before it closes windows, and closes
+      a pane only once the analyses' clock is a lateness (1 s) past its end
+      (`perfloop.streams.engine`): the diagnoses and recommendations of every step of the job
+      were emitted with or before that window.
+    - Every diagnosis of the job that opened is resolved: the job's end resolves what is still
+      open, the funnel's last word on it. Past ``at_most_s`` after the job's end landed (the
+      fixed settle this replaces), this one is waited for no longer: a hang's stall holds the
+      job's clock back after its end (its ranks' last messages come after a silence as long as
+      the stall), and its end may be resolved only later.
+
+    On that evidence, ``SETTLE_MARGIN_S`` more for the rows of the same output on the other
+    topics (the sink inserts each topic's rows in turn) and the actuator's commands.
+    """
+    wait_for(
+        lambda: query(
+            settings,
+            "SELECT count() FROM job_lifecycle WHERE job_id = {j:String} AND rank = -1 "
+            "AND state != 'started'",
+            j=job,
+        )[0][0],
+        60,
+        f"the end of job {job} in job_lifecycle",
+    )
+    fixed_settle_ends = time.monotonic() + at_most_s
+    closed = (
+        "SELECT max(toUnixTimestamp64Nano(ts)) FROM windows WHERE job_id = {j:String} "
+        "AND window_s = 1"
+    )
+    wait_for(
+        lambda: (query(settings, closed, j=job)[0][0] or 0) + NS > last_step,
+        90,
+        f"the closed window of job {job}'s last step",
+    )
+    said = (
+        "SELECT groupUniqArrayIf(diagnosis_id, state = 'open'), groupUniqArrayIf(diagnosis_id, "
+        "state = 'resolved') FROM diagnoses WHERE job_id = {j:String}"
+    )
+    while True:
+        opened, resolved = query(settings, said, j=job)[0]
+        if set(opened) <= set(resolved):
+            time.sleep(SETTLE_MARGIN_S)
+            return
+        if time.monotonic() >= fixed_settle_ends:
+            return
+        time.sleep(0.25)
+
+
 @contextlib.contextmanager
 def private_stack(home: Path, **env: str) -> Iterator[StackSettings]:
     """`perfloop up --detach` on ``home`` and free ports (plus ``env``); on exit `down`, and
@@ -106,8 +174,17 @@ def private_stack(home: Path, **env: str) -> Iterator[StackSettings]:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackSettings]:
-    with private_stack(tmp_path_factory.mktemp("perfloop-home")) as settings:
+def stack_metrics_port() -> int:
+    """The port of the session stack's stream worker's /metrics."""
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, stack_metrics_port: int
+) -> Iterator[StackSettings]:
+    home = tmp_path_factory.mktemp("perfloop-home")
+    with private_stack(home, PERFLOOP_METRICS_PORT=str(stack_metrics_port)) as settings:
         yield settings
 
 

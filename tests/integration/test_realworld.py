@@ -36,7 +36,7 @@ import pytest
 from bench.realworld_jobs.scenarios import JOBS
 from perfloop.settings import StackSettings
 
-from .conftest import perfloop_cli, wait_for
+from .conftest import last_step_ns, perfloop_cli, stream_settled, wait_for
 from .conftest import query as _query
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -45,6 +45,9 @@ torch = pytest.importorskip("torch")
 
 CPUS = len(os.sched_getaffinity(0))
 TOLERANCE = 0.05  # depth-0 spans add up to the step time within this share
+SETTLE_S = 20.0
+"""The longest `stream_settled` waits, past a job's end, for its open diagnoses to be resolved:
+the fixed settle it replaces (the stream tier had ~2 windows to speak)."""
 
 
 def _torchrun(nproc: int, script: str, *args: str) -> list[str]:
@@ -125,22 +128,6 @@ def _named(rows: list[tuple[Any, ...]]) -> set[int]:
     return {r for _, ranks, rank, *_ in rows for r in (ranks or ([rank] if rank >= 0 else []))}
 
 
-def _settled(settings: StackSettings, job: str) -> None:
-    """Wait until the job's end is in the warehouse and the stream tier had ~2 windows to
-    speak (the diagnoses of its last steps land after them)."""
-    wait_for(
-        lambda: _query(
-            settings,
-            "SELECT count() FROM job_lifecycle WHERE job_id = {j:String} AND rank = -1 "
-            "AND state != 'started'",
-            j=job,
-        )[0][0],
-        60,
-        f"the end of job {job} in job_lifecycle",
-    )
-    time.sleep(20)
-
-
 # -- a healthy 2-rank DDP job under tier auto: collectives, no straggler, threads --------------
 
 
@@ -153,7 +140,7 @@ def healthy_ddp(
     cmd = _torchrun(2, "ddp.py", "--fault", "none", "--seconds", "30", "--seed", "11",
                     "--truth", str(truth))  # fmt: skip
     _run(stack_env_vars, job, cmd, tier="auto")
-    _settled(stack, job)
+    stream_settled(stack, job, last_step_ns(truth), at_most_s=SETTLE_S)
     yield job, truth
 
 
@@ -267,12 +254,14 @@ def test_the_slowed_rank_and_only_it_is_named_a_straggler(
     stack: StackSettings, stack_env_vars: dict[str, str], tmp_path: Path
 ) -> None:
     job = f"rw-it-strag-{uuid.uuid4().hex[:8]}"
+    # 14 s slowed after the onset: twice the longest the detector may take to open (15 steps'
+    # median lateness, then at most detect.straggler.max_persist_s = 6 s; ~3 s measured)
     cmd = _torchrun(2, "ddp.py", "--fault", "straggler_compute", "--culprit", "1",
-                    "--slow-factor", "1.0", "--onset-s", "6", "--seconds", "30", "--seed", "12",
+                    "--slow-factor", "1.0", "--onset-s", "6", "--seconds", "20", "--seed", "12",
                     "--truth", str(tmp_path))  # fmt: skip
     _run(stack_env_vars, job, cmd)
     assert _truth(tmp_path, 1)["onset_ns"], "rank 1 became slower"
-    _settled(stack, job)
+    stream_settled(stack, job, last_step_ns(tmp_path), at_most_s=SETTLE_S)
     rows = _diagnoses(stack, job, "straggler")
     assert rows, "no straggler diagnosis"
     assert _named(rows) == {1}, f"straggler diagnoses name ranks {_named(rows)}: {rows}"
@@ -289,7 +278,9 @@ def test_no_recommendation_and_no_diagnosis_for_an_ended_job(
     from perfloop.schemas import Diagnosis, Recommendation
 
     job = f"rw-it-ended-{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, str(JOBS / "single.py"), "--fault", "cpu_loader", "--seconds", "15",
+    # diagnosed (and recommended workers) ~1 s into its 10 s; what follows its end is what
+    # counts, and the wait below is measured from it
+    cmd = [sys.executable, str(JOBS / "single.py"), "--fault", "cpu_loader", "--seconds", "10",
            "--seed", "13", "--truth", str(tmp_path)]  # fmt: skip
     with _Follow(stack, job) as follow:
         _run(stack_env_vars, job, cmd)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,13 +25,16 @@ import pytest
 from bench.realworld_jobs.scenarios import JOBS
 from perfloop.settings import StackSettings
 
-from .conftest import perfloop_cli, query, wait_for
+from .conftest import last_step_ns, perfloop_cli, query, stream_settled
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 torch = pytest.importorskip("torch")
 
 CPUS = len(os.sched_getaffinity(0))
+SETTLE_S = 15.0
+"""The longest `stream_settled` waits, past a job's end, for its open diagnoses to be resolved:
+the fixed settle it replaces (the diagnoses of its last steps land after its end)."""
 
 
 def _run(env: dict[str, str], job: str, cmd: list[str], *, tier: str = "observe") -> int:
@@ -40,20 +42,6 @@ def _run(env: dict[str, str], job: str, cmd: list[str], *, tier: str = "observe"
     out = perfloop_cli("run", "--job-id", job, "--tier", tier, "--no-gpu", "--", *cmd, env=env,
                        timeout=240)  # fmt: skip
     return out.returncode
-
-
-def _settled(settings: StackSettings, job: str) -> None:
-    wait_for(
-        lambda: query(
-            settings,
-            "SELECT count() FROM job_lifecycle WHERE job_id = {j:String} "
-            "AND rank = -1 AND state != 'started'",
-            j=job,
-        )[0][0],
-        60,
-        f"the end of job {job}",
-    )
-    time.sleep(15)  # the diagnoses of its last steps land after its end
 
 
 def _opened(settings: StackSettings, job: str, kind: str) -> list[tuple[Any, ...]]:
@@ -70,14 +58,17 @@ def test_a_hang_names_the_rank_that_stopped_not_the_one_waiting(
     stack: StackSettings, stack_env_vars: dict[str, str], tmp_path: Path
 ) -> None:
     job = f"sd-hang-{uuid.uuid4().hex[:8]}"
+    # gloo's timeout ends the job 14 s into the hang: over twice what the hang takes to open
+    # (a stall of detect.hang.progress_floor_s = 4 s while the other rank reports waiting in
+    # the all-reduce, plus a progress report; ~4.5 s measured)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", str(JOBS / "ddp.py"), "--fault", "hang", "--culprit", "1", "--onset-s", "6",
-           "--pg-timeout-s", "20", "--seconds", "60", "--seed", "21",
+           "--pg-timeout-s", "14", "--seconds", "60", "--seed", "21",
            "--truth", str(tmp_path)]  # fmt: skip
     _run(stack_env_vars, job, cmd)  # gloo's timeout ends it: its exit code is not 0
     truth = json.loads((tmp_path / "rank1.json").read_text())
     assert truth["onset_ns"], "rank 1 stopped"
-    _settled(stack, job)
+    stream_settled(stack, job, last_step_ns(tmp_path), at_most_s=SETTLE_S)
     rows = _opened(stack, job, "hang")
     assert rows, "no hang diagnosis"
     assert {r for _, ranks, *_ in rows for r in ranks} == {1}, rows
@@ -89,10 +80,12 @@ def test_oversubscribed_threads_are_diagnosed_and_lowered_to_the_budget(
     stack: StackSettings, stack_env_vars: dict[str, str], tmp_path: Path
 ) -> None:
     job = f"sd-threads-{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, str(JOBS / "single.py"), "--fault", "threads", "--seconds", "20",
+    # 12 s of steps: the diagnosis and its recommendation come 3 oversubscribed steps in
+    # (detect.threads.persist_steps; ~2 s measured, the steps taking ~0.6 s each)
+    cmd = [sys.executable, str(JOBS / "single.py"), "--fault", "threads", "--seconds", "12",
            "--seed", "22", "--truth", str(tmp_path)]  # fmt: skip
     assert _run(stack_env_vars, job, cmd) == 0
-    _settled(stack, job)
+    stream_settled(stack, job, last_step_ns(tmp_path), at_most_s=SETTLE_S)
     rows = _opened(stack, job, "thread_oversubscription")
     assert rows and {r for _, ranks, *_ in rows for r in ranks} == {0}, rows
     ev = rows[0][3]
@@ -111,10 +104,12 @@ def test_an_io_bound_loader_gets_a_worker_and_is_said_to_be_io_bound(
     stack: StackSettings, stack_env_vars: dict[str, str], tmp_path: Path
 ) -> None:
     job = f"sd-io-{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, str(JOBS / "single.py"), "--fault", "io_loader", "--seconds", "30",
+    # 20 s of steps: the worker is recommended with the diagnosis, applied and kept, and the
+    # diagnosis updated on the loader it runs, within ~5 s of the first step (measured)
+    cmd = [sys.executable, str(JOBS / "single.py"), "--fault", "io_loader", "--seconds", "20",
            "--seed", "23", "--truth", str(tmp_path)]  # fmt: skip
     assert _run(stack_env_vars, job, cmd, tier="auto") == 0
-    _settled(stack, job)
+    stream_settled(stack, job, last_step_ns(tmp_path), at_most_s=SETTLE_S)
     opened = query(
         stack,
         "SELECT min(ts) FROM diagnoses WHERE job_id = {j:String} AND "
