@@ -320,8 +320,9 @@ def _cells(r: JobRow, now_ns: int) -> list[str]:
 def fit_widths(cells: Sequence[Sequence[str]], width: int) -> list[int]:
     """Column widths for ``cells`` (header first) within ``width`` with `_GAP` between: the
     fixed columns as wide as their widest cell; when the rest does not fit, the diagnoses and
-    the change narrow first, down to their longest word (they wrap between words), then the
-    job column, down to 12 (an id folds), and only then any of them further.
+    the change narrow first, down to their longest word (they wrap between words), then down
+    to 12 (a long word folds), then the job column, down to 12 (an id folds: ids are what a
+    user copies, so they fold last), and only then any of them further.
     """
     n = len(cells[0])
     lines = [[line for row in cells for line in row[i].split("\n")] for i in range(n)]
@@ -330,8 +331,8 @@ def fit_widths(cells: Sequence[Sequence[str]], width: int) -> list[int]:
     flexible = [i for i in _FLEXIBLE if i < n]
     widths = list(natural)
     excess = sum(widths) + _GAP * (n - 1) - width
-    floors = [(flexible[1:], lambda i: word[i]), (flexible[:1], lambda i: min(natural[i], 12)),
-              (flexible, lambda i: 1)]  # fmt: skip
+    floors = [(flexible[1:], lambda i: word[i]), (flexible[1:], lambda i: min(natural[i], 12)),
+              (flexible[:1], lambda i: min(natural[i], 12)), (flexible, lambda i: 1)]  # fmt: skip
     for cols, floor in floors:
         while excess > 0:
             room = [i for i in cols if widths[i] > floor(i)]
