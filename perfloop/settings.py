@@ -29,6 +29,7 @@ from perfloop._webhook_values import (
 __all__ = [
     "DEFAULT_WEBHOOK_KINDS",
     "WEBHOOK_EVENTS",
+    "AccountantSettings",
     "ActuatorSettings",
     "BaseServiceSettings",
     "NotifierSettings",
@@ -189,6 +190,9 @@ class StackSettings(BaseServiceSettings):
     )
     webhook_urls: Annotated[tuple[str, ...], NoDecode] = ()
     """`NotifierSettings.webhook_urls`: when any is set, `up` starts the notifier too."""
+    accounting: bool = True
+    """`up` starts the accountant (`AccountantSettings`), which stores each ended job's
+    accounting in the warehouse's ``job_accounting`` table."""
 
     @field_validator("webhook_urls", mode="before")
     @classmethod
@@ -422,6 +426,21 @@ class ReportSettings(BaseServiceSettings):
     """Peak FLOP/s of the CPUs one rank runs on, for the MFU of a job without GPUs."""
     report_warmup_steps: int = Field(3, ge=0, le=1_000_000)
     """The first steps of each rank counted as warm-up, not goodput."""
+
+
+class AccountantSettings(ReportSettings):
+    """The accountant (`perfloop service accountant`, `perfloop.report.accountant`): each
+    ended job's accounting, priced and peaked like `perfloop report`, into ``job_accounting``."""
+
+    accounting_interval_s: float = Field(10.0, gt=0, le=3600)
+    """How often the accountant looks for jobs that ended (one small query on
+    ``job_lifecycle``)."""
+    accounting_settle_s: float = Field(15.0, ge=0, le=86_400)
+    """How long after it first sees a job's end the accountant waits before it accounts for
+    the job: the sink holds telemetry rows up to ``flush_interval_s`` (5 s) before they land."""
+    accounting_lookback_s: float = Field(7 * 86_400.0, gt=0)
+    """Only jobs whose end is at most this old are accounted for (a first start on an old
+    warehouse does not account for its whole history)."""
 
 
 _S = TypeVar("_S", bound=BaseSettings)

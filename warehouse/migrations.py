@@ -275,3 +275,63 @@ MIGRATIONS = (
         ),
     ),
 )
+
+
+# -- migration 17: each ended job's accounting ------------------------------------------------
+# One row per job and accounting (the accountant service, `perfloop.report.accountant`, writes
+# one when a job ends, and again when it ends again after a restart); ReplacingMergeTree keeps
+# the latest ``computed`` per job once merged (read it with FINAL, or argMax by ``computed``).
+_JOB_ACCOUNTING = """CREATE TABLE IF NOT EXISTS job_accounting (
+    job_id LowCardinality(String),
+    computed DateTime64(9, 'UTC'),
+    lifecycle_end DateTime64(9, 'UTC'),
+    state LowCardinality(String),
+    started DateTime64(9, 'UTC'),
+    ended DateTime64(9, 'UTC'),
+    wall_s Float64,
+    ranks UInt32,
+    gpus UInt32,
+    cpus UInt32,
+    steps_per_rank Float64,
+    goodput Float64,
+    productive_s Float64,
+    data_wait_s Float64,
+    straggler_wait_s Float64,
+    hang_s Float64,
+    restart_s Float64,
+    checkpoint_s Float64,
+    eval_s Float64,
+    warmup_s Float64,
+    startup_s Float64,
+    idle_s Float64,
+    mean_step_ms Nullable(Float64),
+    samples_per_s Nullable(Float64),
+    tokens_per_s Nullable(Float64),
+    mfu Nullable(Float64),
+    mfu_wall Nullable(Float64),
+    energy_wh Nullable(Float64),
+    energy_per_step_j Nullable(Float64),
+    price_per_hour Nullable(Float64),
+    cost Nullable(Float64),
+    cost_per_step Nullable(Float64),
+    cost_per_million_tokens Nullable(Float64),
+    cost_of_badput Nullable(Float64),
+    currency LowCardinality(String),
+    diagnosis_ids Array(String),
+    diagnosis_bottlenecks Array(LowCardinality(String)),
+    diagnosis_hours Array(Float64),
+    diagnosis_costs Array(Float64),
+    notes Map(String, String)
+)
+ENGINE = ReplacingMergeTree(computed)
+ORDER BY job_id"""
+
+MIGRATIONS = (
+    *MIGRATIONS,
+    Migration(
+        17,
+        "job_accounting: each ended job's goodput and badput by cause, throughput, MFU, energy "
+        "and money",
+        (_JOB_ACCOUNTING,),
+    ),
+)

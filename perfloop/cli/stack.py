@@ -20,7 +20,7 @@ __all__ = [
     "up_command",
 ]
 
-SERVICE_NAMES = ("warehouse", "streams", "sink", "actuator", "notifier")
+SERVICE_NAMES = ("warehouse", "streams", "sink", "actuator", "notifier", "accountant")
 """What ``perfloop service NAME`` runs in the foreground."""
 
 
@@ -115,6 +115,11 @@ def service_command(args: argparse.Namespace) -> int:
         from perfloop.settings import NotifierSettings
 
         service = NotifierService(load_settings(NotifierSettings))
+    elif args.name == "accountant":
+        from perfloop.report.accountant import Accountant
+        from perfloop.settings import AccountantSettings
+
+        service = Accountant(load_settings(AccountantSettings))
     else:
         from perfloop.actuators.service import ActuatorService
         from perfloop.settings import ActuatorSettings

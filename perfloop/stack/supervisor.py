@@ -2,8 +2,9 @@
 
 `Supervisor` starts, watches and restarts perfloop's processes — the Tansu broker and the chDB
 warehouse server (embedded mode only), then the topics and migrations, then the stream
-workers, the sink and the actuator service (and the notifier, `perfloop.notify`, when
-``PERFLOOP_WEBHOOK_URLS`` is set) — and records them in ``$PERFLOOP_HOME/stack.json``.
+workers, the sink, the actuator service and the accountant (`perfloop.report.accountant`;
+and the notifier, `perfloop.notify`, when ``PERFLOOP_WEBHOOK_URLS`` is set) — and records
+them in ``$PERFLOOP_HOME/stack.json``.
 `down` stops exactly what `up` started and nothing else: the supervisor's process group and
 the services it recorded. Logs are ``$PERFLOOP_HOME/logs/<service>.log``.
 
@@ -67,7 +68,9 @@ from perfloop.stack.broker import RETENTION_NOTE, broker_argv
 from perfloop.warehouse import migrate
 
 __all__ = [
+    "ACCOUNTANT",
     "NOTIFIER",
+    "OPTIONAL_SERVICES",
     "SERVICES",
     "STATE_FILE",
     "Supervisor",
@@ -81,9 +84,12 @@ __all__ = [
 
 STATE_FILE = "stack.json"
 SERVICES = ("streams", "sink", "actuator")
+ACCOUNTANT = "accountant"
+"""Started after `SERVICES` unless ``accounting`` is off (`perfloop.report.accountant`)."""
 NOTIFIER = "notifier"
 """Started after `SERVICES` when webhook URLs are set (`perfloop.notify`)."""
-IDLE_SERVICES = frozenset({"warehouse", "sink"})
+OPTIONAL_SERVICES = (ACCOUNTANT, NOTIFIER)
+IDLE_SERVICES = frozenset({"warehouse", "sink", ACCOUNTANT})
 """What runs under ``SCHED_IDLE`` with ``stack_priority`` "idle": history, not the loop (which
 runs under ``SCHED_BATCH``)."""
 
@@ -128,9 +134,14 @@ def _at_priority(priority: str, start: Callable[[], subprocess.Popen[bytes]]) ->
 
 
 def services_for(settings: StackSettings) -> tuple[str, ...]:
-    """The perfloop services `up` starts: `SERVICES`, and the notifier when a webhook URL is
-    set (``PERFLOOP_WEBHOOK_URLS``)."""
-    return (*SERVICES, NOTIFIER) if settings.webhook_urls else SERVICES
+    """The perfloop services `up` starts: `SERVICES`, the accountant unless ``accounting`` is
+    off (``PERFLOOP_ACCOUNTING=0``), and the notifier when a webhook URL is set
+    (``PERFLOOP_WEBHOOK_URLS``)."""
+    return (
+        *SERVICES,
+        *((ACCOUNTANT,) if settings.accounting else ()),
+        *((NOTIFIER,) if settings.webhook_urls else ()),
+    )
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -291,8 +302,8 @@ class Supervisor:
         ``stop_timeout_s`` has passed since the stop began."""
         self._stop.set()
         deadline = time.monotonic() + self.settings.stop_timeout_s
-        services = [c for c in self._children if c.name in (*SERVICES, NOTIFIER)]
-        rest = [c for c in self._children if c.name not in (*SERVICES, NOTIFIER)]
+        services = [c for c in self._children if c.name in (*SERVICES, *OPTIONAL_SERVICES)]
+        rest = [c for c in self._children if c.name not in (*SERVICES, *OPTIONAL_SERVICES)]
         for wave in (services, rest):
             for child in reversed(wave):
                 if child.proc is not None and child.proc.poll() is None:

@@ -184,7 +184,13 @@ def stack(
     tmp_path_factory: pytest.TempPathFactory, stack_metrics_port: int
 ) -> Iterator[StackSettings]:
     home = tmp_path_factory.mktemp("perfloop-home")
-    with private_stack(home, PERFLOOP_METRICS_PORT=str(stack_metrics_port)) as settings:
+    with private_stack(
+        home,
+        PERFLOOP_METRICS_PORT=str(stack_metrics_port),
+        # The accountant: an ended job's row within seconds (the sink's 5 s flush, and a margin).
+        PERFLOOP_ACCOUNTING_INTERVAL_S="1",
+        PERFLOOP_ACCOUNTING_SETTLE_S="8",
+    ) as settings:
         yield settings
 
 

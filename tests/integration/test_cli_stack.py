@@ -34,7 +34,8 @@ def test_down_leaves_no_process_behind(tmp_path: Path) -> None:
         state = read_state(settings_for(env))
         assert state is not None
         first = [state["supervisor_pid"]] + [s["pid"] for s in state["services"].values()]
-        assert len(first) == 6 and all(pid_alive(p) for p in first)
+        # the supervisor, broker, warehouse, stream worker, sink, actuator and accountant
+        assert len(first) == 7 and all(pid_alive(p) for p in first)
 
         again = perfloop_cli("up", "--detach", env=env)  # idempotent: reports the running stack
         assert again.returncode == 0 and read_state(settings_for(env)) == state

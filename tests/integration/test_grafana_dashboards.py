@@ -6,7 +6,8 @@ starving data loader and its job agent (the loop closes: diagnosis, recommendati
 command, applied, kept; the models' predictions), a job in tier ``approve`` with a Slurm
 identity whose recommendations are left pending or rejected with ``perfloop reject``, a job in
 dry run with a Kubernetes identity (a dry run and a refusal) and a poison message that goes to
-the dead-letter topic. Each dashboard's SQL is then expanded the way Grafana and the ClickHouse
+the dead-letter topic; the simulated job's end is accounted for by the stack's accountant.
+Each dashboard's SQL is then expanded the way Grafana and the ClickHouse
 data source plugin expand it (`_Grafana`) and run as the plugin would send it.
 """
 
@@ -342,6 +343,9 @@ def _wait_ready(stack: StackSettings, made: _Made) -> None:
             "SELECT uniqExact(scheduler) = 2 FROM job_info WHERE job_id IN ({b:String}, {c:String})"
         ),
         "the dead letter": "SELECT count() FROM dead_letters WHERE key = {a:String}",
+        "the ended job's accounting": (
+            "SELECT count() FROM job_accounting WHERE job_id = {a:String}"
+        ),
     }
     params = {"a": made.sim_job, "b": made.approve_job, "c": made.dry_job, "r": made.rejected_rec}
 
@@ -500,11 +504,14 @@ def _check_content(
     if name == "job":
         assert {"kept", "issued", "applied"} <= cells["Recommendations and what became of them"]
         assert "dataloader_starvation" in cells["Diagnoses, open first"]
+        assert "dataloader_starvation" in cells["What each diagnosis cost"]
+        assert "productive" in cells["Where the wall time went"]
     elif name == "cluster":
         assert {"slurm", "kubernetes"} <= set(grafana.options["scheduler"])
         assert {made.approve_job, made.dry_job} <= cells[
             "Jobs: running first, then those that ended in the time range"
         ]
+        assert made.sim_job in cells["Ended jobs: goodput, badput by cause, throughput and cost"]
     elif name == "control-loop":
         assert made.pending_rec in " ".join(cells["Pending approvals"])
         assert "kept" in cells["Expected vs measured gain of each change"]

@@ -40,7 +40,14 @@ def test_status_reports_every_service(stack: StackSettings) -> None:
     assert doc["kafka_bootstrap"] == f"127.0.0.1:{stack.kafka_port}"
     assert doc["clickhouse_url"] == f"http://127.0.0.1:{stack.clickhouse_port}"
     assert doc["kafka_reachable"] and doc["clickhouse_reachable"]
-    assert set(doc["services"]) == {"broker", "warehouse", "streams", "sink", "actuator"}
+    assert set(doc["services"]) == {
+        "broker",
+        "warehouse",
+        "streams",
+        "sink",
+        "actuator",
+        "accountant",
+    }
     assert all(s["state"] == "running" for s in doc["services"].values())
     assert "no retention" in doc["broker_retention"]
 

@@ -133,3 +133,58 @@ def test_report_of_a_published_job_has_its_plots_and_figures(
     assert unknown.stderr.count("\n") == 1
     assert unknown.stderr.startswith(f"perfloop: unknown job '{job}-nope'")
     assert not (tmp_path / "x.html").exists()
+
+
+def test_an_ended_job_s_accounting_lands_in_the_warehouse(stack: StackSettings) -> None:
+    """The stack's accountant stores what the report computes, once the job's end is seen:
+    the same figures, priced at the default 2.5 USD per GPU-hour; the wall time's categories
+    sum to it; the job's diagnosis priced; a job that ends again is accounted for again."""
+    from perfloop.report import make_report
+    from perfloop.settings import ReportSettings
+
+    job = f"acct-{uuid.uuid4().hex[:8]}"
+    t0 = (time.time_ns() - 20 * NS) // NS * NS
+    _publish(stack, job, t0)
+    sql = (
+        "SELECT state, wall_s, ranks, gpus, goodput, productive_s + data_wait_s + "
+        "straggler_wait_s + hang_s + restart_s + checkpoint_s + eval_s + warmup_s + startup_s "
+        "+ idle_s, mfu, price_per_hour, cost, currency, energy_wh, diagnosis_bottlenecks, "
+        "diagnosis_costs, toUnixTimestamp64Nano(lifecycle_end), samples_per_s "
+        "FROM job_accounting FINAL WHERE job_id = {j:String}"
+    )
+    wait_for(lambda: query(stack, sql, j=job), 60, "the job's accounting row")
+    (state, wall, ranks, gpus, goodput, parts, mfu_, price, cost, cur, wh, kinds, costs, end,
+     sps) = query(stack, sql, j=job)[0]  # fmt: skip
+    report = make_report(ReportSettings(**_warehouse_of(stack)), job).summary
+    assert (state, ranks, gpus, cur) == ("finished", 2, 2, "USD")
+    assert wall == pytest.approx(12.0) and parts == pytest.approx(wall)
+    assert goodput == pytest.approx(report.time.goodput) and 0.6 < goodput < 0.7
+    assert mfu_ == pytest.approx(report.figure("MFU").value)
+    assert sps == pytest.approx(report.figure("samples/s").value)
+    assert wh == pytest.approx(report.figure("energy").value)
+    assert price == pytest.approx(5.0)  # 2 GPUs at 2.5 an hour
+    assert cost == pytest.approx(5.0 * 12.0 / 3600)
+    # the published straggler, and what the stream worker diagnosed on the same steps
+    assert "straggler" in kinds and costs[kinds.index("straggler")] > 0
+    assert sorted(costs) == pytest.approx(sorted(d.total for d in report.diagnoses))
+    assert end == t0 + 12 * NS
+
+    # The job resumes under the same id and ends again: a second accounting, the latest kept.
+    later = t0 + 15 * NS
+    pub = Publisher(stack)
+    try:
+        for dt, state, code in ((0, "started", None), (NS, "failed", 1)):
+            e = JobLifecycle(ts_ns=later + dt, job_id=job, node="n0", rank=-1, state=state,
+                             exit_code=code)  # fmt: skip
+            assert pub.publish(Topics.JOB, job, encode_event(e))
+        assert pub.flush(10) == 0
+    finally:
+        pub.close()
+    wait_for(lambda: query(stack, sql, j=job)[0][0] == "failed", 60, "the job's second accounting")
+    again = query(stack, sql, j=job)[0]
+    assert again[1] == pytest.approx(16.0)  # from the first start to the second end
+
+
+def _warehouse_of(stack: StackSettings) -> dict[str, object]:
+    return {"home": stack.home, "clickhouse_port": stack.clickhouse_port,
+            "kafka_port": stack.kafka_port}  # fmt: skip

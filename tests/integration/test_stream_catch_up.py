@@ -71,7 +71,7 @@ def test_a_worker_behind_its_input_raises_its_group_and_the_brokers(
         "the worker's and the broker's groups at nice 10",
     )
     assert "input behind: scheduling group raised to nice 10" in log.read_text()
-    for name in ("warehouse", "sink", "actuator"):
+    for name in ("warehouse", "sink", "actuator", "accountant"):
         assert _nice(pids[name]) == AUTOGROUP_NICE, name
 
 

@@ -19,7 +19,12 @@ from typing import Any
 
 import pytest
 
-from perfloop.settings import ActuatorSettings, SinkSettings, StreamsSettings
+from perfloop.settings import (
+    AccountantSettings,
+    ActuatorSettings,
+    SinkSettings,
+    StreamsSettings,
+)
 
 yaml = pytest.importorskip("yaml", reason="pyyaml (dev extra) is needed to read compose.yaml")
 
@@ -29,13 +34,14 @@ COMPOSE = DOCKER / "compose.yaml"
 DOCKERFILE = DOCKER / "Dockerfile"
 DOCKERIGNORE = DOCKER / "Dockerfile.dockerignore"
 
-PERFLOOP_SERVICES = ("migrate", "streams", "sink", "actuator")
-SERVICE_SETTINGS = (StreamsSettings, SinkSettings, ActuatorSettings)
+PERFLOOP_SERVICES = ("migrate", "streams", "sink", "actuator", "accountant")
+SERVICE_SETTINGS = (StreamsSettings, SinkSettings, ActuatorSettings, AccountantSettings)
 EXPECTED_COMMANDS = {
     "migrate": ["migrate"],
     "streams": ["service", "streams"],
     "sink": ["service", "sink"],
     "actuator": ["service", "actuator"],
+    "accountant": ["service", "accountant"],
 }
 # What a deployer supplies; everything else has a default in compose.yaml.
 REQUIRED_VARS = {

@@ -26,7 +26,7 @@ from perfloop.settings import (
     StackSettings,
     check_environment,
 )
-from perfloop.stack.supervisor import NOTIFIER, SERVICES, services_for
+from perfloop.stack.supervisor import ACCOUNTANT, NOTIFIER, SERVICES, services_for
 
 NS = 1_000_000_000
 T0 = 1_800_000_000 * NS
@@ -254,9 +254,10 @@ def test_settings_take_lists_and_all() -> None:
 
 
 def test_up_starts_the_notifier_only_when_a_webhook_url_is_set() -> None:
-    assert services_for(StackSettings()) == SERVICES
+    assert services_for(StackSettings()) == (*SERVICES, ACCOUNTANT)
     with_hook = StackSettings(webhook_urls="https://hooks.example.com/x")
-    assert services_for(with_hook) == (*SERVICES, NOTIFIER)
+    assert services_for(with_hook) == (*SERVICES, ACCOUNTANT, NOTIFIER)
+    assert services_for(StackSettings(accounting=False)) == SERVICES
 
 
 def test_the_notifier_service_without_a_url_is_one_line(
