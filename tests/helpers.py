@@ -6,7 +6,9 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import socket
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +124,27 @@ def recommendation(**kw: Any) -> Any:
         rationale="waits for input",
     )
     return Recommendation(**(fields | kw))
+
+
+# -- Chrome DevTools' trace engine, an independent reader of the traces perfloop exports ------
+DEVTOOLS_TRACE = Path(__file__).resolve().parent / "tools" / "devtools_trace"
+"""A Node package pinning Chrome DevTools' trace engine (`@paulirish/trace_engine`, the
+Performance panel's parser) and ``parse.mjs``, which prints what it read; ``make
+devtools-trace`` installs it (npm)."""
+DEVTOOLS_READY = shutil.which("node") is not None and (DEVTOOLS_TRACE / "node_modules").is_dir()
+needs_devtools = pytest.mark.skipif(
+    not DEVTOOLS_READY,
+    reason="Chrome DevTools' trace engine is not installed (`make devtools-trace`: node and npm)",
+)
+
+
+def devtools_read(path: Path) -> dict[str, Any]:
+    """What Chrome DevTools' trace engine makes of the trace at ``path``: ``threads``, one per
+    process (``pid``) and thread (``tid``) it found, each with its ``name`` and ``entries``
+    ([category, name, ts_us, dur_us] of every event it draws on the thread)."""
+    out = subprocess.run(
+        ["node", str(DEVTOOLS_TRACE / "parse.mjs"), str(path)],
+        capture_output=True, text=True, timeout=120, cwd=DEVTOOLS_TRACE,
+    )  # fmt: skip
+    assert out.returncode == 0, f"DevTools' trace engine could not read {path}: {out.stderr}"
+    return json.loads(out.stdout)  # type: ignore[no-any-return]

@@ -23,6 +23,7 @@ import pytest
 
 from perfloop.cli._export_trace import check_trace
 from perfloop.settings import StackSettings
+from tests.helpers import DEVTOOLS_READY, devtools_read
 
 from .conftest import perfloop_cli, wait_for
 from .conftest import query as _query
@@ -272,6 +273,12 @@ def test_torchrun_ranks_world_size_and_collectives(
         assert got == list(range(n)), f"rank {rank}: steps {got[:5]}… of {n}"
         mine = {e["cat"] for e in xs if e["pid"] == rank}
         assert {"forward", "backward", "optimizer", "comm", "collective"} <= mine, mine
+    if DEVTOOLS_READY:  # and as Chrome DevTools' trace engine reads it (`make devtools-trace`)
+        read = devtools_read(trace_file)["threads"]
+        threads = {(t["pid"], t["name"]): t["entries"] for t in read}
+        for rank, (_, n) in ranks.items():
+            assert [e[1] for e in threads[(rank, "steps")]] == [f"step {i}" for i in range(n)]
+            assert threads[(rank, "phases")] and threads[(rank, "collectives")]
     part = perfloop_cli("export", job, "--steps", "2..4", "-o", str(trace_file), env=stack_env_vars)
     assert part.returncode == 0, part.stderr
     kept = json.loads(trace_file.read_text())["traceEvents"]

@@ -4,11 +4,14 @@ viewer can draw (nested on each thread), and the format's rules checked."""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 
 from perfloop.cli._export_trace import COMM_TID, check_trace, chrome_trace
 from perfloop.cli.export import step_range
+from tests.helpers import devtools_read, needs_devtools
 
 MS = 1_000_000
 
@@ -89,3 +92,24 @@ def test_step_ranges() -> None:
     for bad in ("a..b", "5..2", "-1", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             step_range(bad)
+
+
+@needs_devtools
+def test_chrome_devtools_reads_every_step_span_and_collective(tmp_path: Path) -> None:
+    """Chrome DevTools' own trace engine (not perfloop's check) finds each rank as a process
+    with its named threads, and every step, span and collective on them, where they were."""
+    trace = chrome_trace("j", **_job())
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    read = devtools_read(path)
+    threads = {(t["pid"], t["name"]): t["entries"] for t in read["threads"]}
+    for rank in (0, 1):
+        steps = threads[(rank, "steps")]
+        assert [e[1] for e in steps] == ["step 0", "step 1", "step 2"]
+        assert all(e[3] == 10_000 for e in steps)  # 10 ms each, in microseconds
+        phases = [e[0] for e in threads[(rank, "phases")]]
+        assert phases == ["data_wait", "forward", "backward", "comm", "optimizer"] * 3
+        colls = threads[(rank, "collectives")] + threads[(rank, "collectives 2")]
+        assert len(colls) == 6 and {e[1] for e in colls} == {"all_reduce"}
+    drawn = sum(len(t["entries"]) for t in read["threads"])
+    assert drawn == sum(e["ph"] == "X" for e in trace["traceEvents"])
