@@ -1,7 +1,8 @@
 """What `perfloop jobs` shows about each job, built from warehouse rows: pure functions, no I/O.
 
 A job's state comes from its lifecycle events and its last telemetry (`job_state`): a job whose
-ranks or wrapper said ``failed``/``killed`` is ``failed``, one that said ``finished`` is
+ranks or wrapper said ``failed`` is ``failed``; else one that said ``killed`` (stopped by a
+signal: a person's Ctrl-C, a scheduler's cancel) is ``killed``; one that said ``finished`` is
 ``finished``; otherwise it is ``running`` while it was seen in the last `SILENT_AFTER_S`
 seconds and ``silent`` after. `build_rows` joins the per-job aggregates of each query into
 `JobRow`s; `to_json` and `render_table` print them for scripts and for people.
@@ -35,7 +36,7 @@ SILENT_AFTER_S = 60.0
 """A job not terminated and not seen for this long is ``silent`` (its producers stopped
 publishing: the process hung hard, its node is gone, or the broker is unreachable from it)."""
 
-_ENDED = {"finished": "finished", "failed": "failed", "killed": "failed"}
+_ENDED = {"finished": "finished", "failed": "failed", "killed": "killed"}
 _VERDICTS = {"kept": "kept", "rolled_back": "rolled back", "rejected": "rejected"}
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -132,6 +133,8 @@ def job_state(
     >>> now = 100 * NS
     >>> job_state([(-1, "started", None), (0, "failed", 1)], now, now)
     ('failed', 1)
+    >>> job_state([(-1, "killed", 130), (0, "finished", 0)], now, now)
+    ('killed', 130)
     >>> job_state([(0, "finished", 0), (1, "finished", 0)], now, now)
     ('finished', 0)
     >>> job_state([(-1, "started", None)], now - 61 * NS, now)
@@ -140,9 +143,10 @@ def job_state(
     ('running', None)
     """
     latest = {rank: (state, code) for rank, state, code in lifecycle}
-    failed = [(s, c) for s, c in latest.values() if _ENDED.get(s) == "failed"]
-    if failed:
-        return "failed", next((c for _, c in failed if c is not None), None)
+    for end in ("failed", "killed"):
+        ended = [(s, c) for s, c in latest.values() if _ENDED.get(s) == end]
+        if ended:
+            return end, next((c for _, c in ended if c is not None), None)
     whole = latest.get(-1)
     if whole is not None and whole[0] == "finished":
         return "finished", whole[1]
@@ -292,7 +296,13 @@ def _num(v: float | None, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-_STATE_STYLE = {"running": "green", "silent": "yellow", "failed": "red", "finished": "dim"}
+_STATE_STYLE = {
+    "running": "green",
+    "silent": "yellow",
+    "failed": "red",
+    "killed": "yellow",
+    "finished": "dim",
+}
 
 
 _HEADS = ("JOB", "STATE", "RANKS", "NODES", "STEP ms", "STEP/s", "OPEN DIAGNOSES",

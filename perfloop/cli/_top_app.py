@@ -27,8 +27,8 @@ __all__ = ["TopApp"]
 
 _PHASE_HEADS = {"data_wait": "DATA%", "forward": "FWD%", "backward": "BWD%", "comm": "COMM%",
                 "optimizer": "OPT%", "other": "OTHER%"}  # fmt: skip
-_STATE_STYLE = {"running": "green", "silent": "yellow", "failed": "red", "finished": "dim",
-                "waiting": "dim"}  # fmt: skip
+_STATE_STYLE = {"running": "green", "silent": "yellow", "failed": "red", "killed": "yellow",
+                "finished": "dim", "waiting": "dim"}  # fmt: skip
 _HEADS = {
     "jobs": ("", "JOB", "STATE", "RANKS", "STEP ms", "STEP/s", "OPEN DIAGNOSES", "LAST CHANGE",
              "SEEN"),

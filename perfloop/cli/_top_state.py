@@ -124,7 +124,7 @@ class TopState:
         """What the warehouse knows of recent jobs (`perfloop jobs`' rows)."""
         for r in rows:
             j = self._saw(r.job_id, r.last_seen_ns)
-            if r.state in ("finished", "failed") and -1 not in j.lifecycle:
+            if r.state in ("finished", "failed", "killed") and -1 not in j.lifecycle:
                 j.lifecycle[-1] = (r.state, r.exit_code)
             j.world_size = j.world_size or (r.ranks or 0)
             j.seed_step_ms, j.seed_steps_per_s = r.step_time_ms, r.steps_per_s

@@ -1,7 +1,7 @@
 """``perfloop jobs [--all] [--since 1d] [--json]``: the running and recent jobs, from the warehouse.
 
-Per job: its state (running, finished, failed, or silent: not ended and nothing heard from it
-for a minute), its ranks and nodes, its recent step time (median over the last
+Per job: its state (running, finished, failed, killed, or silent: not ended and nothing heard
+from it for a minute), its ranks and nodes, its recent step time (median over the last
 `RECENT_S` seconds of its steps, all ranks) and steps per second, its open diagnoses (the
 bottleneck, its ranks and share of the step), its last change (the knob, from → to) and what
 became of it (kept, rolled back, rejected, or pending), when it started and when it was last

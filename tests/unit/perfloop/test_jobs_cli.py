@@ -34,7 +34,8 @@ NOW = 1_800_000_000 * NS
         ([(-1, "started", None)], 61, ("silent", None)),
         ([], 5, ("running", None)),  # telemetry only (a replayed trace): running while heard
         ([(-1, "started", None), (1, "failed", 3), (0, "running", None)], 1, ("failed", 3)),
-        ([(-1, "killed", 137)], 1, ("failed", 137)),
+        ([(-1, "killed", 137)], 1, ("killed", 137)),  # stopped by a signal: not a failure
+        ([(-1, "killed", 130), (1, "failed", 1)], 1, ("failed", 1)),  # a rank's failure first
         ([(-1, "finished", 0), (0, "finished", 0)], 500, ("finished", 0)),
         ([(0, "finished", 0), (1, "finished", 0)], 500, ("finished", 0)),  # no wrapper
         ([(0, "finished", 0), (1, "running", None)], 500, ("silent", None)),  # one rank left
