@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-from perfloop.exceptions import PerfloopError, WarehouseError
+from perfloop.exceptions import WarehouseError
 from perfloop.report.accounting import CATEGORIES, Prices
 from perfloop.report.data import JobData, load_job
 from perfloop.report.summary import Peaks, Summary, summarise
@@ -138,7 +138,7 @@ def row(data: JobData, summary: Summary, *, lifecycle_end_ns: int, computed_ns: 
         float(steps),
         t.goodput,
         *(t.seconds(c) for c in CATEGORIES),
-        *(figures[name].value for name in _FIGURES),
+        *(figures[name].value if name in figures else None for name in _FIGURES),
         summary.currency,
         [d.diagnosis_id for d in summary.diagnoses],
         [d.bottleneck for d in summary.diagnoses],
@@ -225,9 +225,10 @@ class Accountant:
         except WarehouseError as e:
             self._warehouse_down(e)
             return False
-        except (PerfloopError, ValueError, ArithmeticError) as e:
+        except Exception as e:  # one job's rows never stop the service
             self._failed.add((job, lifecycle_end_ns))
-            log.warning("accountant: job %s not accounted for: %s", job, e)
+            log.warning("accountant: job %s not accounted for: %s: %s", job, type(e).__name__,
+                        " ".join(str(e).split())[:300])  # fmt: skip
             return False
         try:
             ch = client(s)

@@ -53,6 +53,19 @@ def test_what_the_report_cannot_compute_is_null_with_its_reason(
     assert r["gpus"] == 0 and r["price_per_hour"] == pytest.approx(8 * 0.05)  # by its CPUs
 
 
+def test_a_job_that_gives_no_gpu_or_cpu_count_is_not_priced(
+    make_job: Callable[..., JobData],
+) -> None:
+    """The report leaves out the money figures it cannot compute; the row holds NULLs."""
+    job = make_job(info={"model_name": "Net", "extra": {}}, gpus=[], gpu_energy=[], nodes={})
+    r = _row(job)
+    for column in ("price_per_hour", "cost", "cost_per_step", "cost_per_million_tokens",
+                   "cost_of_badput"):  # fmt: skip
+        assert r[column] is None, column
+    assert "no GPU or CPU count" in r["notes"]["cost"]  # type: ignore[index]
+    assert r["wall_s"] == pytest.approx(12.0)
+
+
 def test_how_a_job_ended() -> None:
     ended = [{"rank": 0, "state": "finished"}, {"rank": 1, "state": "killed"}]
     assert job_state(ended) == "killed"
