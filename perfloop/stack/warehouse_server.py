@@ -12,7 +12,8 @@ parameter and/or the body (multipart form fields too); ``database`` /
 ``FORMAT x``; query settings as URL parameters (applied with ``SET`` for the one request;
 HTTP-only and unknown names are ignored); ``INSERT ... FORMAT x`` with the data in the body,
 plain or ``Content-Encoding`` gzip / deflate / lz4 / zstd, or ClickHouse ``decompress=1``
-framing (lz4, zstd, none). Responses are never compressed. Errors come back as ClickHouse
+framing (lz4, zstd, none); a Native answer at the ``client_protocol_version`` the client
+sends (`perfloop.stack._native`). Responses are never compressed. Errors come back as ClickHouse
 sends them: status, ``X-ClickHouse-Exception-Code`` and ``Code: N. DB::Exception: ...``.
 
 Example (``python -m perfloop.stack.warehouse_server`` runs the same from the environment):
@@ -59,6 +60,7 @@ from perfloop.stack._clickhouse_http import (
     leading_keywords,
     unframe,
 )
+from perfloop.stack._native import NativeError, at_revision
 
 __all__ = ["WarehouseServer", "main"]
 
@@ -203,6 +205,23 @@ class _Engine:
                 "written_bytes": result.bytes_written,
                 "elapsed_ns": int(result.elapsed * 1e9),
             }
+
+
+def _native_at(revision: str, body: bytes) -> bytes:
+    """chDB's Native ``body`` as a server writes it for a client that sent
+    ``client_protocol_version`` (`perfloop.stack._native`); one error line when it cannot be."""
+    if not revision:
+        return body
+    try:
+        rev = int(revision)
+    except ValueError:
+        raise DBException.of(
+            36, f"client_protocol_version must be a number, not {revision[:40]!r}", 400
+        ) from None
+    try:
+        return at_revision(body, rev)
+    except NativeError as e:
+        raise DBException.of(48, str(e)) from None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -355,6 +374,8 @@ class _Handler(BaseHTTPRequestHandler):
         if fmt.lower() in PYTHON_ONLY_FORMATS or default_fmt.lower() in PYTHON_ONLY_FORMATS:
             raise DBException.of(73, f"Unknown output format {fmt}")
         body, stats = engine.query(sql, default_fmt, binds, database, settings)
+        if fmt.lower() == "native":
+            body = _native_at(params.get("client_protocol_version", ""), body)
         headers = {
             "X-ClickHouse-Query-Id": query_id,
             "X-ClickHouse-Format": fmt,

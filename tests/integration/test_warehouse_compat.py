@@ -335,3 +335,98 @@ def test_perfloop_client_compresses_only_for_an_external_warehouse(
             ]
         finally:
             c.close()
+
+
+# -- Native at a client's protocol revision (clickhouse-go, Grafana's plugin) ------------------
+
+_TYPES = """SELECT number AS n, toString(number) AS s, toLowCardinality(toString(number % 3)) AS lc,
+ if(number % 2 = 0, NULL, number * 1.5) AS nf, range(number % 4) AS arr,
+ arrayMap(x -> toLowCardinality(toString(x)), range(number % 3)) AS alc,
+ map('a', number, 'b', number + 1) AS m, (number, toString(number)) AS t,
+ CAST((number, 'x') AS Tuple(a UInt64, b String)) AS nt,
+ toDateTime64('2026-01-01 00:00:00', 9, 'UTC') + number AS dt, toDecimal64(number, 4) AS d,
+ toFixedString('ab', 2) AS fs, toUUID('00000000-0000-0000-0000-000000000001') AS u,
+ CAST(if(number % 2 = 0, NULL, 'q') AS LowCardinality(Nullable(String))) AS lcn,
+ NULL AS nothing, [[1, 2], [3]] AS nested, CAST('a' AS Enum8('a' = 1, 'b' = 2)) AS e,
+ toIPv4('1.2.3.4') AS ip, true AS b, toDate('2026-01-02') AS dd, [] AS empty,
+ (1.5, 2.5)::Point AS pt
+FROM numbers({rows:UInt32})"""
+
+
+def _driver_rows(data: bytes, revision: int) -> list[tuple[object, ...]]:
+    """Every row of a Native answer as clickhouse-driver (the native-protocol client, an
+    independent reader of the format) reads it from a server at ``revision``."""
+    from clickhouse_driver.bufferedreader import BufferedReader
+    from clickhouse_driver.connection import ServerInfo
+    from clickhouse_driver.context import Context
+    from clickhouse_driver.streams.native import BlockInputStream
+
+    class _Bytes(BufferedReader):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.at = 0
+            super().__init__(1 << 16)
+
+        def read_into_buffer(self) -> None:
+            chunk = data[self.at : self.at + len(self.buffer)]
+            if not chunk:
+                raise EOFError
+            self.at += len(chunk)
+            self.buffer[: len(chunk)] = chunk
+            self.current_buffer_size = len(chunk)
+
+    ctx = Context()
+    ctx.server_info = ServerInfo("perfloop", 1, 1, 1, revision, "UTC", "perfloop", revision)
+    ctx.settings = {}
+    ctx.client_settings = {"use_numpy": False, "strings_as_bytes": False,
+                           "strings_encoding": "utf-8"}  # fmt: skip
+    reader, rows = _Bytes(), []
+    stream = BlockInputStream(reader, ctx)
+    while reader.at < len(data) or reader.position < reader.current_buffer_size:
+        rows += stream.read().get_rows()
+    return rows
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 70_000])  # 70k: several blocks
+def test_native_at_a_clients_protocol_revision(server: WarehouseServer, rows: int) -> None:
+    """As clickhouse-go asks (``default_format=Native&client_protocol_version=54460``): each
+    block with its info header, each column with its serialization byte, every type a
+    dashboard meets, read back by clickhouse-driver at that revision as the same rows it reads
+    from the plain (revision 0) answer."""
+    pytest.importorskip("clickhouse_driver", reason="clickhouse-driver (dev extra) reads Native")
+    status, _, plain = _http(server, _TYPES, default_format="Native", param_rows=str(rows))
+    assert status == 200
+    want = _driver_rows(plain, 0) if plain else []
+    assert len(want) == rows
+    for revision in (54405, 54454, 54460):
+        status, headers, body = _http(server, _TYPES, default_format="Native",
+                                      param_rows=str(rows),
+                                      client_protocol_version=str(revision))  # fmt: skip
+        assert status == 200 and headers["X-ClickHouse-Format"] == "Native"
+        if rows:
+            assert body.startswith(b"\x01\x00\x02\xff\xff\xff\xff\x00")  # the block info
+        assert (_driver_rows(body, revision) if body else []) == want, revision
+
+
+def test_native_at_a_revision_refuses_what_it_cannot_walk_in_one_line(
+    server: WarehouseServer,
+) -> None:
+    sql = "SELECT uniqState(number) AS u FROM numbers(3)"
+    status, _, body = _http(server, sql, default_format="Native", client_protocol_version="54460")
+    assert status == 501 and body.count(b"\n") <= 1
+    assert b"cannot send AggregateFunction(uniq, UInt64) columns in Native format" in body
+    assert _http(server, sql, default_format="Native")[0] == 200  # revision 0: as chDB writes
+    status, _, body = _http(server, "SELECT 1", default_format="Native",
+                            client_protocol_version="new")  # fmt: skip
+    assert status == 400 and b"client_protocol_version must be a number" in body
+
+
+def test_clickhouse_connect_reads_at_its_protocol_revision(server: WarehouseServer) -> None:
+    """clickhouse-connect's probe finds the block info a server writes and reads every answer
+    at revision 54405 since, LowCardinality columns included."""
+    c = _client(server)
+    try:
+        assert c.protocol_version == 54405
+        got = c.query("SELECT toLowCardinality(toString(number % 3)) AS l, number FROM numbers(5)")
+        assert got.result_rows == [(str(i % 3), i) for i in range(5)]
+    finally:
+        c.close()
