@@ -169,8 +169,11 @@ class Policy:
     >>> cmd, d = p.decide(rec, now_ns=10**18)
     >>> cmd.value, cmd.rec_id == rec.event_id, d.outcome
     (5, True, 'issued')
-    >>> p.decide(rec, now_ns=10**18 + 1)[1].reason
+    >>> again = rec.model_copy(update={"event_id": "another", "to_value": 6})
+    >>> p.decide(again, now_ns=10**18 + 1)[1].reason
     'cooldown: dataloader.num_workers changed 0 s ago (minimum 30 s)'
+    >>> p.decide(rec, now_ns=10**18 + 2)[1].reason == f"already issued as command {cmd.event_id}"
+    True
     """
 
     def __init__(
@@ -194,6 +197,7 @@ class Policy:
         self._last_command: dict[tuple[str, str], str] = {}  # (job, knob): its last command id
         self._recent: dict[str, collections.deque[int]] = {}
         self._acted: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._commands: collections.OrderedDict[str, None] = collections.OrderedDict()  # known
         self.job_bounds: dict[str, dict[str, tuple[float, float]]] = {}
         """Per job: the knobs' ranges its own hardware allows (from its job info)."""
         self.action_hook = action_hook
@@ -256,6 +260,39 @@ class Policy:
         del self._last_command[key]
         return self._last_change.pop(key, None) is not None
 
+    def observe_command(self, cmd: Command) -> None:
+        """A command issued for a job, by this policy or by an actuator before it (read back
+        from ``perfloop.control``: after a restart, or when the job's partition moved here):
+        its recommendation counts as acted on (a redelivered one is refused, not issued again),
+        the job's sequence numbers continue above it, and the knob's cooldown runs from it."""
+        self._remember(cmd.rec_id, f"issued as command {cmd.event_id}")
+        self._seq[cmd.job_id] = max(self._seq.get(cmd.job_id, 0), cmd.seq)
+        key = (cmd.job_id, cmd.knob)
+        if cmd.event_id in self._commands:  # known: its own, come back, or read before
+            return
+        self._know(cmd.event_id)
+        if cmd.ts_ns >= self._last_change.get(key, 0):
+            self._last_change[key] = cmd.ts_ns
+            self._last_command[key] = cmd.event_id
+
+    def observe_decision(self, decision: Decision) -> None:
+        """A decision published by this policy's service or one before it: a recommendation
+        decided in dry run, rejected by a person or acted on by the action hook counts as acted
+        on; a hook that ran for a node does not run for it again."""
+        if (
+            decision.outcome not in ("issued", "dry_run", "rejected")
+            or decision.rec_id in self._acted
+        ):
+            return
+        if decision.outcome == "issued" and decision.knob in HOOK_KNOBS:
+            node = str(decision.to_value)
+            self._hook_done.setdefault((decision.job_id, node), decision.ts_ns)
+            self._remember(decision.rec_id, f"acted on: the action hook ran for node {node}")
+        elif decision.outcome == "issued":
+            self._remember(decision.rec_id, f"issued as command {decision.command_id}")
+        else:
+            self._remember(decision.rec_id, f"decided before ({decision.outcome})")
+
     def observe_info(self, info: JobInfo) -> None:
         """Take a job's own knob ranges from its job info (``extra["bounds.<knob>"]`` =
         ``"lo,hi"``, as its job agent publishes them); unreadable ones are ignored."""
@@ -299,8 +336,13 @@ class Policy:
 
     # -- decisions ---------------------------------------------------------------------------
     def decide(self, rec: Recommendation, *, now_ns: int) -> tuple[Command | None, Decision]:
-        """What becomes of a recommendation, by the job's tier."""
+        """What becomes of a recommendation, by the job's tier. One acted on before (by this
+        policy, or by the actuator before a restart: `observe_command`) is refused."""
         rules = self.rules(rec.job_id)
+        if rec.event_id in self._acted:
+            return None, self._decision(
+                rec, rules, now_ns, "refused", f"already {self._acted[rec.event_id]}"
+            )
         why = self.ended(rec.job_id) or _pinned(rec.knob, rules)
         if why:
             return None, self._decision(rec, rules, now_ns, "refused", why)
@@ -452,6 +494,7 @@ class Policy:
             return None, self._decision(src, rules, now_ns, "dry_run", why, actor=actor)
         self._remember(rec_id, f"issued as command {cmd.event_id}")
         self._last_command[key] = cmd.event_id
+        self._know(cmd.event_id)
         return cmd, self._decision(
             src, rules, now_ns, "issued", f"{src.knob} = {value} (seq {cmd.seq})", actor=actor,
             command_id=cmd.event_id,
@@ -493,6 +536,11 @@ class Policy:
         return cmd, self._decision(
             src, rules, now_ns, "issued", f"action hook for {src.knob} = {node}", actor=actor
         )
+
+    def _know(self, command_id: str) -> None:
+        self._commands[command_id] = None
+        while len(self._commands) > ACTED_MEMORY:
+            self._commands.popitem(last=False)
 
     def _remember(self, rec_id: str, what: str) -> None:
         self._acted[rec_id] = what

@@ -38,13 +38,15 @@ in the last day (``job_lifecycle``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import threading
 import time
+import uuid
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from perfloop.actuators.hook import render, run_hook
 from perfloop.actuators.policy import HOOK_KNOBS, KNOB_BOUNDS, JobRules, Policy
@@ -128,8 +130,88 @@ class ActuatorService:
         self.load_settings()
         self.load_ended_jobs()
         self._consumer.subscribe(
-            [Topics.RECOMMENDATIONS, Topics.CONTROL, Topics.JOB, Topics.ACTUATIONS]
+            [Topics.RECOMMENDATIONS, Topics.CONTROL, Topics.JOB, Topics.ACTUATIONS],
+            on_assign=self._on_assign,
         )
+
+    def _on_assign(self, _consumer: Any, partitions: list[TopicPartition]) -> None:
+        """Partitions given to this service (at its start, or moved from another actuator of
+        the group): before any of their messages is handled, read back what was acted on in
+        them (`recall`)."""
+        ours = [p for p in partitions if p.topic in (Topics.CONTROL, Topics.ACTUATIONS)]
+        if ours and self.settings.recall_s > 0:
+            self.recall(ours)
+        log.info("assigned %d partition(s)", len(partitions))
+
+    def recall(self, partitions: list[TopicPartition], *, timeout_s: float = 15.0) -> int:
+        """Read the commands and decisions (and the jobs' verdicts) of the last ``recall_s`` in
+        ``partitions`` of ``perfloop.control`` and ``perfloop.actuations``, up to their ends as
+        they are now, into the policy (`Policy.observe_command`, `observe_decision`,
+        `observe_verdict`): the commands first, then the rest, so a verdict meets its command.
+        The topics are the record of what was acted on: the service publishes a command and its
+        decision before it commits the recommendation's offset, so a recommendation it (or the
+        actuator before it) acted on and did not commit is found here when it comes again.
+        Returns the events read; a broker that does not answer in ``timeout_s`` leaves what was
+        read (one line in the log)."""
+        since_ms = (time.time_ns() // 1_000_000) - int(self.settings.recall_s * 1000)
+        reader = consumer(self.settings, f"perfloop-actuator-recall-{uuid.uuid4().hex[:12]}",
+                          **{"enable.partition.eof": False})  # fmt: skip
+        events: dict[str, list[Any]] = {Topics.CONTROL: [], Topics.ACTUATIONS: []}
+        deadline = time.monotonic() + timeout_s
+        try:
+            asked = [TopicPartition(p.topic, p.partition, since_ms) for p in partitions]
+            starts = reader.offsets_for_times(asked, timeout=timeout_s)
+            todo: dict[tuple[str, int], int] = {}
+            begin = []
+            for tp in starts:
+                low, high = reader.get_watermark_offsets(
+                    TopicPartition(tp.topic, tp.partition), timeout=timeout_s
+                )
+                if tp.error is not None:  # no lookup by time: all of it, filtered by time
+                    offset = low
+                elif tp.offset < 0:  # nothing at or after the time
+                    continue
+                else:
+                    offset = tp.offset
+                if offset < high:
+                    todo[(tp.topic, tp.partition)] = high
+                    begin.append(TopicPartition(tp.topic, tp.partition, offset))
+            reader.assign(begin)
+            while todo and time.monotonic() < deadline:
+                msg = reader.poll(0.2)
+                if msg is None or msg.error():
+                    continue
+                where = (msg.topic(), msg.partition())
+                if msg.timestamp()[1] >= since_ms:
+                    with contextlib.suppress(SchemaError):
+                        events[msg.topic()].append(decode_event(msg.value() or b""))
+                if where in todo and msg.offset() + 1 >= todo[where]:
+                    del todo[where]
+            if todo:
+                log.warning(
+                    "recall: %d partition(s) not read to their end in %.0f s; what was acted "
+                    "on there may be acted on again", len(todo), timeout_s,
+                )  # fmt: skip
+        except KafkaException as e:
+            log.warning("recall: the broker did not answer (%s); what was acted on before may "
+                        "be acted on again", e.args[0].str() if e.args else e)  # fmt: skip
+        finally:
+            reader.close()
+        for ev in events[Topics.CONTROL]:
+            if isinstance(ev, Command):
+                self.policy.observe_command(ev)
+        for ev in events[Topics.ACTUATIONS]:
+            if isinstance(ev, Decision):
+                self.policy.observe_decision(ev)
+            elif isinstance(ev, ActuationResult):
+                self.policy.observe_verdict(ev)
+        n = sum(len(v) for v in events.values())
+        log.info(
+            "recall: %d command(s), %d decision(s) and verdict(s) of the last %.0f s read back "
+            "from %d partition(s)", len(events[Topics.CONTROL]), len(events[Topics.ACTUATIONS]),
+            self.settings.recall_s, len(partitions),
+        )  # fmt: skip
+        return n
 
     def stop(self) -> None:
         self._stop.set()
@@ -267,6 +349,12 @@ class ActuatorService:
             if self.policy.observe_verdict(ev):
                 log.info("%s kept %s (command %s): its cooldown is over", ev.job_id, ev.knob,
                          ev.command_id)  # fmt: skip
+            return None
+        if isinstance(ev, Command):  # issued here, or by another actuator of the group
+            self.policy.observe_command(ev)
+            return None
+        if isinstance(ev, Decision):
+            self.policy.observe_decision(ev)
             return None
         rec: Recommendation | None = None
         if isinstance(ev, Recommendation):

@@ -360,6 +360,12 @@ class ActuatorSettings(BaseServiceSettings):
     ended_job_retention_s: float = Field(300.0, ge=0)
     """A job that ended has its state in the actuator freed this long after (it stays ended:
     its recommendations are refused)."""
+    recall_s: float = Field(3600.0, ge=0)
+    """How far back a starting actuator, or one given a job's partition by its group, reads
+    the commands on ``perfloop.control`` and the decisions and verdicts on
+    ``perfloop.actuations`` (its own, or its predecessor's): a recommendation redelivered after
+    a restart or a failover is not acted on twice, sequence numbers continue, cooldowns hold.
+    0: nothing is read back."""
 
     @field_validator("straggler_hook")
     @classmethod

@@ -378,3 +378,69 @@ def test_a_capture_request_is_refused_in_observe_unsigned_or_out_of_bounds() -> 
     assert cmd is None and "does not verify" in d.reason
     cmd, d = _policy(tier="auto").approve(_capture(steps=500, rec_id="c2"), now_ns=T0 + S)
     assert cmd is None and d.outcome == "refused" and "profiler.capture_steps" in d.reason
+
+
+# -- what was acted on before (a restart, a failover) -----------------------------------------
+
+
+def test_a_recommendation_delivered_again_is_refused_not_issued_again() -> None:
+    policy = _policy(cooldown_s=0)
+    rec = _rec()
+    cmd, _ = policy.decide(rec, now_ns=T0)
+    assert cmd is not None
+    again, d = policy.decide(rec, now_ns=T0 + S)
+    assert again is None and d.outcome == "refused"
+    assert d.reason == f"already issued as command {cmd.event_id}"
+
+
+def test_a_successor_reads_back_its_predecessors_commands() -> None:
+    """Another policy issued the command (the actuator before a restart): the recommendation
+    is not acted on again, the sequence goes on above it and the knob's cooldown holds."""
+    before = _policy(cooldown_s=30)
+    rec = _rec(to_value=2)
+    cmd, _ = before.decide(rec, now_ns=T0)
+    assert cmd is not None
+    after = _policy(cooldown_s=30)
+    after.observe_command(cmd)
+    after.observe_command(cmd)  # read twice (the recall, then the live stream): no harm
+    refused, d = after.decide(rec, now_ns=T0 + S)
+    assert refused is None and d.reason == f"already issued as command {cmd.event_id}"
+    cooled, d = after.decide(_rec(to_value=3), now_ns=T0 + 5 * S)
+    assert cooled is None and d.reason.startswith("cooldown")
+    other, _ = after.decide(_rec(knob="dataloader.prefetch_factor", to_value=4), now_ns=T0)
+    assert other is not None and other.seq > cmd.seq
+    # a kept verdict read back after the command ends the cooldown, as it would have
+    assert after.observe_verdict(_verdict(cmd, "kept"))
+    assert after.decide(_rec(to_value=3), now_ns=T0 + 6 * S)[0] is not None
+
+
+def test_its_own_command_read_back_after_a_kept_verdict_starts_no_cooldown() -> None:
+    policy = _policy(cooldown_s=30)
+    cmd, _ = policy.decide(_rec(to_value=2), now_ns=T0)
+    assert cmd is not None
+    policy.observe_command(cmd)  # its own, back from the control topic
+    assert policy.observe_verdict(_verdict(cmd, "kept"))
+    policy.observe_command(cmd)  # read once more (a recall): the verdict still stands
+    assert policy.decide(_rec(to_value=3), now_ns=T0 + 6 * S)[0] is not None
+
+
+def test_decisions_read_back_hold_dry_runs_rejections_and_hook_runs() -> None:
+    from perfloop.schemas import Decision
+
+    def decision(rec: Recommendation, outcome: str, **kw: Any) -> Decision:
+        return Decision(
+            ts_ns=T0, job_id=rec.job_id, node="n0", rank=-1, rec_id=rec.event_id,
+            knob=rec.knob, from_value=rec.from_value, to_value=rec.to_value, tier="auto",
+            outcome=outcome, reason="before", actor="actuator", **kw,
+        )  # fmt: skip
+
+    policy = Policy(JobRules(tier="auto", min_gain_pct=0), ttl_s=60, action_hook=True)
+    dry, hooked = _rec(), _rec(knob="cluster.drain_node", from_value="", to_value="node-7")
+    policy.observe_decision(decision(dry, "dry_run"))
+    policy.observe_decision(decision(hooked, "issued"))
+    policy.observe_decision(decision(_rec(), "refused"))  # not acted on: nothing to hold
+    assert policy.decide(dry, now_ns=T0 + S)[1].reason == "already decided before (dry_run)"
+    assert policy.decide(hooked, now_ns=T0 + S)[1].reason.startswith("already acted on")
+    again = _rec(knob="cluster.drain_node", from_value="", to_value="node-7")
+    cmd, d = policy.decide(again, now_ns=T0 + S)
+    assert cmd is None and d.reason == "the action hook already ran for node node-7 of this job"
