@@ -75,7 +75,51 @@ def status_command(args: argparse.Namespace) -> int:
             )
         if "broker_retention" in doc:
             print(f"  note: {doc['broker_retention']}")
+        for line in headroom_lines(doc.get("headroom") or {}):
+            print(f"  headroom: {line}")
     return 0 if doc["state"] == "up" else 3
+
+
+def _size(n: float | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def headroom_lines(headroom: dict[str, Any]) -> list[str]:
+    """`perfloop status`' words for its ``headroom``: the broker's memory and the warehouse's
+    disk.
+
+    >>> for line in headroom_lines({"broker_memory": {"rss_bytes": 300 << 20,
+    ...     "available_bytes": 8 << 30, "growth_bytes_per_h": 100 << 20, "over_s": 3600,
+    ...     "hours_left": 81.9}, "warehouse_disk": {"warehouse_bytes": 2 << 30,
+    ...     "free_bytes": 40 << 30}}):
+    ...     print(line)
+    broker memory 300 MiB, +100 MiB/h (last 60 min); 8.0 GiB available: ~82 h at this rate
+    warehouse 2.0 GiB on disk, 40.0 GiB free
+    """
+    out = []
+    mem = headroom.get("broker_memory")
+    if mem:
+        line = f"broker memory {_size(mem['rss_bytes'])}"
+        if mem["growth_bytes_per_h"] is not None:
+            line += f", +{_size(mem['growth_bytes_per_h'])}/h (last {mem['over_s'] / 60:.0f} min)"
+            if mem["hours_left"] is not None:
+                line += (
+                    f"; {_size(mem['available_bytes'])} available: "
+                    f"~{mem['hours_left']:.0f} h at this rate"
+                )
+        elif mem["over_s"] is not None:
+            line += f", not growing over the last {mem['over_s'] / 60:.0f} min"
+        else:
+            line += ", growth not known yet (sampled once a minute, needs 5 min)"
+        out.append(line)
+    dk = headroom.get("warehouse_disk")
+    if dk and dk.get("warehouse_bytes") is not None:
+        out.append(
+            f"warehouse {_size(dk['warehouse_bytes'])} on disk, {_size(dk['free_bytes'])} free"
+        )
+    return out
 
 
 def migrate_command(_: argparse.Namespace) -> int:

@@ -43,6 +43,7 @@ any other process, in the supervisor's session.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -63,7 +64,14 @@ from perfloop._cpugroup import StackGroups, set_idle
 from perfloop.autogroup import CATCH_UP_NICE, set_autogroup_nice
 from perfloop.exceptions import PerfloopError, StackError, WarehouseError
 from perfloop.kafka import ensure_topics, ping
-from perfloop.settings import StackSettings
+from perfloop.settings import StackSettings, WarehouseServerSettings
+from perfloop.stack._headroom import (
+    SAMPLE_S,
+    SAMPLES,
+    broker_memory,
+    disk,
+    mem_available_bytes,
+)
 from perfloop.stack.broker import RETENTION_NOTE, broker_argv
 from perfloop.warehouse import migrate
 
@@ -220,6 +228,7 @@ class Supervisor:
         self.logs = self.home / "logs"
         self._stop = threading.Event()
         self._children: list[_Child] = []
+        self._broker_rss: collections.deque[list[float]] = collections.deque(maxlen=SAMPLES)
         self._groups: StackGroups | None = None  # idle CPU control groups, where they can be
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -288,12 +297,27 @@ class Supervisor:
             signal.signal(sig, lambda *_: self._stop.set())
         try:
             self.start()
+            sampled = 0.0
             while not self._stop.wait(0.5):
                 for child in self._children:
                     if child.proc is not None and child.proc.poll() is not None:
                         self._restart(child)
+                if time.monotonic() - sampled >= SAMPLE_S:
+                    sampled = time.monotonic()
+                    self._sample_broker()
         finally:
             self.stop()
+
+    def _sample_broker(self) -> None:
+        """The broker's RSS, once a minute, into the state file (`perfloop.stack._headroom`)."""
+        broker = next((c for c in self._children if c.name == "broker"), None)
+        if broker is None or broker.proc is None:
+            return
+        rss = _rss_bytes(broker.proc.pid)
+        if rss is not None:
+            self._broker_rss.append([round(time.time(), 1), rss])
+            self._write_state("up" if all(c.state == "running" for c in self._children)
+                              else "degraded")  # fmt: skip
 
     def stop(self) -> None:
         """Stop the services first and the broker and warehouse after them, so that what the
@@ -423,6 +447,7 @@ class Supervisor:
             return
         if child.name == "broker":  # an empty log: a cluster of its own (a new cluster id)
             child.argv = broker_argv(self.settings)
+            self._broker_rss.clear()  # a new process: its growth starts again
         self._spawn(child)
         if child.name == "broker":
             # The memory engine restarts empty: wait for it, then recreate the topics.
@@ -455,6 +480,7 @@ class Supervisor:
                 }
                 for c in self._children
             },
+            "broker_rss": list(self._broker_rss),
         }
         tmp = self.home / f".{STATE_FILE}.tmp"
         tmp.write_text(json.dumps(doc, indent=2))
@@ -572,4 +598,23 @@ def status(settings: StackSettings) -> dict[str, Any]:
     }
     if "broker" in services:
         doc["broker_retention"] = RETENTION_NOTE
+    if up:
+        doc["headroom"] = _headroom(settings, state, services)
     return doc
+
+
+def _headroom(
+    settings: StackSettings, state: dict[str, Any], services: dict[str, Any]
+) -> dict[str, Any]:
+    """How long the embedded stack can go on (`perfloop.stack._headroom`): the broker's memory
+    growth and the hours of available memory left at that rate; the warehouse's disk."""
+    out: dict[str, Any] = {}
+    if "broker" in services:
+        out["broker_memory"] = broker_memory(
+            state.get("broker_rss") or [], services["broker"]["rss_bytes"], mem_available_bytes()
+        )
+    if "warehouse" in services:
+        # as the server finds it: PERFLOOP_DATA_DIR, else under the stack's home
+        data_dir = WarehouseServerSettings().data_dir or settings.home_dir / "warehouse"
+        out["warehouse_disk"] = disk(Path(data_dir))
+    return out

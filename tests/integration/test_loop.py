@@ -17,7 +17,7 @@ from perfloop.producers import Fault, Publisher, SimConfig, SimulatedJob
 from perfloop.schemas import BatchBuilder
 from perfloop.schemas.topics import Topics
 from perfloop.settings import ActuatorSettings, StackSettings
-from perfloop.stack import status
+from perfloop.stack import read_state, status
 from perfloop.streams import KNOB_NUM_WORKERS
 from perfloop.warehouse import client
 
@@ -50,13 +50,23 @@ def test_status_reports_every_service(stack: StackSettings) -> None:
     }
     assert all(s["state"] == "running" for s in doc["services"].values())
     assert "no retention" in doc["broker_retention"]
+    # the headroom: the broker's memory (sampled by the supervisor from its start on; a
+    # growth rate only after 5 min of samples) and the warehouse's disk
+    mem, dk = doc["headroom"]["broker_memory"], doc["headroom"]["warehouse_disk"]
+    assert mem["rss_bytes"] == doc["services"]["broker"]["rss_bytes"] > 0
+    assert mem["available_bytes"] > 0
+    assert dk["warehouse_bytes"] > 0 and dk["free_bytes"] > 0
+    assert dk["path"] == str(stack.home / "warehouse")
+    assert read_state(stack)["broker_rss"], "the supervisor samples the broker's RSS at once"
 
 
 def test_status_json_from_the_cli(stack_env_vars: dict[str, str]) -> None:
     out = perfloop_cli("status", "--json", env=stack_env_vars)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    assert {"kafka_bootstrap", "clickhouse_url", "services"} <= set(doc)
+    assert {"kafka_bootstrap", "clickhouse_url", "services", "headroom"} <= set(doc)
+    text = perfloop_cli("status", env=stack_env_vars).stdout
+    assert "  headroom: broker memory " in text and "  headroom: warehouse " in text, text
 
 
 def test_telemetry_is_queryable_and_windowed(stack: StackSettings) -> None:
