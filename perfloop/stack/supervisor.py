@@ -289,6 +289,7 @@ class Supervisor:
         for child in services:
             self._spawn(child)
             child.state = "running"
+        self._sample_broker(write=False)  # the first of the broker's memory samples
         self._write_state("up")
 
     def run(self) -> None:
@@ -297,7 +298,7 @@ class Supervisor:
             signal.signal(sig, lambda *_: self._stop.set())
         try:
             self.start()
-            sampled = 0.0
+            sampled = time.monotonic()
             while not self._stop.wait(0.5):
                 for child in self._children:
                     if child.proc is not None and child.proc.poll() is not None:
@@ -308,7 +309,7 @@ class Supervisor:
         finally:
             self.stop()
 
-    def _sample_broker(self) -> None:
+    def _sample_broker(self, *, write: bool = True) -> None:
         """The broker's RSS, once a minute, into the state file (`perfloop.stack._headroom`)."""
         broker = next((c for c in self._children if c.name == "broker"), None)
         if broker is None or broker.proc is None:
@@ -316,6 +317,7 @@ class Supervisor:
         rss = _rss_bytes(broker.proc.pid)
         if rss is not None:
             self._broker_rss.append([round(time.time(), 1), rss])
+        if rss is not None and write:
             self._write_state("up" if all(c.state == "running" for c in self._children)
                               else "degraded")  # fmt: skip
 
