@@ -334,4 +334,10 @@ MIGRATIONS = (
         "and money",
         (_JOB_ACCOUNTING,),
     ),
+    Migration(
+        18,
+        f"merge less often on job_accounting: merge_selector_base = {MERGE_SELECTOR_BASE}",
+        (f"ALTER TABLE job_accounting MODIFY SETTING merge_selector_base = {MERGE_SELECTOR_BASE}",),
+        tuning=True,
+    ),
 )
