@@ -188,8 +188,8 @@ def stack(
         home,
         PERFLOOP_METRICS_PORT=str(stack_metrics_port),
         # The accountant: an ended job's row within seconds (the sink's 5 s flush, and a margin).
-        PERFLOOP_ACCOUNTING_INTERVAL_S="1",
-        PERFLOOP_ACCOUNTING_SETTLE_S="8",
+        PERFLOOP_ACCOUNTING_INTERVAL_S="2",
+        PERFLOOP_ACCOUNTING_SETTLE_S="6",
     ) as settings:
         yield settings
 
