@@ -55,6 +55,8 @@ class TopApp(App[None]):
 
     TITLE = "perfloop top"
     REFRESH_S = 1.0
+    JOBS_REFRESH_S = 15.0
+    """How often the job list is read again from the warehouse."""
     CSS = """
     Screen { layout: vertical; }
     #glance { height: 2; padding: 0 1; }
@@ -79,12 +81,18 @@ class TopApp(App[None]):
         *,
         job: str | None = None,
         seed: Callable[[str], Any] | None = None,
+        jobs: Callable[[], Any] | None = None,
         note: str = "",
         now: Callable[[], int] = time.time_ns,
     ) -> None:
         super().__init__()
         self.state, self.feed, self.seed_of, self.now = state, feed, seed, now
+        self.jobs_of = jobs
+        """The recent jobs' rows from the warehouse (`perfloop jobs`' `load_jobs`), read again
+        every `JOBS_REFRESH_S`: the list's step time and steps/s of the jobs not picked (the
+        feed decodes only the picked job's telemetry)."""
         self.selected = job
+        self.picked_by_user = job is not None
         self.note, self.loading = note, ""
         self._order: list[str] = []
 
@@ -109,6 +117,27 @@ class TopApp(App[None]):
             self._select(self.selected)
         self.tick()
         self.set_interval(self.REFRESH_S, self.tick)
+        if self.jobs_of is not None:
+            self.set_interval(self.JOBS_REFRESH_S, self._refresh_jobs)
+
+    def _refresh_jobs(self) -> None:
+        jobs_of = self.jobs_of
+        if jobs_of is not None:
+            self.run_worker(lambda: self._load_jobs(jobs_of), thread=True, exclusive=True,
+                            group="jobs")  # fmt: skip
+
+    def _load_jobs(self, jobs_of: Callable[[], Any]) -> None:
+        from perfloop.exceptions import PerfloopError
+
+        try:
+            rows = jobs_of()
+        except PerfloopError:
+            return  # the list goes on with the live events; the next refresh tries again
+        self.call_from_thread(self._jobs_loaded, rows)
+
+    def _jobs_loaded(self, rows: Any) -> None:
+        self.state.seed_jobs(rows)
+        self.render_view()
 
     # -- actions -----------------------------------------------------------------------------
 
@@ -121,6 +150,7 @@ class TopApp(App[None]):
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         if event.data_table.id == "jobs" and event.row_key.value is not None:
+            self.picked_by_user = True
             self._select(str(event.row_key.value))
 
     def _select(self, job: str) -> None:
@@ -158,9 +188,17 @@ class TopApp(App[None]):
     # -- drawing -----------------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Take what the feed decoded, then redraw."""
+        """Take what the feed decoded, then redraw. While nobody picked a job, the first
+        running one is shown (a job started after `perfloop top` included)."""
         for item in self.feed.drain():
             self.state.apply(item)
+        if not self.picked_by_user:
+            running = next(
+                (x.job_id for x in self.state.job_lines(self.now()) if x.state == "running"), None
+            )
+            if running is not None and running != self.selected:
+                self._select(running)
+                return
         self.render_view()
 
     def render_view(self) -> None:

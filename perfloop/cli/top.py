@@ -48,8 +48,6 @@ def top_command(args: argparse.Namespace) -> int:
         rows, note = [], f"warehouse: {e} (live events only)"
     state.seed_jobs(rows)
     job = args.job
-    if job is None:
-        job = next((r.job_id for r in rows if r.state == "running"), None)
     feed = TopicFeed(settings, job=job)
     if not feed.start():
         feed.stop()
@@ -59,7 +57,14 @@ def top_command(args: argparse.Namespace) -> int:
         )
     from perfloop.cli._top_app import TopApp
 
-    app = TopApp(state, feed, job=job, seed=lambda j: load_seed(settings, j), note=note)
+    app = TopApp(
+        state,
+        feed,
+        job=job,
+        seed=lambda j: load_seed(settings, j),
+        jobs=lambda: load_jobs(settings, since_ns=time.time_ns() - _LISTED_S * NS),
+        note=note,
+    )
     try:
         app.run()
     finally:

@@ -102,3 +102,38 @@ def test_the_view_shows_the_job_and_the_picker_switches_jobs() -> None:
         assert not app.is_running
 
     asyncio.run(drive())
+
+
+def test_a_job_that_starts_later_is_shown_and_the_list_is_read_again() -> None:
+    """Started before any job runs, the view shows the first job that runs (nobody picked
+    one); the job list's step time of a job it does not show comes from the warehouse, read
+    again every `JOBS_REFRESH_S`."""
+    from perfloop.cli._jobs_rows import JobRow
+
+    _cfg, messages = simulate("healthy", 6.0, job_id="sim-late")
+    end = max(m.ts_ns for m in messages if hasattr(m, "ts_ns"))
+    feed = ListFeed([])
+    reads: list[int] = []
+
+    def jobs() -> list[JobRow]:
+        reads.append(1)
+        return [JobRow("elsewhere", "running", 2, 1, 123.0, 8.0, end - 60 * NS, end - NS)]
+
+    state = TopState()
+    app = TopApp(state, feed, jobs=jobs, seed=lambda j: JobSeed(j), now=lambda: end + NS)
+    app.JOBS_REFRESH_S = 0.05
+
+    async def drive() -> None:
+        async with app.run_test(size=(160, 45)) as pilot:
+            await pilot.pause()
+            assert app.selected is None  # nothing runs yet
+            feed.items = list(messages)  # the job starts
+            app.tick()
+            await pilot.pause(0.3)
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            assert app.selected in ("sim-late", "elsewhere") and reads
+            rows = {r[1]: r for r in _cells(app, "jobs")}
+            assert rows["elsewhere"][4:6] == ["123.0", "8.00"], rows["elsewhere"]
+
+    asyncio.run(drive())
