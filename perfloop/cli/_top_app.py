@@ -12,12 +12,14 @@ What is shown is `TopState`'s; this module only lays it out.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Static
 
 from perfloop.cli._jobs_rows import ago, ranks_text
@@ -133,11 +135,16 @@ class TopApp(App[None]):
             rows = jobs_of()
         except PerfloopError:
             return  # the list goes on with the live events; the next refresh tries again
-        self.call_from_thread(self._jobs_loaded, rows)
+        if self.is_running:
+            with contextlib.suppress(RuntimeError):  # the app closed meanwhile
+                self.call_from_thread(self._jobs_loaded, rows)
 
     def _jobs_loaded(self, rows: Any) -> None:
+        if not self.is_running:  # quitting: its widgets may be gone
+            return
         self.state.seed_jobs(rows)
-        self.render_view()
+        with contextlib.suppress(NoMatches):
+            self.tick()
 
     # -- actions -----------------------------------------------------------------------------
 
