@@ -25,7 +25,7 @@ test: $(STAMP) devtools-trace
 # writes (pinned in its package-lock.json); where npm is missing or fails, those tests skip.
 devtools-trace:
 	@if command -v npm >/dev/null 2>&1; then \
-		cd tests/tools/devtools_trace && npm ci --silent --no-audit --no-fund \
+		cd tests/tools/devtools_trace && timeout 300 npm ci --silent --no-audit --no-fund \
 			|| echo "devtools-trace: npm ci failed; the tests that need it skip"; \
 	else echo "devtools-trace: no npm here; the tests that read traces with it skip"; fi
 
