@@ -15,7 +15,17 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SAMPLES", "SAMPLE_S", "broker_memory", "disk", "mem_available_bytes"]
+from perfloop.settings import StackSettings, WarehouseServerSettings
+
+__all__ = [
+    "SAMPLES",
+    "SAMPLE_S",
+    "broker_memory",
+    "disk",
+    "headroom",
+    "mem_available_bytes",
+    "rss_bytes",
+]
 
 SAMPLE_S = 60.0
 """How often the supervisor samples the broker's RSS."""
@@ -24,6 +34,18 @@ SAMPLES = 61
 MIN_SPAN_S = 300.0
 """A growth rate needs samples at least this far apart (a young broker's first minutes are
 its start-up, not its growth)."""
+
+
+def rss_bytes(pid: int) -> int | None:
+    """The resident memory of process ``pid`` (``VmRSS``), or None."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def mem_available_bytes() -> int | None:
@@ -92,3 +114,20 @@ def disk(data_dir: Path) -> dict[str, Any]:
         "free_bytes": shutil.disk_usage(data_dir).free,
         "path": str(data_dir),
     }
+
+
+def headroom(
+    settings: StackSettings, state: dict[str, Any], services: dict[str, Any]
+) -> dict[str, Any]:
+    """What `perfloop status` says of the stack's headroom, from its state file (``state``)
+    and its services' status: the broker's memory (`broker_memory`), the warehouse's disk."""
+    out: dict[str, Any] = {}
+    if "broker" in services:
+        out["broker_memory"] = broker_memory(
+            state.get("broker_rss") or [], services["broker"]["rss_bytes"], mem_available_bytes()
+        )
+    if "warehouse" in services:
+        # as the server finds it: PERFLOOP_DATA_DIR, else under the stack's home
+        data_dir = WarehouseServerSettings().data_dir or settings.home_dir / "warehouse"
+        out["warehouse_disk"] = disk(Path(data_dir))
+    return out

@@ -64,14 +64,8 @@ from perfloop._cpugroup import StackGroups, set_idle
 from perfloop.autogroup import CATCH_UP_NICE, set_autogroup_nice
 from perfloop.exceptions import PerfloopError, StackError, WarehouseError
 from perfloop.kafka import ensure_topics, ping
-from perfloop.settings import StackSettings, WarehouseServerSettings
-from perfloop.stack._headroom import (
-    SAMPLE_S,
-    SAMPLES,
-    broker_memory,
-    disk,
-    mem_available_bytes,
-)
+from perfloop.settings import StackSettings
+from perfloop.stack._headroom import SAMPLE_S, SAMPLES, headroom, rss_bytes
 from perfloop.stack.broker import RETENTION_NOTE, broker_argv
 from perfloop.warehouse import migrate
 
@@ -196,17 +190,6 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _rss_bytes(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 @dataclass
 class _Child:
     name: str
@@ -314,7 +297,7 @@ class Supervisor:
         broker = next((c for c in self._children if c.name == "broker"), None)
         if broker is None or broker.proc is None:
             return
-        rss = _rss_bytes(broker.proc.pid)
+        rss = rss_bytes(broker.proc.pid)
         if rss is not None:
             self._broker_rss.append([round(time.time(), 1), rss])
         if rss is not None and write:
@@ -581,7 +564,7 @@ def status(settings: StackSettings) -> dict[str, Any]:
             "pid": pid,
             "state": svc["state"] if alive else "dead",
             "restarts": svc.get("restarts", 0),
-            "rss_bytes": _rss_bytes(pid) if alive else None,
+            "rss_bytes": rss_bytes(pid) if alive else None,
             "log": svc.get("log"),
         }
     kafka_ok = True
@@ -601,22 +584,5 @@ def status(settings: StackSettings) -> dict[str, Any]:
     if "broker" in services:
         doc["broker_retention"] = RETENTION_NOTE
     if up:
-        doc["headroom"] = _headroom(settings, state, services)
+        doc["headroom"] = headroom(settings, state, services)
     return doc
-
-
-def _headroom(
-    settings: StackSettings, state: dict[str, Any], services: dict[str, Any]
-) -> dict[str, Any]:
-    """How long the embedded stack can go on (`perfloop.stack._headroom`): the broker's memory
-    growth and the hours of available memory left at that rate; the warehouse's disk."""
-    out: dict[str, Any] = {}
-    if "broker" in services:
-        out["broker_memory"] = broker_memory(
-            state.get("broker_rss") or [], services["broker"]["rss_bytes"], mem_available_bytes()
-        )
-    if "warehouse" in services:
-        # as the server finds it: PERFLOOP_DATA_DIR, else under the stack's home
-        data_dir = WarehouseServerSettings().data_dir or settings.home_dir / "warehouse"
-        out["warehouse_disk"] = disk(Path(data_dir))
-    return out
