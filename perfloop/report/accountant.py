@@ -120,8 +120,6 @@ def row(data: JobData, summary: Summary, *, lifecycle_end_ns: int, computed_ns: 
     where the report says n/a, with its reason in ``notes``)."""
     t = summary.time
     figures = {f.name: f for f in summary.figures}
-    gpus = sum(n["gpu_count"] for n in data.nodes.values()) or len(data.gpu_energy)
-    cpus = sum(n["cpu_count"] for n in data.nodes.values())
     notes = {f.name: f.note for f in summary.figures if f.note}
     steps = figures["steps per rank"].value or 0.0
     return [
@@ -133,8 +131,8 @@ def row(data: JobData, summary: Summary, *, lifecycle_end_ns: int, computed_ns: 
         data.end_ns,
         t.wall_ns / NS,
         t.ranks,
-        gpus,
-        cpus,
+        summary.gpus,
+        summary.cpus,
         float(steps),
         t.goodput,
         *(t.seconds(c) for c in CATEGORIES),

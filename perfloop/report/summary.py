@@ -86,6 +86,10 @@ class Summary:
     diagnoses: list[DiagnosisCost]
     price_per_hour: float | None
     currency: str
+    gpus: int = 0
+    """The job's GPUs (its nodes' job info, else the GPUs it sent samples of)."""
+    cpus: int = 0
+    """Its nodes' CPUs (the job info's ``cpu_count`` of each node)."""
 
     def figure(self, name: str) -> Figure:
         """The figure called ``name``."""
@@ -265,4 +269,4 @@ def summarise(
     else:
         why = "the job info gives no GPU or CPU count"
         figs += [Figure(n, None, cur, why) for n in ("price per hour", "cost", "cost per step")]
-    return Summary(time, figs, costs, price, cur)
+    return Summary(time, figs, costs, price, cur, gpus, cpus)
