@@ -132,6 +132,15 @@ def approve_command(args: argparse.Namespace, *, out: TextIO | None = None) -> i
         {"id": rec_id},
     )
     if not found:
+        decided = _query(
+            settings, "SELECT count() FROM audit WHERE rec_id = {id:String}", {"id": rec_id}
+        )
+        if decided and decided[0][0]:
+            # the decision and the recommendation reach the warehouse through different topics
+            raise PerfloopError(
+                f"recommendation {rec_id} has a decision but is not in the warehouse yet; "
+                "try again shortly"
+            )
         raise PerfloopError(f"no recommendation {rec_id!r} in the warehouse; see `perfloop recs`")
     ts, job_id, knob, from_text, to_text, loop = found[0]
     latest = _query(

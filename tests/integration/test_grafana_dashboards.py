@@ -393,9 +393,12 @@ def made(stack: StackSettings, stack_env_vars: dict[str, str]) -> _Made:
     _publish(stack, pending, rejected, dry, too_small, topic=Topics.RECOMMENDATIONS)
     wait_for(
         lambda: query(stack, "SELECT count() FROM audit WHERE rec_id = {r:String} AND "
-                      "outcome = 'pending'", r=rejected.event_id)[0][0],
+                      "outcome = 'pending'", r=rejected.event_id)[0][0]
+        # the audit row and the recommendation come through different topics: wait for both
+        and query(stack, "SELECT count() FROM recommendations WHERE rec_id = {r:String}",
+                  r=rejected.event_id)[0][0],
         30,
-        "the recommendation to reject pending in the warehouse",
+        "the recommendation to reject, and its pending decision, in the warehouse",
     )  # fmt: skip
     out = _done(_cli(env, "reject", rejected.event_id, "--reason", "an eval is running"))
     assert "actuator: rejected" in out, out
