@@ -23,7 +23,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from perfloop.exceptions import BrokerError
-from perfloop.schemas.topics import TOPICS
+from perfloop.schemas.topics import TOPICS, Topics
 from perfloop.settings import BaseServiceSettings, ProducerSettings
 
 __all__ = [
@@ -180,6 +180,11 @@ def cluster_id(settings: BaseServiceSettings, timeout_s: float = 5.0) -> str | N
         return None
 
 
+COMPACTED = {Topics.STREAM_STATE: {"cleanup.policy": "compact"}}
+"""Topics whose records are kept by key, the latest of each (a broker that never compacts, the
+embedded one, keeps them all; its readers read the latest)."""
+
+
 def ensure_topics(
     settings: BaseServiceSettings, topics: Iterable[str] = TOPICS, timeout_s: float = 10.0
 ) -> list[str]:
@@ -195,7 +200,8 @@ def ensure_topics(
     if not missing:
         return []
     futures = admin.create_topics(
-        [NewTopic(t, settings.topic_partitions, 1) for t in missing], operation_timeout=timeout_s
+        [NewTopic(t, settings.topic_partitions, 1, config=COMPACTED.get(t, {})) for t in missing],
+        operation_timeout=timeout_s,
     )
     created = []
     for topic, fut in futures.items():

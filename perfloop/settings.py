@@ -190,6 +190,9 @@ class StackSettings(BaseServiceSettings):
     )
     webhook_urls: Annotated[tuple[str, ...], NoDecode] = ()
     """`NotifierSettings.webhook_urls`: when any is set, `up` starts the notifier too."""
+    stream_workers: int = Field(1, ge=1, le=16)
+    """How many stream workers `up` starts (``streams``, ``streams-2``, …): they share the
+    input partitions in one consumer group, each partition's state moving with it."""
     accounting: bool = True
     """`up` starts the accountant (`AccountantSettings`), which stores each ended job's
     accounting in the warehouse's ``job_accounting`` table."""
@@ -213,9 +216,12 @@ class StreamsSettings(BaseServiceSettings):
     """The Faust stream workers: ingest, windows, phases, cross-rank analysis, the funnel.
 
     ``windows`` lists window sizes in seconds, tumbling ("10") or hopping ("60/10": 60 s
-    windows every 10 s). State is snapshotted to ``$PERFLOOP_HOME/streams/<worker_name>``
-    every ``snapshot_interval_s``; input is acknowledged (and its offsets committed) only once
-    a snapshot holds it, so a restarted worker resumes where the snapshot left off.
+    windows every 10 s). Each input partition's state is snapshotted to the changelog topic
+    ``perfloop.streams.state`` every ``snapshot_interval_s`` and when the partition is revoked;
+    input is acknowledged (and its offsets committed) only once a snapshot holds it, so the
+    worker that gets the partition next (this one restarted, or another) resumes where the
+    snapshot left off. ``restore_timeout_s`` bounds how long a newly assigned partition waits
+    for its snapshot before it starts without it.
     """
 
     app_id: str = "perfloop-streams"
@@ -236,6 +242,7 @@ class StreamsSettings(BaseServiceSettings):
         "job on the same 2 CPUs ~3 points of its speed more than 0.5 s (bench/README.md).",
     )
     snapshot_interval_s: float = Field(2.0, gt=0)
+    restore_timeout_s: float = Field(10.0, gt=0, le=120)
     data_wait_share_threshold: float = Field(0.3, gt=0, lt=1)
     recommendation_cooldown_s: float = Field(30.0, ge=0)
     max_skew_s: float = Field(300.0, gt=0, description="Event time this far ahead: DLQ.")

@@ -29,6 +29,7 @@ class Topics:
     CONTROL = "perfloop.control"
     ACTUATIONS = "perfloop.actuations"
     DLQ = "perfloop.dlq"
+    STREAM_STATE = "perfloop.streams.state"  # the stream engines' snapshots, per partition
 
 
 TOPICS: tuple[str, ...] = tuple(

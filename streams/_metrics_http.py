@@ -135,13 +135,13 @@ class MetricsEndpoint:
         self.metrics.worker(
             samples=eng.stats["samples"],
             messages=eng.stats["messages"],
-            late_samples=eng.windows.late_samples,
+            late_samples=eng.late_samples,
             dead_letters=dict(eng.rejected),
             lag_messages=self._lag(),
             ingest_delay_s=self._delay_s,
             publish_failures=getattr(self._output, "failed", 0),
         )
-        families = self.metrics.snapshot(now_ns, recent=eng.steps.recent)
+        families = self.metrics.snapshot(now_ns, recent=eng.recent)
         with self._cond:
             self._families, self._taken, self._asked = families, time.monotonic(), False
             self._cond.notify_all()

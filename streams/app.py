@@ -30,7 +30,6 @@ import asyncio
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import faust
@@ -46,6 +45,7 @@ from perfloop.schemas.topics import Topics
 from perfloop.schemas.windows import encode_windows
 from perfloop.service_heap import GcClock, libc_trim
 from perfloop.settings import StreamsSettings
+from perfloop.streams._changelog import Changelog
 from perfloop.streams._metrics_http import MetricsEndpoint
 from perfloop.streams._publisher import Output
 from perfloop.streams.engine import (
@@ -56,6 +56,7 @@ from perfloop.streams.engine import (
     Unreadable,
 )
 from perfloop.streams.predict.history import load_history
+from perfloop.streams.shards import Shards
 from perfloop.streams.windows import WindowColumns, split_by_job
 from perfloop.warehouse.tables import TABLES
 
@@ -65,7 +66,6 @@ __all__ = [
     "pace_fetches",
     "sent_ns",
     "set_fetch_wait",
-    "snapshot_path",
     "streams_policy",
     "windows_messages",
 ]
@@ -174,10 +174,6 @@ def pace_fetches(app: faust.App, interval_ms: int) -> dict[str, Any] | None:
     return pace
 
 
-def snapshot_path(settings: StreamsSettings) -> Path:
-    return settings.home_dir / "streams" / f"{settings.worker_name}.snapshot"
-
-
 def windows_messages(cols: WindowColumns) -> list[tuple[bytes, bytes]]:
     """Closed windows as ``(key, value)`` messages: per job, Arrow IPC (v3), at most
     2000 rows each (`perfloop.schemas.windows`)."""
@@ -219,6 +215,10 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
         web_enabled=False,
         store="memory://",
         processing_guarantee="at_least_once",
+        # Input is acknowledged only once a snapshot holds it (below); a rebalance or a stop
+        # must not wait for that (Faust would, without end, at a stop): the snapshot written
+        # on revocation and at the stop acknowledges what the engines hold.
+        stream_wait_empty=False,
         datadir=str(settings.home_dir / "streams"),
     )
 
@@ -229,18 +229,13 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
     # producer stays idle.
     output = Output(settings)
 
-    @app.on_before_shutdown.connect
-    async def close_output(app: faust.App, **kwargs: Any) -> None:
-        output.close()
-
-    engine = StreamEngine(settings)
-    path = snapshot_path(settings)
-    if engine.load(path):
-        log.info("resumed from %s (%d partitions)", path, len(engine.snapshot()["offsets"]))
+    shards = Shards(settings)
+    changelog = Changelog(settings)
+    changelog.start()  # the standby copy of every partition's state (`perfloop.streams._changelog`)
     # The warehouse's history of finished jobs, for the cross-run models: read in a thread so
     # a slow or absent warehouse never holds up the worker, learned in the loop at a tick.
     history: list[list[tuple[dict[str, float], float, float]]] = []
-    if engine.predict.enabled and engine.predict.cross_step.n_seen == 0:
+    if shards.history_wanted:
 
         def read_history() -> None:
             try:
@@ -249,9 +244,15 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
                 log.warning("cross-run models start without the warehouse's history: %s", e)
 
         threading.Thread(target=read_history, name="job-history", daemon=True).start()
-    engine.use_cluster(cluster_id(settings))
-    metrics = MetricsEndpoint(settings, engine, app, output)  # /metrics (docs/alerts.md)
+    shards.use_cluster(cluster_id(settings))
+    metrics = MetricsEndpoint(settings, shards, app, output)  # /metrics (docs/alerts.md)
     held: list[Any] = []
+    # Partitions being restored (their input waits), and whether a rebalance is under way (the
+    # engines are not ticked between a revocation and the assignment that follows it: the
+    # partitions that move are another worker's from their last snapshot on).
+    restoring: dict[int, asyncio.Event] = {}
+    moving = {"frozen": False}
+    state_lock = asyncio.Lock()
     trim = libc_trim()
     gc_clock = GcClock()
     catch_up = CatchUp.from_env()  # in the embedded stack: a yielding group, raised when behind
@@ -287,9 +288,19 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
     def hold_all(now: int) -> None:
         start = time.monotonic()
         for tp in app.consumer.assignment():
-            if tp.topic in TELEMETRY_TOPICS:
+            engine = shards.engines.get(tp.partition)
+            if tp.topic in TELEMETRY_TOPICS and engine is not None:
                 engine.set_input(tp.topic, tp.partition, caught_up=False, wall_ns=now, unsure=True)
                 held_at[(tp.topic, tp.partition)] = start
+
+    def hold_partition(p: int, engine: StreamEngine, now: int) -> None:
+        """Hold the partition's telemetry until it is known read to its end again: a rebalance
+        or a restore is no silence of its sources (a definite hold: their silence counts from
+        when it ends)."""
+        start = time.monotonic()
+        for t in TELEMETRY_TOPICS:
+            engine.set_input(t, p, caught_up=False, wall_ns=now)
+            held_at[(t, p)] = start
 
     def highwater(tp: TP) -> int | None:
         """The partition's end from the consumer's last fetch (None: unknown or not assigned)."""
@@ -319,10 +330,11 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
     async def check_inputs(now: int) -> None:
         """Tell the engine which telemetry partitions have input left: those not read from
         yet (unfetched, or fetched short of their end) and those held whose end was reached."""
-        held = set(engine.held_inputs)
+        held = set(shards.held_inputs)
         unread = []
         for tp in app.consumer.assignment():
-            if tp.topic not in TELEMETRY_TOPICS:
+            engine = shards.engines.get(tp.partition)
+            if tp.topic not in TELEMETRY_TOPICS or engine is None or tp.partition in restoring:
                 continue
             pos = engine.position(tp.topic, tp.partition)
             if pos is None:
@@ -334,6 +346,9 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
             return_exceptions=True,
         )
         for tp, at in zip(unread, fetched, strict=True):
+            engine = shards.engines.get(tp.partition)
+            if engine is None:  # dropped meanwhile
+                continue
             hw = highwater(tp)  # unknown, or not fetched to its end: input left to read
             behind = hw is None or not isinstance(at, int) or at < hw
             unsure = not behind and not fresh(tp)
@@ -366,6 +381,10 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
         # let committed offsets pass the snapshot; a message carries a whole batch anyway.
         async for event in stream.noack().events():
             msg = event.message
+            wait = restoring.get(msg.partition)
+            if wait is not None:  # its engine is being restored
+                await wait.wait()
+            engine = shards.engine(msg.partition)
             value = event.value if isinstance(event.value, bytes) else b""
             at_end = caught_up(msg.tp, msg.offset)
             unsure = at_end and not fresh(msg.tp)
@@ -397,89 +416,172 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
         if not gc_clock.frozen:  # the first tick: the worker has started
             log.info("%d objects made while starting frozen (out of the collector's walks)",
                      gc_clock.freeze())  # fmt: skip
+        outs: list[Outputs] = []
         try:
             now = time.time_ns()
             set_fetch_wait(app, settings.fetch_max_wait_ms)
             pace_fetches(app, settings.fetch_min_interval_ms)
             if time.monotonic() - loop["free_at"] > BLOCKED_TICKS * settings.tick_interval_s:
                 hold_all(now)  # the loop was blocked: the partition ends known may be stale
-            await check_inputs(now)
-            if history:
-                n = engine.predict.learn_history(history.pop())
-                log.info("cross-run models learned from %d finished jobs in the warehouse", n)
-            o = engine.tick(now)
+            if not moving["frozen"]:
+                await check_inputs(now)
+                if history and (n := shards.learn_history(history[-1])) is not None:
+                    history.pop()
+                    log.info("cross-run models learned from %d finished jobs in the warehouse", n)
+                for p, engine in list(shards.engines.items()):
+                    if p not in restoring:
+                        outs.append(engine.tick(now))
         except Exception:  # logged; the next tick tries again
             log.exception("tick failed")
             return
         finally:
             loop["free_at"] = time.monotonic()
-        if o:
-            await emit(o)
+        for o in outs:
+            if o:
+                await emit(o)
+            metrics.tick(o, now)  # never raises
+        if not outs:
+            metrics.tick(Outputs(), now)
         output.poll()
-        metrics.tick(o, now)  # never raises
         if catch_up is not None and (moved := catch_up.tick()) is not None:
             word = "behind" if moved == "raised" else "caught up"
             log.info("input %s: scheduling group %s", word, catch_up.describe(moved))
 
     snap = {"next": 0.0, "every": settings.snapshot_interval_s, "bytes": 0, "dumps_s": 0.0}
+    written: dict[int, dict[tuple[str, int], int]] = {}  # per partition: the offsets last written
 
-    @app.timer(settings.snapshot_interval_s)
-    async def snapshot() -> None:
-        # The state and the input it covers are taken together (no await between them); what
-        # was emitted up to then is delivered before the state is written, so a snapshot never
-        # holds a closed window whose row a kill could still lose; then that input is acked.
-        start = time.monotonic()
-        if start < snap["next"]:
-            return
-        data = engine.dumps()
-        took = time.monotonic() - start
-        snap["every"] = max(settings.snapshot_interval_s, took / SNAPSHOT_SHARE)
-        snap["next"] = start + snap["every"] - settings.snapshot_interval_s / 2
-        snap["bytes"], snap["dumps_s"] = len(data), took
-        covered = held[:]
-        held.clear()
-        try:
-            if not await output.flush():
-                raise OSError("what the worker published was not all delivered")
-            # written and fsync'd off the event loop (the input keeps flowing meanwhile)
-            await asyncio.get_running_loop().run_in_executor(None, engine.save, path, data)
-        except Exception as e:  # disk or broker trouble: keep the input, try again
-            log.warning("stream snapshot to %s failed: %s", path, e)
-            held[:0] = covered
-            if len(held) < MAX_HELD_EVENTS:
-                return
-            log.warning("acknowledging %d messages without a snapshot", len(held))
+    def write_all(data: dict[int, bytes]) -> int:
+        return sum(changelog.write(p, d) for p, d in data.items())
+
+    async def take_snapshots(why: str) -> bool:
+        """Snapshot every engine whose state may have changed to the changelog, then
+        acknowledge the input the snapshots cover; False if they could not be written."""
+        async with state_lock:
+            # The state and the input it covers are taken together (no await between them);
+            # what was emitted up to then is delivered before the state is written, so a
+            # snapshot never holds a closed window whose row a kill could still lose; then
+            # that input is acked.
+            start = time.monotonic()
+            data, offsets = {}, {}
+            for p, engine in shards.engines.items():
+                if p in restoring:
+                    continue
+                offsets[p] = engine.offsets
+                if engine.jobs or offsets[p] != written.get(p):
+                    data[p] = engine.dumps()
+            took = time.monotonic() - start
+            snap["every"] = max(settings.snapshot_interval_s, took / SNAPSHOT_SHARE)
+            snap["next"] = start + snap["every"] - settings.snapshot_interval_s / 2
+            snap["bytes"], snap["dumps_s"] = sum(len(d) for d in data.values()), took
             covered = held[:]
             held.clear()
-        for event in covered:
-            event.ack()
+            try:
+                if not await output.flush():
+                    raise OSError("what the worker published was not all delivered")
+                # written off the event loop (the input keeps flowing meanwhile)
+                await asyncio.get_running_loop().run_in_executor(None, write_all, data)
+                written.update({p: offsets[p] for p in data})
+            except Exception as e:  # broker trouble: keep the input, try again
+                log.warning("stream snapshot (%s) failed: %s", why, e)
+                held[:0] = covered
+                if len(held) < MAX_HELD_EVENTS:
+                    return False
+                log.warning("acknowledging %d messages without a snapshot", len(held))
+                covered = held[:]
+                held.clear()
+            for event in covered:
+                event.ack()
         if trim is not None:
             # Each snapshot allocates and frees its whole pickled state; glibc keeps the freed
             # pages unless asked, and the worker's RSS crept up by a few MiB a minute.
             trim(0)
+        return True
+
+    @app.timer(settings.snapshot_interval_s)
+    async def snapshot() -> None:
+        if time.monotonic() >= snap["next"] and not moving["frozen"]:
+            await take_snapshots("periodic")
+
+    @app.on_partitions_revoked.connect
+    async def revoked(app: faust.App, revoked: Any = (), **kwargs: Any) -> None:
+        # A rebalance: input stops until the assignment. Every engine's telemetry is held (the
+        # pause is no silence of the jobs), its state written (a partition that moves is
+        # restored from it by its next worker), and the engines rest until the assignment.
+        moving["frozen"] = True
+        now = time.time_ns()
+        for p, engine in shards.engines.items():
+            hold_partition(p, engine, now)
+        if await take_snapshots("rebalance"):
+            log.info("rebalance: the state of %d partition(s) written", len(shards.engines))
+
+    @app.on_partitions_assigned.connect
+    async def assigned(app: faust.App, assigned: Any = (), **kwargs: Any) -> None:
+        parts = {tp.partition for tp in assigned if tp.topic in INPUT_TOPICS}
+        for p in sorted(set(shards.engines) - parts):
+            jobs = shards.jobs(p)
+            shards.drop(p)
+            written.pop(p, None)
+            log.info("partition %d moved to another worker with its %d job(s)", p, len(jobs))
+        new = sorted(parts - set(shards.engines))
+        for p in new:
+            restoring[p] = asyncio.Event()
+        try:
+            for p in new:
+                try:
+                    data = await asyncio.get_running_loop().run_in_executor(
+                        None, changelog.latest, p, settings.restore_timeout_s
+                    )
+                except OSError as e:
+                    log.warning("partition %d starts without its state: %s", p, e)
+                    data = None
+                engine = shards.add(p, data)
+                hold_partition(p, engine, time.time_ns())
+                if data is not None:
+                    written[p] = engine.offsets
+                    log.info(
+                        "partition %d: %d job(s) restored from its snapshot (%.1f MB)",
+                        p, len(engine.jobs), len(data) / 1e6,
+                    )  # fmt: skip
+        finally:
+            for p in new:
+                restoring.pop(p).set()
+            moving["frozen"] = False
+        log.info("assigned partition(s) %s", sorted(parts))
+
+    @app.on_before_shutdown.connect
+    async def close_output(app: faust.App, **kwargs: Any) -> None:
+        if not moving["frozen"]:
+            try:  # a stop that lets it: the next worker repeats nothing
+                await asyncio.wait_for(take_snapshots("stop"), settings.restore_timeout_s)
+            except Exception as e:  # the broker gone: the last periodic snapshot stands
+                log.warning("no last snapshot at stop: %s", e)
+        output.close()
+        changelog.close()
 
     @app.timer(10.0)
     async def report() -> None:
-        st = engine.stats
+        st = shards.stats
         log.info(
             "stream stats: %d messages, %d samples, %d events, %d rejected, %d late samples %s, "
             "%d window rows, %d phase events, %d diagnoses, %d recommendations; %d held, "
-            "%d read behind their partition's end, %d partitions behind now; snapshots every "
-            "%.1f s (%.1f MB, serialised in %.0f ms); %d fetches; %.1f s in %d garbage "
-            "collections; %d published, %d undelivered",
+            "%d read behind their partition's end, %d partitions behind now; %d partitions "
+            "(moves %s); snapshots every %.1f s (%.1f MB, serialised in %.0f ms); %d fetches; "
+            "%.1f s in %d garbage collections; %d published, %d undelivered",
             st["messages"],
             st["samples"],
             st["events"],
-            sum(engine.rejected.values()),
-            engine.windows.late_samples,
-            engine.windows.late_by_kind or "",
+            sum(shards.rejected.values()),
+            shards.late_samples,
+            shards.late_by_kind or "",
             st["window_rows"],
             st["phase_events"],
             st["diagnoses"],
             st["recommendations"],
             len(held),
             st["behind"],
-            len(engine.held_inputs),
+            len(shards.held_inputs),
+            len(shards.engines),
+            dict(shards.moves) or "none",
             snap["every"],
             snap["bytes"] / 1e6,
             snap["dumps_s"] * 1000,
@@ -490,7 +592,7 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
             output.failed,
         )
 
-    app.perfloop_engine = engine  # type: ignore[attr-defined]
+    app.perfloop_shards = shards  # type: ignore[attr-defined]
     app.perfloop_metrics = metrics  # type: ignore[attr-defined]
     return app
 

@@ -93,6 +93,7 @@ __all__ = [
     "TELEMETRY_TOPICS",
     "Outputs",
     "StreamEngine",
+    "Unpickler",
     "Unreadable",
 ]
 
@@ -294,6 +295,24 @@ class StreamEngine(EventTime):
     def held_inputs(self) -> list[tuple[str, int]]:
         """Telemetry partitions with input left to read (their sources' silence is held)."""
         return list(self.windows.held_channels)
+
+    @property
+    def jobs(self) -> list[str]:
+        """The jobs the engine holds state for."""
+        return list(self._time)
+
+    @property
+    def offsets(self) -> dict[tuple[str, int], int]:
+        """The next offset to read, per (topic, partition) read."""
+        return dict(self._offsets)
+
+    @property
+    def late_samples(self) -> int:
+        return self.windows.late_samples
+
+    def recent(self, job_id: str) -> Any:
+        """The job's recent completed steps (`StepAnalysis.recent`)."""
+        return self.steps.recent(job_id)
 
     def position(self, topic: str, partition: int) -> int | None:
         """The next offset of the partition to read (None: none read yet)."""
@@ -513,7 +532,7 @@ class StreamEngine(EventTime):
         if not path.exists():
             return False
         try:
-            self.restore(_Unpickler(io.BytesIO(path.read_bytes())).load())  # written by `save`
+            self.restore(Unpickler(io.BytesIO(path.read_bytes())).load())  # written by `save`
         except (OSError, pickle.UnpicklingError, ConfigError, KeyError, EOFError) as e:
             log.warning("ignoring unreadable stream snapshot %s: %s", path, e)
             return False
@@ -526,7 +545,7 @@ def _positive(key: str, value: Any) -> float:
     return float(value)
 
 
-class _Unpickler(pickle.Unpickler):
+class Unpickler(pickle.Unpickler):
     """Reads a snapshot, finding a class that moved (`_MOVED_CLASSES`) at its new module."""
 
     def find_class(self, module: str, name: str) -> Any:
