@@ -49,6 +49,7 @@ class TopicFeed:
         self.bad = 0  # messages that did not decode
         self._items: deque[Any] = deque(maxlen=_KEPT)
         self._seen: dict[str, int] = {}
+        self._events: dict[str, None] = {}  # the latest events' ids, oldest first
         self._c = consumer(settings, f"perfloop-top-{os.getpid()}")
         self._stop, self._assigned = threading.Event(), threading.Event()
         self._t = threading.Thread(target=self._run, name="perfloop-top-feed", daemon=True)
@@ -85,7 +86,14 @@ class TopicFeed:
         data = msg.value() or b""
         try:
             if msg.topic() in EVENTS:
-                self._items.append(decode_event(data))
+                event = decode_event(data)
+                # a stream setting for every job travels on every partition: show it once
+                if event.event_id in self._events:
+                    return
+                self._events[event.event_id] = None
+                if len(self._events) > 1000:
+                    self._events.pop(next(iter(self._events)))
+                self._items.append(event)
             elif job == self.selected or (not job and self.selected is not None):
                 batch = decode_batch(data)
                 if batch.job_id == self.selected:

@@ -170,7 +170,13 @@ def config_command(args: argparse.Namespace, *, out: TextIO | None = None) -> in
 
 def publish_change(settings: Any, change: Any, timeout_s: float = 10.0) -> str:
     """Publish a `ConfigChange` on ``perfloop.control`` (keyed by whom it applies to) and wait
-    for the broker to take it; return why it was not delivered ("" when it was)."""
+    for the broker to take it; return why it was not delivered ("" when it was).
+
+    A change of the stream tier for every job goes to every partition of the topic: each
+    partition's state lives in an engine of its own, maybe on another worker
+    (`perfloop.streams.shards`), and takes the change with the partition's input, in order
+    and into its snapshots. Readers of the other targets see it once; `perfloop config
+    history` shows each change once."""
     from perfloop.kafka import producer
     from perfloop.schemas import encode_event
     from perfloop.schemas.topics import Topics
@@ -183,12 +189,22 @@ def publish_change(settings: Any, change: Any, timeout_s: float = 10.0) -> str:
 
     try:
         p = producer(settings, **{"linger.ms": 0, "message.timeout.ms": int(timeout_s * 1000)})
-        p.produce(
-            Topics.CONTROL,
-            key=change.applies_to.encode(),
-            value=encode_event(change),
-            on_delivery=delivered,
-        )
+        partitions: list[int | None] = [None]
+        if change.target == "streams" and change.applies_to == "*":
+            md = p.list_topics(Topics.CONTROL, timeout=timeout_s).topics.get(Topics.CONTROL)
+            if md is None or md.error is not None or not md.partitions:
+                return f"no topic {Topics.CONTROL} on the broker"
+            partitions = sorted(md.partitions)
+        value = encode_event(change)
+        for part in partitions:
+            extra = {} if part is None else {"partition": part}
+            p.produce(
+                Topics.CONTROL,
+                key=change.applies_to.encode(),
+                value=value,
+                on_delivery=delivered,
+                **extra,
+            )
         left = p.flush(timeout_s + 5)
     except Exception as e:  # the caller says what it means to them
         return " ".join(str(e).split())[:300]
