@@ -136,11 +136,14 @@ def _at_priority(priority: str, start: Callable[[], subprocess.Popen[bytes]]) ->
 
 
 def services_for(settings: StackSettings) -> tuple[str, ...]:
-    """The perfloop services `up` starts: `SERVICES`, the accountant unless ``accounting`` is
+    """The perfloop services `up` starts: `SERVICES` (and ``streams-2``… up to
+    ``stream_workers`` stream workers), the accountant unless ``accounting`` is
     off (``PERFLOOP_ACCOUNTING=0``), and the notifier when a webhook URL is set
     (``PERFLOOP_WEBHOOK_URLS``)."""
+    more = tuple(f"streams-{i}" for i in range(2, settings.stream_workers + 1))
     return (
         *SERVICES,
+        *more,
         *((ACCOUNTANT,) if settings.accounting else ()),
         *((NOTIFIER,) if settings.webhook_urls else ()),
     )
@@ -265,7 +268,7 @@ class Supervisor:
         ensure_topics(s)
         migrate(s)
         services = [
-            self._child(name, [py, "-m", "perfloop.cli", "service", name])
+            self._child(name, [py, "-m", "perfloop.cli", "service", name.split("-")[0]])
             for name in services_for(s)
         ]
         self._children.extend(services)
@@ -357,7 +360,12 @@ class Supervisor:
         log = open(child.log, "ab")  # noqa: SIM115 - handed to the child, closed below
         policy = _policy_for(child.name, self.settings.stack_priority)
         env = self._env()
-        if policy != "normal" and child.name == "streams":
+        if child.name.startswith("streams-"):  # another stream worker: a name and a port
+            k = int(child.name.split("-")[1])
+            env["PERFLOOP_WORKER_NAME"] = str(k - 1)
+            port = int(env.get("PERFLOOP_METRICS_PORT") or 19464)
+            env["PERFLOOP_METRICS_PORT"] = str(port + k - 1 if port else 0)
+        if policy != "normal" and child.name.split("-")[0] == "streams":
             # it raises its group, and the broker's, while it is behind (`perfloop.autogroup`),
             # and it starts behind: raised until it has kept up
             env["PERFLOOP_GROUP_NICE"] = str(AUTOGROUP_NICE)
@@ -391,7 +399,8 @@ class Supervisor:
             if not self._groups.add(group, child.proc.pid):
                 with contextlib.suppress(OSError), open(child.log, "a") as f:
                     f.write(f"perfloop supervisor: {child.name} not moved to an idle CPU group\n")
-        nice = CATCH_UP_NICE if child.name == "streams" else AUTOGROUP_NICE  # starts raised
+        streams = child.name.split("-")[0] == "streams"
+        nice = CATCH_UP_NICE if streams else AUTOGROUP_NICE  # starts raised
         if policy != "normal" and not set_autogroup_nice(child.proc.pid, nice):
             with contextlib.suppress(OSError), open(child.log, "a") as f:
                 f.write(

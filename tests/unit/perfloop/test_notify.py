@@ -258,6 +258,8 @@ def test_up_starts_the_notifier_only_when_a_webhook_url_is_set() -> None:
     with_hook = StackSettings(webhook_urls="https://hooks.example.com/x")
     assert services_for(with_hook) == (*SERVICES, ACCOUNTANT, NOTIFIER)
     assert services_for(StackSettings(accounting=False)) == SERVICES
+    three = services_for(StackSettings(accounting=False, stream_workers=3))
+    assert three == (*SERVICES, "streams-2", "streams-3")
 
 
 def test_the_notifier_service_without_a_url_is_one_line(
