@@ -517,6 +517,12 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
     @app.on_partitions_assigned.connect
     async def assigned(app: faust.App, assigned: Any = (), **kwargs: Any) -> None:
         parts = {tp.partition for tp in assigned if tp.topic in INPUT_TOPICS}
+        # the broker may have been replaced meanwhile (the embedded one restarted empty): the
+        # positions the engines hold are then positions in another log
+        cluster = await asyncio.get_running_loop().run_in_executor(None, cluster_id, settings)
+        shards.use_cluster(cluster)
+        for p in parts & set(shards.engines):  # kept: the consumer re-reads from its commit
+            shards.engines[p].skip_read()
         for p in sorted(set(shards.engines) - parts):
             jobs = shards.jobs(p)
             shards.drop(p)

@@ -318,6 +318,12 @@ class StreamEngine(EventTime):
         """The next offset of the partition to read (None: none read yet)."""
         return self._offsets.get((topic, partition))
 
+    def skip_read(self) -> None:
+        """Skip what has been read when it is read again: after a rebalance that leaves the
+        partition here, the consumer starts again from its last commit, which may be older
+        than what the engine holds (`restore` does the same for a snapshot's positions)."""
+        self._resume = {tp: max(o, self._resume.get(tp, 0)) for tp, o in self._offsets.items()}
+
     def use_cluster(self, cluster_id: str | None) -> bool:
         """Tell the engine which broker cluster it reads from (None: unknown). Offsets of a
         restored snapshot taken against another cluster (an embedded broker restarted empty,

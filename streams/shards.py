@@ -90,6 +90,9 @@ class Shards:
         return e
 
     def use_cluster(self, cluster_id: str | None) -> None:
+        """The broker cluster the engines read from (None: unknown, nothing changes)."""
+        if cluster_id is None:
+            return
         self.cluster_id = cluster_id
         for e in self.engines.values():
             e.use_cluster(cluster_id)

@@ -115,6 +115,20 @@ def test_a_partition_moved_mid_run_emits_what_one_worker_would(two_jobs: list[Me
     assert a.stats["samples"] > 0 and b.stats["samples"] > 0
 
 
+def test_a_partition_kept_through_a_rebalance_skips_what_it_reads_again(
+    two_jobs: list[Message],
+) -> None:
+    """Eager rebalancing revokes every partition and assigns the kept ones again; the consumer
+    then starts from its last commit, which may be older than what the engine holds."""
+    shards, out = Shards(StreamsSettings()), _Collect()
+    mine = [(n, m) for n, m in enumerate(two_jobs) if m[0] == 0]
+    wall = _feed([shards], {0: 0}, mine[:60], 0, out)
+    samples = shards.stats["samples"]
+    shards.engines[0].skip_read()  # the assignment keeps partition 0
+    _feed([shards], {0: 0}, [(1, m) for _, m in mine[50:60]], wall, out)
+    assert shards.stats["replayed"] == 10 and shards.stats["samples"] == samples
+
+
 def test_an_unreadable_snapshot_gives_a_fresh_engine() -> None:
     shards = Shards(StreamsSettings())
     e = shards.add(2, b"not a snapshot")
