@@ -216,12 +216,14 @@ class StreamsSettings(BaseServiceSettings):
     """The Faust stream workers: ingest, windows, phases, cross-rank analysis, the funnel.
 
     ``windows`` lists window sizes in seconds, tumbling ("10") or hopping ("60/10": 60 s
-    windows every 10 s). Each input partition's state is snapshotted to the changelog topic
-    ``perfloop.streams.state`` every ``snapshot_interval_s`` and when the partition is revoked;
-    input is acknowledged (and its offsets committed) only once a snapshot holds it, so the
-    worker that gets the partition next (this one restarted, or another) resumes where the
-    snapshot left off. ``restore_timeout_s`` bounds how long a newly assigned partition waits
-    for its snapshot before it starts without it.
+    windows every 10 s). Each input partition's state is snapshotted every
+    ``snapshot_interval_s`` to ``$PERFLOOP_HOME/streams/<worker_name>/<partition>.snapshot``,
+    and every ``changelog_interval_s``, when the partition is revoked and when the worker
+    stops to the changelog topic ``perfloop.streams.state``, which any worker reads; input is
+    acknowledged (and its offsets committed) only once a snapshot holds it. The worker that
+    gets a partition (this one restarted, or another) restores the newest snapshot it can
+    read and reads on from its positions. ``restore_timeout_s`` bounds how long a newly
+    assigned partition waits for the changelog before it starts without it.
     """
 
     app_id: str = "perfloop-streams"
@@ -242,6 +244,7 @@ class StreamsSettings(BaseServiceSettings):
         "job on the same 2 CPUs ~3 points of its speed more than 0.5 s (bench/README.md).",
     )
     snapshot_interval_s: float = Field(2.0, gt=0)
+    changelog_interval_s: float = Field(30.0, gt=0)
     restore_timeout_s: float = Field(10.0, gt=0, le=120)
     data_wait_share_threshold: float = Field(0.3, gt=0, lt=1)
     recommendation_cooldown_s: float = Field(30.0, ge=0)

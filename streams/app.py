@@ -13,15 +13,21 @@ publishes closed windows (``perfloop.windows``), phase changes, diagnoses, the o
 predictions (``perfloop.predictions``) and recommendations, keyed by job, through a librdkafka
 producer whose threads deliver them off the event loop (`perfloop.streams._publisher`).
 
-Processing is at least once, with durable state: input is read without automatic
-acknowledgement; every ``snapshot_interval_s`` (longer for a large state, see `SNAPSHOT_SHARE`)
-the engine's state is written to ``$PERFLOOP_HOME/streams/<worker_name>.snapshot`` (atomically,
-fsync'd) and only then is the input it covers acknowledged, so committed offsets never pass the
-snapshot. A restarted worker restores the snapshot and skips what it already holds; what it
-emitted after the snapshot may be emitted again (bounded by the snapshot interval). The
-snapshot's positions count only in the broker cluster it was taken in: against another one
-(the embedded broker restarted empty gets a new cluster id) they are forgotten and the state
-kept, so the new log is read, not skipped.
+Processing is at least once, with durable state, one `StreamEngine` per input partition
+number (`perfloop.streams.shards`): input is read without automatic acknowledgement; every
+``snapshot_interval_s`` (longer for a large state, see `SNAPSHOT_SHARE`) each engine whose
+state may have changed is written to ``$PERFLOOP_HOME/streams/<worker_name>/<p>.snapshot``
+(atomically, fsync'd), and every ``changelog_interval_s``, when its partition is revoked and
+when the worker stops, to the changelog topic (`perfloop.streams._changelog`), which a
+worker on any node reads; only then is the input they cover acknowledged. A worker given a
+partition restores the newest snapshot it can read (its own file or the changelog's), seeks
+the partition's topics to the snapshot's positions and skips what it already holds; what
+was emitted after that snapshot may be emitted again (docs/guarantees.md states the bounds).
+A partition kept through a rebalance skips what the consumer reads again from its commit.
+Positions count only in the broker cluster they were taken in: against another one (the
+embedded broker restarted empty gets a new cluster id) they are forgotten and the state
+kept, so the new log is read, not skipped. Faust does not wait for unacknowledged input at a
+rebalance or a stop (``stream_wait_empty`` off): the snapshot taken then acknowledges it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import asyncio
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import faust
@@ -54,6 +61,7 @@ from perfloop.streams.engine import (
     Outputs,
     StreamEngine,
     Unreadable,
+    write_snapshot,
 )
 from perfloop.streams.predict.history import load_history
 from perfloop.streams.shards import Shards
@@ -183,6 +191,11 @@ def windows_messages(cols: WindowColumns) -> list[tuple[bytes, bytes]]:
     return out
 
 
+def local_path(settings: StreamsSettings, partition: int) -> Path:
+    """Where the worker keeps its own copy of a partition's latest snapshot."""
+    return settings.home_dir / "streams" / settings.worker_name / f"{partition}.snapshot"
+
+
 def streams_policy(exc: BaseException, message: Failed) -> ErrorAction:
     """The stream workers' `perfloop.bad_input` policy: `dead_letter_policy`, except for a
     message that is no perfloop message of its topic (`Unreadable`) on a topic the sink stores:
@@ -252,6 +265,10 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
     # partitions that move are another worker's from their last snapshot on).
     restoring: dict[int, asyncio.Event] = {}
     moving = {"frozen": False}
+    # No input is taken from a revocation until the assignment after it has been handled:
+    # Faust resumes fetching before it tells the app of the assignment, and a message taken
+    # then would find its partition's engine not restored yet.
+    assigned_gate = asyncio.Event()
     state_lock = asyncio.Lock()
     trim = libc_trim()
     gc_clock = GcClock()
@@ -381,6 +398,8 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
         # let committed offsets pass the snapshot; a message carries a whole batch anyway.
         async for event in stream.noack().events():
             msg = event.message
+            if not assigned_gate.is_set():
+                await assigned_gate.wait()
             wait = restoring.get(msg.partition)
             if wait is not None:  # its engine is being restored
                 await wait.wait()
@@ -448,10 +467,14 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
             log.info("input %s: scheduling group %s", word, catch_up.describe(moved))
 
     snap = {"next": 0.0, "every": settings.snapshot_interval_s, "bytes": 0, "dumps_s": 0.0}
+    snap["shared_at"] = time.monotonic()  # the last write to the changelog
     written: dict[int, dict[tuple[str, int], int]] = {}  # per partition: the offsets last written
 
-    def write_all(data: dict[int, bytes]) -> int:
-        return sum(changelog.write(p, d) for p, d in data.items())
+    def write_all(data: dict[int, bytes], shared: bool) -> None:
+        for p, d in data.items():
+            write_snapshot(local_path(settings, p), d)
+            if shared:
+                changelog.write(p, d)
 
     async def take_snapshots(why: str) -> bool:
         """Snapshot every engine whose state may have changed to the changelog, then
@@ -462,6 +485,9 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
             # snapshot never holds a closed window whose row a kill could still lose; then
             # that input is acked.
             start = time.monotonic()
+            # the changelog (which another worker restores from) less often than the local
+            # copy (which this worker restores from): each write stays in the embedded broker
+            shared = why != "periodic" or start - snap["shared_at"] >= settings.changelog_interval_s
             data, offsets = {}, {}
             for p, engine in shards.engines.items():
                 if p in restoring:
@@ -479,8 +505,10 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
                 if not await output.flush():
                     raise OSError("what the worker published was not all delivered")
                 # written off the event loop (the input keeps flowing meanwhile)
-                await asyncio.get_running_loop().run_in_executor(None, write_all, data)
+                await asyncio.get_running_loop().run_in_executor(None, write_all, data, shared)
                 written.update({p: offsets[p] for p in data})
+                if shared:
+                    snap["shared_at"] = start
             except Exception as e:  # broker trouble: keep the input, try again
                 log.warning("stream snapshot (%s) failed: %s", why, e)
                 held[:0] = covered
@@ -508,11 +536,18 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
         # pause is no silence of the jobs), its state written (a partition that moves is
         # restored from it by its next worker), and the engines rest until the assignment.
         moving["frozen"] = True
+        assigned_gate.clear()
         now = time.time_ns()
         for p, engine in shards.engines.items():
             hold_partition(p, engine, now)
         if await take_snapshots("rebalance"):
             log.info("rebalance: the state of %d partition(s) written", len(shards.engines))
+
+    def read_local(p: int) -> bytes | None:
+        try:
+            return local_path(settings, p).read_bytes()
+        except OSError:
+            return None
 
     @app.on_partitions_assigned.connect
     async def assigned(app: faust.App, assigned: Any = (), **kwargs: Any) -> None:
@@ -521,8 +556,6 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
         # positions the engines hold are then positions in another log
         cluster = await asyncio.get_running_loop().run_in_executor(None, cluster_id, settings)
         shards.use_cluster(cluster)
-        for p in parts & set(shards.engines):  # kept: the consumer re-reads from its commit
-            shards.engines[p].skip_read()
         for p in sorted(set(shards.engines) - parts):
             jobs = shards.jobs(p)
             shards.drop(p)
@@ -538,20 +571,27 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
                         None, changelog.latest, p, settings.restore_timeout_s
                     )
                 except OSError as e:
-                    log.warning("partition %d starts without its state: %s", p, e)
+                    log.warning("partition %d: no snapshot from the changelog: %s", p, e)
                     data = None
-                engine = shards.add(p, data)
+                mine = await asyncio.get_running_loop().run_in_executor(None, read_local, p)
+                engine = shards.add(p, data, mine)
                 hold_partition(p, engine, time.time_ns())
-                if data is not None:
+                if engine.offsets:
                     written[p] = engine.offsets
+                    # read on from what the snapshot holds (the group's commit may be older
+                    # or, after a takeover from a changelog snapshot, newer)
+                    for (topic, part), offset in engine.offsets.items():
+                        if part == p and topic in INPUT_TOPICS:
+                            await app.consumer.seek(TP(topic, p), offset)
                     log.info(
-                        "partition %d: %d job(s) restored from its snapshot (%.1f MB)",
-                        p, len(engine.jobs), len(data) / 1e6,
+                        "partition %d: %d job(s) restored from its snapshot",
+                        p, len(engine.jobs),
                     )  # fmt: skip
         finally:
             for p in new:
                 restoring.pop(p).set()
             moving["frozen"] = False
+            assigned_gate.set()
         log.info("assigned partition(s) %s", sorted(parts))
 
     @app.on_before_shutdown.connect
@@ -569,9 +609,11 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
         st = shards.stats
         log.info(
             "stream stats: %d messages, %d samples, %d events, %d rejected, %d late samples %s, "
-            "%d window rows, %d phase events, %d diagnoses, %d recommendations; %d held, "
+            "%d window rows, %d phase events, %d diagnoses, %d recommendations; %d read again "
+            "and skipped; %d held, "
             "%d read behind their partition's end, %d partitions behind now; %d partitions "
-            "(moves %s); snapshots every %.1f s (%.1f MB, serialised in %.0f ms); %d fetches; "
+            "(moves %s); snapshots every %.1f s (%.1f MB, serialised in %.0f ms; %d written to "
+            "the changelog, %.1f MB compressed); %d fetches; "
             "%.1f s in %d garbage collections; %d published, %d undelivered",
             st["messages"],
             st["samples"],
@@ -583,6 +625,7 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
             st["phase_events"],
             st["diagnoses"],
             st["recommendations"],
+            st["replayed"],
             len(held),
             st["behind"],
             len(shards.held_inputs),
@@ -591,6 +634,8 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
             snap["every"],
             snap["bytes"] / 1e6,
             snap["dumps_s"] * 1000,
+            changelog.written,
+            changelog.bytes / 1e6,
             (pace_fetches(app, settings.fetch_min_interval_ms) or {}).get("fetches", 0),
             gc_clock.seconds,
             gc_clock.collections,

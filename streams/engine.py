@@ -8,8 +8,9 @@ the app hands over (`ingest`), the engine:
    belonging on its topic, event time within ``max_skew_s`` ahead of and ``max_age_s``
    behind the receiving clock. Anything else raises `SchemaError` with a one-line reason;
    the app sends the message to ``perfloop.dlq`` and goes on.
-2. **skips** it when a restored snapshot already holds it (its offset is below the
-   snapshot's offset for that partition), counting it in ``stats["replayed"]``.
+2. **skips** it when it was read already (its offset is below the partition's position, or a
+   restored snapshot's: a consumer that starts over from its last commit, or a fetch a seek
+   repeats), counting it in ``stats["replayed"]``.
 3. **hands** the decoded batch to `WindowSet` (1/10/60 s windows) at once, and queues it, with
    the job events (job info, lifecycle), for the analyses — `StepAnalysis` (per-step
    busy/idle/straggler analysis), `PhaseMachine` and `Funnel`; a ``ConfigChange`` for the
@@ -95,6 +96,7 @@ __all__ = [
     "StreamEngine",
     "Unpickler",
     "Unreadable",
+    "write_snapshot",
 ]
 
 log = logging.getLogger("perfloop.streams")
@@ -234,7 +236,9 @@ class StreamEngine(EventTime):
         self._resumed(wall_ns)
         self.stats["behind"] += not caught_up
         if offset >= 0:
-            if offset < self._resume.get(tp, -1):
+            # read already: before a restored snapshot's positions, or again (a consumer
+            # that starts over from its last commit, or a fetch repeated by a seek)
+            if offset < max(self._resume.get(tp, -1), self._offsets.get(tp, -1)):
                 self.stats["replayed"] += 1
                 if topic in TELEMETRY_TOPICS:
                     self.windows.set_channel(
@@ -317,12 +321,6 @@ class StreamEngine(EventTime):
     def position(self, topic: str, partition: int) -> int | None:
         """The next offset of the partition to read (None: none read yet)."""
         return self._offsets.get((topic, partition))
-
-    def skip_read(self) -> None:
-        """Skip what has been read when it is read again: after a rebalance that leaves the
-        partition here, the consumer starts again from its last commit, which may be older
-        than what the engine holds (`restore` does the same for a snapshot's positions)."""
-        self._resume = {tp: max(o, self._resume.get(tp, 0)) for tp, o in self._offsets.items()}
 
     def use_cluster(self, cluster_id: str | None) -> bool:
         """Tell the engine which broker cluster it reads from (None: unknown). Offsets of a
@@ -515,23 +513,9 @@ class StreamEngine(EventTime):
         return pickle.dumps(self.snapshot(), protocol=pickle.HIGHEST_PROTOCOL)
 
     def save(self, path: Path, data: bytes | None = None) -> int:
-        """Write a snapshot (``data`` from `dumps`, or now) atomically: temporary file, fsync,
-        rename. Returns its size."""
-        if data is None:
-            data = self.dumps()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return len(data)
+        """Write a snapshot (``data`` from `dumps`, or now) atomically (`write_snapshot`).
+        Returns its size."""
+        return write_snapshot(path, self.dumps() if data is None else data)
 
     def load(self, path: Path) -> bool:
         """Restore from ``path`` if it exists; an unreadable snapshot is logged and ignored."""
@@ -543,6 +527,24 @@ class StreamEngine(EventTime):
             log.warning("ignoring unreadable stream snapshot %s: %s", path, e)
             return False
         return True
+
+
+def write_snapshot(path: Path, data: bytes) -> int:
+    """Write ``data`` to ``path`` atomically: temporary file, fsync, rename, fsync of the
+    folder. Returns its size."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return len(data)
 
 
 def _positive(key: str, value: Any) -> float:

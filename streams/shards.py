@@ -35,6 +35,16 @@ __all__ = ["Shards"]
 log = logging.getLogger("perfloop.streams")
 
 
+def _cluster(state: Any) -> Any:
+    return state.get("cluster_id") if isinstance(state, dict) else None
+
+
+def _read(state: Any) -> int:
+    """How much of its partition a snapshot has read (its offsets summed)."""
+    offsets = state.get("offsets") if isinstance(state, dict) else None
+    return sum(offsets.values()) if isinstance(offsets, dict) else -1
+
+
 class Shards:
     """The worker's engines by input partition number (see the module)."""
 
@@ -56,16 +66,29 @@ class Shards:
         e = self.engines.get(partition)
         return e if e is not None else self.add(partition)
 
-    def add(self, partition: int, snapshot: bytes | None = None) -> StreamEngine:
-        """Give the partition an engine, restored from ``snapshot`` (`StreamEngine.dumps`
-        output) if there is one; an unreadable snapshot is logged and a fresh engine used."""
+    def add(self, partition: int, *snapshots: bytes | None) -> StreamEngine:
+        """Give the partition an engine, restored from the newest of ``snapshots``
+        (`StreamEngine.dumps` output; None: none) if there is one: the one that has read the
+        most of the partition, among those taken in the broker cluster read now if any is.
+        An unreadable snapshot is logged and left out."""
         e = StreamEngine(self.settings)
-        if snapshot is not None:
+        states = []
+        for data in snapshots:
+            if data is None:
+                continue
             try:
-                e.restore(Unpickler(io.BytesIO(snapshot)).load())
+                states.append(Unpickler(io.BytesIO(data)).load())
+            except (pickle.UnpicklingError, EOFError, TypeError, AttributeError) as ex:
+                log.warning("ignoring an unreadable snapshot of partition %d: %s", partition, ex)
+                self.moves["unreadable"] += 1
+        here = [st for st in states if _cluster(st) in (None, self.cluster_id)]
+        for state in sorted(here or states, key=_read, reverse=True):
+            try:
+                e.restore(state)
                 self.moves["restored"] += 1
-            except (pickle.UnpicklingError, ConfigError, KeyError, EOFError, TypeError) as ex:
-                log.warning("ignoring the unreadable snapshot of partition %d: %s", partition, ex)
+                break
+            except (ConfigError, KeyError, TypeError, AttributeError) as ex:
+                log.warning("ignoring an unreadable snapshot of partition %d: %s", partition, ex)
                 self.moves["unreadable"] += 1
                 e = StreamEngine(self.settings)
         else:

@@ -59,9 +59,10 @@ def _offsets(messages: list[tuple[str, bytes]]) -> tuple[list[int], dict[str, in
 def live(messages: list[tuple[str, bytes]]) -> list[Arrival]:
     """In event-time order, each arriving at its event time, every partition read to its end."""
     et = [_event_time(t, v) for t, v in messages]
-    offsets, _ = _offsets(messages)
     order = sorted(range(len(messages)), key=lambda i: et[i])
-    return [Arrival(et[i], *messages[i], offsets[i], True) for i in order]
+    # a partition's offsets are the order its messages arrived in
+    offsets, _ = _offsets([messages[i] for i in order])
+    return [Arrival(et[i], *messages[i], offsets[n], True) for n, i in enumerate(order)]
 
 
 def compressed(messages: list[tuple[str, bytes]], factor: int = 100) -> list[Arrival]:

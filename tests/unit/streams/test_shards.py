@@ -124,15 +124,38 @@ def test_a_partition_kept_through_a_rebalance_skips_what_it_reads_again(
     mine = [(n, m) for n, m in enumerate(two_jobs) if m[0] == 0]
     wall = _feed([shards], {0: 0}, mine[:60], 0, out)
     samples = shards.stats["samples"]
-    shards.engines[0].skip_read()  # the assignment keeps partition 0
     _feed([shards], {0: 0}, [(1, m) for _, m in mine[50:60]], wall, out)
     assert shards.stats["replayed"] == 10 and shards.stats["samples"] == samples
+
+
+def test_the_newest_snapshot_of_this_broker_is_restored(two_jobs: list[Message]) -> None:
+    """A worker's own copy (written every snapshot interval) and the changelog's (less often):
+    the one that has read more of the partition wins, among those of the broker read now."""
+    settings = StreamsSettings()
+    src, out = Shards(settings), _Collect()
+    src.use_cluster("c1")
+    mine = [(n, m) for n, m in enumerate(two_jobs) if m[0] == 0]
+    wall = _feed([src], {0: 0}, mine[:40], 0, out)
+    older = src.engines[0].dumps()
+    _feed([src], {0: 0}, mine[40:80], wall, out)
+    newer = src.engines[0].dumps()
+    for order in ((older, newer), (newer, older)):
+        shards = Shards(settings)
+        shards.use_cluster("c1")
+        assert shards.add(0, None, *order).offsets == src.engines[0].offsets
+    # the broker was replaced: a snapshot of the new one wins even if it read less
+    src.engines[0].use_cluster("c2")
+    other = src.engines[0].dumps()
+    shards = Shards(settings)
+    shards.use_cluster("c2")
+    assert shards.add(0, newer, other).cluster_id == "c2"
 
 
 def test_an_unreadable_snapshot_gives_a_fresh_engine() -> None:
     shards = Shards(StreamsSettings())
     e = shards.add(2, b"not a snapshot")
-    assert shards.moves == {"unreadable": 1} and e.jobs == [] and shards.engines[2] is e
+    assert shards.moves == {"unreadable": 1, "fresh": 1}
+    assert e.jobs == [] and shards.engines[2] is e
 
 
 def test_the_engines_share_the_most_experienced_cross_run_models() -> None:
