@@ -6,9 +6,10 @@ their state (`perfloop.streams.shards`, `perfloop.streams._changelog`).
   else, as one worker alone does (the simulator's detection precision and recall are 1.0).
 - The 1 s windows of ``step_time_ms`` cover at least 99.9 % of the step samples in the
   warehouse, counting each window once.
-- A window is emitted twice only if it closed in the snapshot interval before a kill (what
-  a takeover repeats: the killed worker's work since its last snapshot); a worker that joins
-  repeats nothing (the worker that gives a partition up writes its state first).
+- A window is emitted twice only if it closed in the changelog interval before a kill (what
+  a takeover repeats: the killed worker's work since the last snapshot of it in the
+  changelog); a worker that joins or leaves cleanly repeats nothing (the worker that gives a
+  partition up writes its state first).
 
 The stack is this module's own; the extra workers are ``perfloop service streams`` processes
 with worker names of their own, as on other nodes.
@@ -206,8 +207,9 @@ def _check(stack: StackSettings, jobs: list[SimulatedJob], kills: list[int], log
     )
     print("seconds from each job's last 1 s window's start to its close:", sorted(lag))
 
-    # a window twice: only one that closed within a snapshot interval (and a tick) of a kill
-    snap_s = StreamsSettings().snapshot_interval_s
+    # a window twice: only one that closed within a changelog interval (and a tick) before a
+    # kill — what the killed worker emitted after the snapshot its partitions' next owner read
+    snap_s = StreamsSettings().changelog_interval_s
     twice = _rows(
         stack,
         "SELECT job_id, rank, toUnixTimestamp64Nano(min(closed)) FROM windows WHERE job_id IN "
