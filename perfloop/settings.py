@@ -220,7 +220,7 @@ class StreamsSettings(BaseServiceSettings):
     ``snapshot_interval_s`` to ``$PERFLOOP_HOME/streams/<worker_name>/<partition>.snapshot``,
     and every ``changelog_interval_s``, when the partition is revoked and when the worker
     stops to the changelog topic ``perfloop.streams.state``, which any worker reads; input is
-    acknowledged (and its offsets committed) only once a snapshot holds it. The worker that
+    acknowledged (and its offsets committed) only once the changelog holds it. The worker that
     gets a partition (this one restarted, or another) restores the newest snapshot it can
     read and reads on from its positions. ``restore_timeout_s`` bounds how long a newly
     assigned partition waits for the changelog before it starts without it.

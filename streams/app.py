@@ -19,7 +19,9 @@ number (`perfloop.streams.shards`): input is read without automatic acknowledgem
 state may have changed is written to ``$PERFLOOP_HOME/streams/<worker_name>/<p>.snapshot``
 (atomically, fsync'd), and every ``changelog_interval_s``, when its partition is revoked and
 when the worker stops, to the changelog topic (`perfloop.streams._changelog`), which a
-worker on any node reads; only then is the input they cover acknowledged. A worker given a
+worker on any node reads; only then is the input it covers acknowledged (so the group's
+commit, which a worker reads from when no snapshot of a partition reached it, never passes
+the changelog's snapshot; the file only spares this worker re-reading). A worker given a
 partition restores the newest snapshot it can read (its own file or the changelog's), seeks
 the partition's topics to the snapshot's positions and skips what it already holds; what
 was emitted after that snapshot may be emitted again (docs/guarantees.md states the bounds).
@@ -509,6 +511,9 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
                 written.update({p: offsets[p] for p in data})
                 if shared:
                     snap["shared_at"] = start
+                else:  # acknowledged once the changelog holds it: the commit is what another
+                    held[:0] = covered  # worker reads from when no snapshot of it reached it
+                    covered = []
             except Exception as e:  # broker trouble: keep the input, try again
                 log.warning("stream snapshot (%s) failed: %s", why, e)
                 held[:0] = covered
