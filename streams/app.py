@@ -22,8 +22,8 @@ when the worker stops, to the changelog topic (`perfloop.streams._changelog`), w
 worker on any node reads; only then is the input it covers acknowledged (so the group's
 commit, which a worker reads from when no snapshot of a partition reached it, never passes
 the changelog's snapshot; the file only spares this worker re-reading). A worker given a
-partition restores the newest snapshot it can read (its own file or the changelog's), seeks
-the partition's topics to the snapshot's positions and skips what it already holds; what
+partition restores the newest snapshot it can read (its own file or the changelog's) and
+skips what it holds when the consumer reads it again from the group's commit; what
 was emitted after that snapshot may be emitted again (docs/guarantees.md states the bounds).
 A partition kept through a rebalance skips what the consumer reads again from its commit.
 Positions count only in the broker cluster they were taken in: against another one (the
@@ -582,12 +582,10 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
                 engine = shards.add(p, data, mine)
                 hold_partition(p, engine, time.time_ns())
                 if engine.offsets:
+                    # the group's commit never passes the changelog's snapshot (input is
+                    # acknowledged once it holds it), nor this worker's newer file: reading
+                    # from it, the engine skips what the snapshot holds
                     written[p] = engine.offsets
-                    # read on from what the snapshot holds (the group's commit may be older
-                    # or, after a takeover from a changelog snapshot, newer)
-                    for (topic, part), offset in engine.offsets.items():
-                        if part == p and topic in INPUT_TOPICS:
-                            await app.consumer.seek(TP(topic, p), offset)
                     log.info(
                         "partition %d: %d job(s) restored from its snapshot",
                         p, len(engine.jobs),
