@@ -470,7 +470,8 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
 
     snap = {"next": 0.0, "every": settings.snapshot_interval_s, "bytes": 0, "dumps_s": 0.0}
     snap["shared_at"] = time.monotonic()  # the last write to the changelog
-    written: dict[int, dict[tuple[str, int], int]] = {}  # per partition: the offsets last written
+    # per partition, the positions of the last snapshot written to the file / to the changelog
+    written: dict[bool, dict[int, dict[tuple[str, int], int]]] = {False: {}, True: {}}
 
     def write_all(data: dict[int, bytes], shared: bool) -> None:
         for p, d in data.items():
@@ -495,7 +496,7 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
                 if p in restoring:
                     continue
                 offsets[p] = engine.offsets
-                if engine.jobs or offsets[p] != written.get(p):
+                if engine.jobs or offsets[p] != written[shared].get(p):
                     data[p] = engine.dumps()
             took = time.monotonic() - start
             snap["every"] = max(settings.snapshot_interval_s, took / SNAPSHOT_SHARE)
@@ -508,7 +509,8 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
                     raise OSError("what the worker published was not all delivered")
                 # written off the event loop (the input keeps flowing meanwhile)
                 await asyncio.get_running_loop().run_in_executor(None, write_all, data, shared)
-                written.update({p: offsets[p] for p in data})
+                for kind in (False, True) if shared else (False,):
+                    written[kind].update({p: offsets[p] for p in data})
                 if shared:
                     snap["shared_at"] = start
                 else:  # acknowledged once the changelog holds it: the commit is what another
@@ -556,7 +558,13 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
 
     @app.on_partitions_assigned.connect
     async def assigned(app: faust.App, assigned: Any = (), **kwargs: Any) -> None:
-        parts = {tp.partition for tp in assigned if tp.topic in INPUT_TOPICS}
+        try:
+            await take_assignment({tp.partition for tp in assigned if tp.topic in INPUT_TOPICS})
+        finally:  # whatever happened, input flows again (a partition not restored starts fresh)
+            moving["frozen"] = False
+            assigned_gate.set()
+
+    async def take_assignment(parts: set[int]) -> None:
         # the broker may have been replaced meanwhile (the embedded one restarted empty): the
         # positions the engines hold are then positions in another log
         cluster = await asyncio.get_running_loop().run_in_executor(None, cluster_id, settings)
@@ -564,7 +572,8 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
         for p in sorted(set(shards.engines) - parts):
             jobs = shards.jobs(p)
             shards.drop(p)
-            written.pop(p, None)
+            for kind in written.values():
+                kind.pop(p, None)
             log.info("partition %d moved to another worker with its %d job(s)", p, len(jobs))
         new = sorted(parts - set(shards.engines))
         for p in new:
@@ -585,7 +594,6 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
                     # the group's commit never passes the changelog's snapshot (input is
                     # acknowledged once it holds it), nor this worker's newer file: reading
                     # from it, the engine skips what the snapshot holds
-                    written[p] = engine.offsets
                     log.info(
                         "partition %d: %d job(s) restored from its snapshot",
                         p, len(engine.jobs),
@@ -593,8 +601,6 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
         finally:
             for p in new:
                 restoring.pop(p).set()
-            moving["frozen"] = False
-            assigned_gate.set()
         log.info("assigned partition(s) %s", sorted(parts))
 
     @app.on_before_shutdown.connect
