@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import io
 import logging
-import pickle
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from perfloop.exceptions import ConfigError
 from perfloop.settings import StreamsSettings
 from perfloop.streams.engine import StreamEngine, Unpickler
 
@@ -78,7 +76,7 @@ class Shards:
                 continue
             try:
                 states.append(Unpickler(io.BytesIO(data)).load())
-            except (pickle.UnpicklingError, EOFError, TypeError, AttributeError) as ex:
+            except Exception as ex:  # bytes from a file or a topic: never stops the worker
                 log.warning("ignoring an unreadable snapshot of partition %d: %s", partition, ex)
                 self.moves["unreadable"] += 1
         here = [st for st in states if _cluster(st) in (None, self.cluster_id)]
@@ -87,7 +85,7 @@ class Shards:
                 e.restore(state)
                 self.moves["restored"] += 1
                 break
-            except (ConfigError, KeyError, TypeError, AttributeError) as ex:
+            except Exception as ex:  # another version's, or damaged: a fresh engine instead
                 log.warning("ignoring an unreadable snapshot of partition %d: %s", partition, ex)
                 self.moves["unreadable"] += 1
                 e = StreamEngine(self.settings)
