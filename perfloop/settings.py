@@ -264,6 +264,12 @@ class StreamsSettings(BaseServiceSettings):
     publishes, and the embedded broker lists every batch of such a partition for each fetch
     (`perfloop.stack.broker`). 0: fetch again at once."""
     predictions: bool = True
+    recent_ids: int = Field(
+        8192,
+        ge=1,
+        description="Batch and event ids each partition's engine remembers, to drop a message "
+        "a producer resent to a broker that lost its log (about 140 bytes each).",
+    )
     """Host the online models (`perfloop.streams.predict`) and publish their predictions;
     ``predict.enabled`` changes it live."""
     prediction_every_s: float = Field(5.0, ge=0, le=3600)

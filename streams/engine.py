@@ -10,7 +10,9 @@ the app hands over (`ingest`), the engine:
    the app sends the message to ``perfloop.dlq`` and goes on.
 2. **skips** it when it was read already (its offset is below the partition's position, or a
    restored snapshot's: a consumer that starts over from its last commit, or a fetch a seek
-   repeats), counting it in ``stats["replayed"]``.
+   repeats), counting it in ``stats["replayed"]``; and when its batch or event id is among
+   the last ``recent_ids`` read (a producer resent it to a broker that lost its log, at other
+   offsets: `perfloop.streams._recent`), counting it in ``stats["repeated"]``.
 3. **hands** the decoded batch to `WindowSet` (1/10/60 s windows) at once, and queues it, with
    the job events (job info, lifecycle), for the analyses — `StepAnalysis` (per-step
    busy/idle/straggler analysis), `PhaseMachine` and `Funnel`; a ``ConfigChange`` for the
@@ -79,6 +81,7 @@ from perfloop.schemas import (
 from perfloop.schemas.topics import KIND_TOPICS, Topics
 from perfloop.settings import StreamsSettings
 from perfloop.streams._event_time import EventTime, JobClock
+from perfloop.streams._recent import RecentIds
 from perfloop.streams.funnel import Funnel
 from perfloop.streams.outcomes import Outcomes
 from perfloop.streams.phases import PhaseMachine
@@ -199,6 +202,7 @@ class StreamEngine(EventTime):
         self.applied: list[tuple[ConfigChange, Any, Any]] = []  # recent live changes
         self._offsets: dict[tuple[str, int], int] = {}  # next offset to read, per partition
         self._resume: dict[tuple[str, int], int] = {}  # from a restored snapshot
+        self._recent = RecentIds(settings.recent_ids)  # batch and event ids read lately
         self._restored = False  # until the first message after a restore
         self.cluster_id: str | None = None  # of the broker the offsets are positions in
         self._tick_ns = max(1, int(settings.tick_interval_s * NS))
@@ -251,6 +255,9 @@ class StreamEngine(EventTime):
             self.windows.set_channel(
                 tp, caught_up=caught_up, wall_ns=wall_ns, group=topic, unsure=unsure
             )
+            if not self._recent.add(batch.batch_id):  # resent (the broker lost its log)
+                self.stats["repeated"] += 1
+                return 0
             self.windows.observe(batch, wall_ns, tp, sent_ns)
             if len(batch):
                 ts = batch.columns["ts_ns"]
@@ -270,6 +277,9 @@ class StreamEngine(EventTime):
             event = _decoded(decode_event, data)
             if event.KIND not in _TOPIC_KINDS[topic]:
                 raise Unreadable(f"a {event.KIND} event does not belong on {topic}")
+            if not self._recent.add(event.event_id):
+                self.stats["repeated"] += 1
+                return 0
             self.stats["events"] += 1
             if isinstance(event, ConfigChange):
                 self._config(event)

@@ -193,3 +193,37 @@ def test_snapshot_records_are_cut_to_size_and_the_latest_complete_one_is_kept() 
     asm.take(4, b"junk", {"perfloop.part": b"x"})  # a record that is no piece: ignored
     assert zlib.decompress(asm.latest) == b"small"
     assert Topics.STREAM_STATE == "perfloop.streams.state"
+
+
+def test_what_a_producer_resends_to_a_broker_that_lost_its_log_is_counted_once(
+    two_jobs: list[Message],
+) -> None:
+    """The embedded broker restarts empty (a crash, or recycled on purpose): producers resend
+    their last acknowledged messages, which land at other offsets of the new log. The engine
+    forgets the old log's positions and drops the resent messages by their batch or event id;
+    its windows and diagnoses are those of the run without the restart."""
+    settings = StreamsSettings()
+    numbered = list(enumerate(two_jobs))
+    alone, whole = Shards(settings), _Collect()
+    alone.use_cluster("c1")
+    _finish([alone], _feed([alone], {0: 0, 1: 0}, numbered, 0, whole), whole)
+
+    shards, out = Shards(settings), _Collect()
+    shards.use_cluster("c1")
+    half = len(two_jobs) // 2
+    wall = _feed([shards], {0: 0, 1: 0}, numbered[:half], 0, out)
+    shards.use_cluster("c2")  # the new broker: offsets start at 0 again
+    # partition 0's producer resends its last 20 messages first, then goes on; every message
+    # on the new log has a new offset (partition 1's keep theirs: any offset is new there)
+    resent = [(n, m) for n, m in numbered[:half] if m[0] == 0][-20:]
+    offsets = iter(range(len(two_jobs)))
+    again = [
+        (n, (p, next(offsets) if p == 0 else i, t, v))
+        for n, (p, i, t, v) in [*resent, *numbered[half:]]
+    ]
+    wall = _feed([shards], {0: 0, 1: 0}, again, wall, out)
+    _finish([shards], wall, out)
+    assert shards.stats["repeated"] == len(resent) and shards.stats["replayed"] == 0
+    assert shards.stats["samples"] == alone.stats["samples"]
+    assert _telemetry(out.rows) == _telemetry(whole.rows)
+    assert sorted(out.diagnoses) == sorted(whole.diagnoses)
