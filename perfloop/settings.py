@@ -72,10 +72,19 @@ class BaseServiceSettings(BaseSettings):
     clickhouse_user: str = "default"
     clickhouse_password: SecretStr = SecretStr("")
     topic_partitions: int = Field(4, ge=1, le=1024)
+    broker_keeps_log: bool | None = None
+    """Whether the broker keeps its log when it restarts (None: where it is not the embedded
+    one, i.e. with ``PERFLOOP_KAFKA_BOOTSTRAP``). The embedded broker does not, and the
+    supervisor says so to its services; their producers are then not idempotent
+    (`perfloop.kafka.producer`)."""
 
     @property
     def external_kafka(self) -> bool:
         return bool(self.kafka_bootstrap_override)
+
+    @property
+    def keeps_log(self) -> bool:
+        return self.external_kafka if self.broker_keeps_log is None else self.broker_keeps_log
 
     @property
     def external_clickhouse(self) -> bool:

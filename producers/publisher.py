@@ -130,6 +130,9 @@ class Publisher(Delivery, Spooling, StatsReporting):
         self._conf = {
             "queue.buffering.max.kbytes": max(1, max_buffer_bytes // 2048),
             "allow.auto.create.topics": False,  # the stack creates topics with their partitions
+            # idempotent on every broker: a broker that lost its log is noticed and the
+            # producer replaced (`_publisher_spooling`), which a plain service producer is not
+            "enable.idempotence": True,
             # Connection failures reach us through error_cb and are said once, as a spooling
             # warning, instead of a client log line per reconnect attempt.
             "log_level": 2,

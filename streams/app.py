@@ -480,6 +480,14 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
                 changelog.write(p, d)
 
     async def take_snapshots(why: str) -> bool:
+    async def replaced() -> bool:
+        """Whether the broker is another cluster than the one the engines read (the embedded
+        one restarted empty or recycled): their offsets then mean nothing in its log, and a
+        commit of them would make the group read the new log from there, skipping the rest
+        (the embedded broker answers a fetch past a partition's end with nothing)."""
+        now = await asyncio.get_running_loop().run_in_executor(None, cluster_id, settings)
+        return None not in (now, shards.cluster_id) and now != shards.cluster_id
+
         """Snapshot every engine whose state may have changed to the changelog, then
         acknowledge the input the snapshots cover; False if they could not be written."""
         async with state_lock:
@@ -514,6 +522,10 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
                 if shared:
                     snap["shared_at"] = start
                 else:  # acknowledged once the changelog holds it: the commit is what another
+                    if await replaced():  # its offsets are in the old log: never committed
+                        log.info("the broker was replaced: %d messages not acknowledged",
+                                 len(covered))  # fmt: skip
+                        covered = []
                     held[:0] = covered  # worker reads from when no snapshot of it reached it
                     covered = []
             except Exception as e:  # broker trouble: keep the input, try again

@@ -401,6 +401,8 @@ class Supervisor:
                     f.write(f"perfloop supervisor: {child.name} not moved to an idle CPU group\n")
         streams = child.name.split("-")[0] == "streams"
         nice = CATCH_UP_NICE if streams else AUTOGROUP_NICE  # starts raised
+        if not s.external_kafka:  # the embedded broker restarts empty (`perfloop.kafka.producer`)
+            env["PERFLOOP_BROKER_KEEPS_LOG"] = "false"
         if policy != "normal" and not set_autogroup_nice(child.proc.pid, nice):
             with contextlib.suppress(OSError), open(child.log, "a") as f:
                 f.write(
