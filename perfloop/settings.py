@@ -202,6 +202,15 @@ class StackSettings(BaseServiceSettings):
     stream_workers: int = Field(1, ge=1, le=16)
     """How many stream workers `up` starts (``streams``, ``streams-2``, …): they share the
     input partitions in one consumer group, each partition's state moving with it."""
+    broker_recycle_mb: float = Field(256.0, ge=0)
+    """The embedded broker is replaced by an empty one once its resident memory has grown this
+    many MiB since it started, at a moment when nothing it holds is still needed
+    (`perfloop.stack._recycle`); 0: never (it then grows with everything published)."""
+    broker_recycle_wait_s: float = Field(10.0, gt=0, le=25)
+    """How long the stream tier may be paused for a recycle to find the broker quiet (under
+    the producers' 30 s resend window)."""
+    broker_recycle_retry_s: float = Field(60.0, gt=0)
+    """When a recycle did not find the broker quiet, how long before it tries again."""
     accounting: bool = True
     """`up` starts the accountant (`AccountantSettings`), which stores each ended job's
     accounting in the warehouse's ``job_accounting`` table."""
@@ -255,6 +264,12 @@ class StreamsSettings(BaseServiceSettings):
     snapshot_interval_s: float = Field(2.0, gt=0)
     changelog_interval_s: float = Field(30.0, gt=0)
     restore_timeout_s: float = Field(10.0, gt=0, le=120)
+    recent_ids: int = Field(
+        8192,
+        ge=1,
+        description="Batch and event ids each partition's engine remembers, to drop a message "
+        "a producer resent to a broker that lost its log (about 140 bytes each).",
+    )
     data_wait_share_threshold: float = Field(0.3, gt=0, lt=1)
     recommendation_cooldown_s: float = Field(30.0, ge=0)
     max_skew_s: float = Field(300.0, gt=0, description="Event time this far ahead: DLQ.")
@@ -273,12 +288,6 @@ class StreamsSettings(BaseServiceSettings):
     publishes, and the embedded broker lists every batch of such a partition for each fetch
     (`perfloop.stack.broker`). 0: fetch again at once."""
     predictions: bool = True
-    recent_ids: int = Field(
-        8192,
-        ge=1,
-        description="Batch and event ids each partition's engine remembers, to drop a message "
-        "a producer resent to a broker that lost its log (about 140 bytes each).",
-    )
     """Host the online models (`perfloop.streams.predict`) and publish their predictions;
     ``predict.enabled`` changes it live."""
     prediction_every_s: float = Field(5.0, ge=0, le=3600)

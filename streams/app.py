@@ -65,6 +65,7 @@ from perfloop.streams.engine import (
     Unreadable,
     write_snapshot,
 )
+from perfloop.streams.positions import POSITIONS, write_positions
 from perfloop.streams.predict.history import load_history
 from perfloop.streams.shards import Shards
 from perfloop.streams.windows import WindowColumns, split_by_job
@@ -479,7 +480,6 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
             if shared:
                 changelog.write(p, d)
 
-    async def take_snapshots(why: str) -> bool:
     async def replaced() -> bool:
         """Whether the broker is another cluster than the one the engines read (the embedded
         one restarted empty or recycled): their offsets then mean nothing in its log, and a
@@ -488,6 +488,7 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
         now = await asyncio.get_running_loop().run_in_executor(None, cluster_id, settings)
         return None not in (now, shards.cluster_id) and now != shards.cluster_id
 
+    async def take_snapshots(why: str) -> bool:
         """Snapshot every engine whose state may have changed to the changelog, then
         acknowledge the input the snapshots cover; False if they could not be written."""
         async with state_lock:
@@ -521,11 +522,11 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
                     written[kind].update({p: offsets[p] for p in data})
                 if shared:
                     snap["shared_at"] = start
-                else:  # acknowledged once the changelog holds it: the commit is what another
                     if await replaced():  # its offsets are in the old log: never committed
                         log.info("the broker was replaced: %d messages not acknowledged",
                                  len(covered))  # fmt: skip
                         covered = []
+                else:  # acknowledged once the changelog holds it: the commit is what another
                     held[:0] = covered  # worker reads from when no snapshot of it reached it
                     covered = []
             except Exception as e:  # broker trouble: keep the input, try again
@@ -548,6 +549,13 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
     async def snapshot() -> None:
         if time.monotonic() >= snap["next"] and not moving["frozen"]:
             await take_snapshots("periodic")
+        if not moving["frozen"]:  # how far it has read, for the stack (`streams.positions`)
+            read = {}
+            for p, engine in shards.engines.items():
+                if p not in restoring:
+                    read.update(engine.offsets)
+            where = settings.home_dir / "streams" / settings.worker_name / POSITIONS
+            write_positions(where, shards.cluster_id, read, at=time.time())
 
     @app.on_partitions_revoked.connect
     async def revoked(app: faust.App, revoked: Any = (), **kwargs: Any) -> None:

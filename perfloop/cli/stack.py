@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import signal
+import time
 from typing import Any
 
 from perfloop.settings import load_settings
@@ -97,6 +98,9 @@ def headroom_lines(headroom: dict[str, Any]) -> list[str]:
     ...     print(line)
     broker memory 300 MiB, +100 MiB/h (last 60 min); 8.0 GiB available: ~82 h at this rate
     warehouse 2.0 GiB on disk, 40.0 GiB free
+    >>> headroom_lines({"broker_recycling": {"every_mb": 256, "recycles": 0, "last_at": None,
+    ...     "waiting": "records still arriving"}})
+    ['broker recycled every 256 MiB of growth: 0 so far; due, waiting: records still arriving']
     """
     out = []
     mem = headroom.get("broker_memory")
@@ -113,6 +117,15 @@ def headroom_lines(headroom: dict[str, Any]) -> list[str]:
             line += f", not growing over the last {mem['over_s'] / 60:.0f} min"
         else:
             line += ", growth not known yet (sampled once a minute, needs 5 min)"
+        out.append(line)
+    rec = headroom.get("broker_recycling")
+    if rec:
+        line = f"broker recycled every {rec['every_mb']:g} MiB of growth: {rec['recycles']} so far"
+        if rec.get("last_at"):
+            ago = max(0.0, time.time() - rec["last_at"]) / 60
+            line += f", the last {ago:.0f} min ago (stream tier paused {rec['last_pause_s']} s)"
+        if rec.get("waiting"):
+            line += f"; due, waiting: {rec['waiting']}"
         out.append(line)
     dk = headroom.get("warehouse_disk")
     if dk and dk.get("warehouse_bytes") is not None:

@@ -5,7 +5,9 @@ its resident memory grows with what the jobs publish (~31 MiB per million sample
 bench/README.md) until the machine runs out. The supervisor samples the broker's RSS once a
 minute (`SAMPLE_S`, the last `SAMPLES` kept in the stack's state file); `broker_memory` turns
 them and the machine's available memory into a growth rate and the hours left at that rate.
-The warehouse's TTLs bound its disk (docs/tables.md); `disk` says what it holds and what is free.
+The supervisor recycles the broker (`perfloop.stack._recycle`) every ``broker_recycle_mb`` of
+growth, which bounds it: then its recycles are reported instead of the hours left. The
+warehouse's TTLs bound its disk (docs/tables.md); `disk` says what it holds and what is free.
 """
 
 from __future__ import annotations
@@ -126,6 +128,10 @@ def headroom(
         out["broker_memory"] = broker_memory(
             state.get("broker_rss") or [], services["broker"]["rss_bytes"], mem_available_bytes()
         )
+        rec = state.get("broker_recycling")
+        if rec and rec.get("every_mb"):  # its memory is bounded: no hours left to run out in
+            out["broker_memory"]["hours_left"] = None
+            out["broker_recycling"] = rec
     if "warehouse" in services:
         # as the server finds it: PERFLOOP_DATA_DIR, else under the stack's home
         data_dir = WarehouseServerSettings().data_dir or settings.home_dir / "warehouse"

@@ -3,9 +3,10 @@
 Tansu's memory storage engine applies no retention and no compaction, and does not implement
 DeleteRecords (the broker answers it by dropping the connection), so records cannot be trimmed
 below the consumer groups' committed offsets. The broker's memory therefore grows with
-everything published since `perfloop up`; `bench/broker_growth.py` measures the growth per
-million samples, `perfloop status` reports the broker's resident memory, and
-`perfloop down && perfloop up` releases it.
+everything published since it started (`bench/broker_growth.py` measures the growth per
+million samples), until the supervisor replaces it with an empty one once nothing it holds is
+still needed (`perfloop.stack._recycle`, every ``broker_recycle_mb`` of growth);
+`perfloop status` reports its resident memory and its recycles.
 
 Its CPU grows with what it holds, too. In tansu 0.6.0 (its source: `DynoStore::fetch` in
 tansu-storage/src/dynostore.rs, `FetchService` in tansu-storage/src/service/fetch.rs) a fetch
@@ -23,8 +24,8 @@ broker's CPU grew by ~0.07 cores a minute (0.76 cores after 9 min). The stream w
 the sink bound how often they fetch (`fetch_max_wait_ms`, the sink's `fetch_min_bytes`, the
 worker's `fetch_min_interval_ms`), the sink can read telemetry in rounds, one per flush
 (`SinkSettings.telemetry_in_rounds`), and
-producers batch samples into few messages; a long-running embedded stack still costs more
-every minute until `perfloop down && perfloop up`.
+producers batch samples into few messages; between two recycles the broker still costs more
+every minute.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from perfloop.settings import BaseServiceSettings
 __all__ = ["RETENTION_NOTE", "broker_argv", "tansu_binary"]
 
 RETENTION_NOTE = (
-    "embedded broker (tansu, memory storage) keeps every record until `perfloop down`: "
-    "no retention, DeleteRecords unsupported"
+    "embedded broker (tansu, memory storage) keeps every record (no retention, DeleteRecords "
+    "unsupported) until the supervisor recycles it (PERFLOOP_BROKER_RECYCLE_MB)"
 )
 
 

@@ -66,6 +66,7 @@ from perfloop.exceptions import PerfloopError, StackError, WarehouseError
 from perfloop.kafka import ensure_topics, ping
 from perfloop.settings import StackSettings
 from perfloop.stack._headroom import SAMPLE_S, SAMPLES, headroom, rss_bytes
+from perfloop.stack._recycle import Recycler
 from perfloop.stack.broker import RETENTION_NOTE, broker_argv
 from perfloop.warehouse import migrate
 
@@ -216,6 +217,9 @@ class Supervisor:
         self._children: list[_Child] = []
         self._broker_rss: collections.deque[list[float]] = collections.deque(maxlen=SAMPLES)
         self._groups: StackGroups | None = None  # idle CPU control groups, where they can be
+        self._recycler = Recycler(
+            settings, services=self._services, replace=self._replace_broker, say=self._say
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
     def preflight(self) -> None:
@@ -276,6 +280,8 @@ class Supervisor:
             self._spawn(child)
             child.state = "running"
         self._sample_broker(write=False)  # the first of the broker's memory samples
+        if (broker := self._broker()) is not None and broker.proc is not None:
+            self._recycler.broker_started(broker.proc.pid)
         self._write_state("up")
 
     def run(self) -> None:
@@ -292,12 +298,55 @@ class Supervisor:
                 if time.monotonic() - sampled >= SAMPLE_S:
                     sampled = time.monotonic()
                     self._sample_broker()
+                broker = self._broker()
+                if broker is not None and broker.proc is not None and broker.state == "running":
+                    recycles = self._recycler.stats.recycles
+                    self._recycler.step(broker.proc.pid)
+                    if self._recycler.stats.recycles != recycles:
+                        self._write_state("up")
         finally:
             self.stop()
 
+    def _broker(self) -> _Child | None:
+        return next((c for c in self._children if c.name == "broker"), None)
+
+    def _services(self) -> dict[str, int]:
+        """The running services (not the broker or the warehouse), by name: their pids."""
+        return {
+            c.name: c.proc.pid
+            for c in self._children
+            if c.name not in ("broker", "warehouse")
+            and c.proc is not None
+            and c.proc.poll() is None
+        }
+
+    def _say(self, line: str) -> None:
+        with contextlib.suppress(OSError), open(self.logs / "supervisor.log", "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} perfloop supervisor: {line}\n")
+
+    def _replace_broker(self) -> None:
+        """Kill the broker and start an empty one with its topics (a recycle)."""
+        broker = self._broker()
+        assert broker is not None and broker.proc is not None
+        broker.state = "restarting"
+        broker.proc.kill()
+        broker.proc.wait()
+        self._start_broker_again(broker)
+        broker.state = "running"
+
+    def _start_broker_again(self, child: _Child) -> None:
+        """An empty log: a cluster of its own (a new cluster id); its topics made again."""
+        child.argv = broker_argv(self.settings)
+        self._broker_rss.clear()  # a new process: its growth starts again
+        self._spawn(child)
+        self._await_ready([child])
+        ensure_topics(self.settings)
+        assert child.proc is not None
+        self._recycler.broker_started(child.proc.pid)
+
     def _sample_broker(self, *, write: bool = True) -> None:
         """The broker's RSS, once a minute, into the state file (`perfloop.stack._headroom`)."""
-        broker = next((c for c in self._children if c.name == "broker"), None)
+        broker = self._broker()
         if broker is None or broker.proc is None:
             return
         rss = rss_bytes(broker.proc.pid)
@@ -313,6 +362,7 @@ class Supervisor:
         outputs and snapshot) still reaches both: SIGTERM, then SIGKILL once
         ``stop_timeout_s`` has passed since the stop began."""
         self._stop.set()
+        self._recycler.resume()  # a service a recycle left stopped takes its SIGTERM
         deadline = time.monotonic() + self.settings.stop_timeout_s
         services = [c for c in self._children if c.name in (*SERVICES, *OPTIONAL_SERVICES)]
         rest = [c for c in self._children if c.name not in (*SERVICES, *OPTIONAL_SERVICES)]
@@ -351,6 +401,8 @@ class Supervisor:
             PERFLOOP_CLICKHOUSE_PORT=str(s.clickhouse_port),
             PYTHONUNBUFFERED="1",
         )
+        if not s.external_kafka:  # the embedded broker restarts empty (`perfloop.kafka.producer`)
+            env["PERFLOOP_BROKER_KEEPS_LOG"] = "false"
         # glibc gives each thread that allocates its own heap arena (up to 8 per core), and
         # memory freed in one is not reused by another: two keep the services' RSS flat.
         env.setdefault("MALLOC_ARENA_MAX", "2")
@@ -401,8 +453,6 @@ class Supervisor:
                     f.write(f"perfloop supervisor: {child.name} not moved to an idle CPU group\n")
         streams = child.name.split("-")[0] == "streams"
         nice = CATCH_UP_NICE if streams else AUTOGROUP_NICE  # starts raised
-        if not s.external_kafka:  # the embedded broker restarts empty (`perfloop.kafka.producer`)
-            env["PERFLOOP_BROKER_KEEPS_LOG"] = "false"
         if policy != "normal" and not set_autogroup_nice(child.proc.pid, nice):
             with contextlib.suppress(OSError), open(child.log, "a") as f:
                 f.write(
@@ -441,18 +491,14 @@ class Supervisor:
         self._write_state("degraded")
         if self._stop.wait(self.settings.restart_backoff_s * min(child.restarts, 5)):
             return
-        if child.name == "broker":  # an empty log: a cluster of its own (a new cluster id)
-            child.argv = broker_argv(self.settings)
-            self._broker_rss.clear()  # a new process: its growth starts again
-        self._spawn(child)
-        if child.name == "broker":
-            # The memory engine restarts empty: wait for it, then recreate the topics.
+        if child.name == "broker":  # the memory engine restarts empty
             try:
-                self._await_ready([child])
-                ensure_topics(self.settings)
+                self._start_broker_again(child)
             except PerfloopError as e:
                 with open(child.log, "a") as f:
                     f.write(f"perfloop supervisor: broker restart incomplete: {e}\n")
+        else:
+            self._spawn(child)
         child.state = "running"
         self._write_state("up")
 
@@ -477,6 +523,7 @@ class Supervisor:
                 for c in self._children
             },
             "broker_rss": list(self._broker_rss),
+            "broker_recycling": self._recycler.stats.as_dict() | {"every_mb": s.broker_recycle_mb},
         }
         tmp = self.home / f".{STATE_FILE}.tmp"
         tmp.write_text(json.dumps(doc, indent=2))

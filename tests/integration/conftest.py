@@ -190,6 +190,9 @@ def stack(
         # The accountant: an ended job's row within seconds (the sink's 5 s flush, and a margin).
         PERFLOOP_ACCOUNTING_INTERVAL_S="2",
         PERFLOOP_ACCOUNTING_SETTLE_S="6",
+        # The session's tests read topics from their start and time the stream tier: a broker
+        # recycled under them (its own test: test_broker_recycle.py) would change both.
+        PERFLOOP_BROKER_RECYCLE_MB="0",
     ) as settings:
         yield settings
 

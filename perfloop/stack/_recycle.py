@@ -1,0 +1,384 @@
+"""Recycling the embedded broker, so that its memory and its cost per fetch stay bounded.
+
+Tansu's memory storage keeps every record (no retention, no DeleteRecords:
+`perfloop.stack.broker`) and each fetch costs it in proportion to what it holds, so a stack
+that runs for days would run its machine out of memory and its broker out of CPU. Once the
+broker's memory has grown by ``broker_recycle_mb`` since it started, the supervisor replaces it
+with an empty one (a new cluster id) at a moment when nothing it holds is still needed:
+
+1. **Read, nearly to the end.** The telemetry topics' producers (`Publisher`) keep the last
+   ``resend_window_s`` of what the broker acknowledged and resend it to a broker that lost its
+   log. So telemetry need only have been read — by the sink (its committed offsets) and by the
+   stream workers (their positions files, `perfloop.streams.positions`) — up to where it ended
+   at the previous check, `CHECK_S` before. Otherwise the next check tries again.
+2. **Quiet and read whole.** What no producer resends (the stream workers' outputs, the
+   actuator's commands and decisions, the agents' acknowledgements, people's approvals) must
+   have been read whole. The stream workers, the actuator and the notifier are stopped
+   (SIGSTOP); then the sink must have committed the end of every such partition it reads, and
+   those ends must not have moved for `QUIET_S`. If that does not come within
+   ``broker_recycle_wait_s`` the services go on and the recycle is tried again
+   ``broker_recycle_retry_s`` later.
+3. **Replaced.** The broker is killed and started empty, the topics are made again, and every
+   consumer group the old broker held offsets of is given offset 0 on every partition (a group
+   that starts at the log's end would otherwise miss what was published before it joined
+   again). The stream workers go on at once: they drop what producers resend by its ids
+   (`perfloop.streams._recent`). The actuator and the notifier go on `SETTLE_S` later, once
+   the jobs' agents (which start at the end of the commands' log) have joined the new broker.
+
+What a recycle may cost is stated in docs/guarantees.md: the pause (the stream tier's output
+waits a few seconds; producers keep what they publish meanwhile), and the state the new broker
+does not have (the stream workers' changelog, written again at their next snapshot; the
+actuator's recall of what it acted on, kept in its memory while it runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import (
+    ConsumerGroupTopicPartitions,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
+from confluent_kafka.admin import OffsetSpec
+
+from perfloop.kafka import admin, cluster_id, consumer
+from perfloop.schemas.topics import TOPICS, Topics
+from perfloop.settings import (
+    ActuatorSettings,
+    NotifierSettings,
+    SinkSettings,
+    StackSettings,
+    StreamsSettings,
+)
+from perfloop.stack._headroom import rss_bytes
+from perfloop.streams.positions import read_positions
+from perfloop.warehouse.tables import TABLES
+
+__all__ = ["RESENT", "Recycler", "Recycling", "caught_up", "true_ends"]
+
+RESENT = (Topics.GPU, Topics.HOST, Topics.STEP, Topics.SPAN, Topics.JOB)
+"""Topics whose producers resend their last acknowledged messages to a broker that lost them."""
+OTHERS = tuple(t for t in TOPICS if t not in RESENT and t != Topics.STREAM_STATE)
+"""What no producer resends (the changelog is written again by the stream workers)."""
+CHECK_S = 5.0
+"""How often a due recycle checks whether the broker may go (step 1)."""
+QUIET_S = 1.0
+"""How long the ends of what no producer resends must stay put before the broker goes."""
+SETTLE_S = 10.0
+"""How long the actuator and the notifier wait, after the new broker is up, for the jobs'
+agents to join it (a consumer group's join takes ~half the session timeout here)."""
+PAUSED = ("streams", "actuator", "notifier")
+"""The services stopped while the broker is replaced (by name: ``streams-2`` is a stream
+worker too)."""
+LATE = ("actuator", "notifier")
+"""Of those, the ones that go on `SETTLE_S` after the new broker is up."""
+
+TP = tuple[str, int]
+_ERRORS = (KafkaException, TimeoutError, OSError, ValueError)
+
+
+def true_ends(
+    settings: StackSettings, topics: Iterable[str], timeout_s: float = 5.0
+) -> dict[TP, int]:
+    """The next offset of every partition of ``topics``. The embedded broker's ListOffsets
+    answers the last record batch's base offset + 1, not the end: the last batch of each
+    non-empty partition is read to find its last record."""
+    a = admin(settings)
+    md = a.list_topics(timeout=timeout_s)
+    tps = [
+        TopicPartition(t, p)
+        for t in topics
+        if (tm := md.topics.get(t)) is not None and tm.error is None
+        for p in tm.partitions
+    ]
+    if not tps:
+        return {}
+    futures = a.list_offsets({tp: OffsetSpec.latest() for tp in tps}, request_timeout=timeout_s)
+    ends = {(tp.topic, tp.partition): int(f.result(timeout_s).offset) for tp, f in futures.items()}
+    probe = [TopicPartition(t, p, e - 1) for (t, p), e in ends.items() if e > 0]
+    if not probe:
+        return ends
+    c = consumer(settings, "perfloop-recycle-probe")
+    try:
+        c.assign(probe)
+        left = {(tp.topic, tp.partition) for tp in probe}
+        deadline = time.monotonic() + timeout_s
+        idle = 0
+        while time.monotonic() < deadline and (left or idle < 2):
+            got = c.consume(10_000, 0.2)
+            idle = 0 if got else idle + 1
+            for m in got:
+                if m.error() is None:
+                    tp = (m.topic(), m.partition())
+                    ends[tp] = max(ends[tp], m.offset() + 1)
+                    left.discard(tp)
+        if left:
+            raise TimeoutError(f"the last records of {len(left)} partition(s) were not read")
+    finally:
+        c.close()
+    return ends
+
+
+def committed(
+    settings: StackSettings, group: str, tps: Iterable[TP], timeout_s: float = 5.0
+) -> dict[TP, int]:
+    """The group's committed offsets of ``tps`` (-1: none)."""
+    tps = list(tps)
+    if not tps:
+        return {}
+    a = admin(settings)  # held until the answer: a client that is gone never gives one
+    req = ConsumerGroupTopicPartitions(group, [TopicPartition(t, p) for t, p in tps])
+    (fut,) = a.list_consumer_group_offsets([req], request_timeout=timeout_s).values()
+    got = fut.result(timeout_s).topic_partitions
+    return {(tp.topic, tp.partition): int(tp.offset) for tp in got}
+
+
+def caught_up(
+    ends: dict[TP, int],
+    sink: dict[TP, int],
+    workers: list[dict[str, Any]],
+    *,
+    cluster: str | None,
+    since: float,
+) -> str | None:
+    """Why the telemetry in ``ends`` is not read yet (None: it is): the sink's committed
+    offsets (``sink``) and the positions of the stream workers that wrote theirs after
+    ``since``, in ``cluster``, must reach every non-empty partition's end.
+
+    >>> w = [{"cluster": "c", "at": 2.0, "offsets": {("t", 0): 7}}]
+    >>> caught_up({("t", 0): 5}, {("t", 0): 5}, w, cluster="c", since=1.0) is None
+    True
+    >>> caught_up({("t", 0): 5}, {("t", 0): 3}, w, cluster="c", since=1.0)
+    'the sink is 2 record(s) behind on t[0]'
+    >>> caught_up({("t", 0): 5}, {("t", 0): 5}, w, cluster="c", since=3.0)
+    'no stream worker has said lately how far it read t[0]'
+    """
+    fresh: dict[TP, int] = {}
+    for w in workers:
+        if w["cluster"] == cluster and w["at"] >= since:
+            for tp, o in w["offsets"].items():
+                fresh[tp] = max(fresh.get(tp, 0), o)
+    for (t, p), end in sorted(ends.items()):
+        if end <= 0:
+            continue
+        if (got := sink.get((t, p), -1)) < end:
+            return f"the sink is {end - max(0, got)} record(s) behind on {t}[{p}]"
+        if (t, p) not in fresh:
+            return f"no stream worker has said lately how far it read {t}[{p}]"
+        if fresh[(t, p)] < end:
+            return f"the stream workers are {end - fresh[(t, p)]} record(s) behind on {t}[{p}]"
+    return None
+
+
+@dataclass
+class Recycling:
+    """What the recycler has done, for the state file and `perfloop status`."""
+
+    recycles: int = 0
+    given_up: int = 0
+    last_at: float | None = None
+    last_pause_s: float | None = None
+    last_rss_bytes: int | None = None
+    waiting: str = ""
+    """Why a due recycle has not happened yet ("" when none is due)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+class Recycler:
+    """Decides when the embedded broker is replaced, and does it (see the module).
+
+    ``services()`` gives the supervisor's running services (name → pid); ``replace()`` kills
+    the broker and starts an empty one with its topics, and returns once it answers; ``say``
+    writes a line to the supervisor's log. `step` is called from the supervisor's loop."""
+
+    def __init__(
+        self,
+        settings: StackSettings,
+        *,
+        services: Callable[[], dict[str, int]],
+        replace: Callable[[], None],
+        say: Callable[[str], None],
+    ) -> None:
+        self.settings = settings
+        self.stats = Recycling()
+        self._services = services
+        self._replace = replace
+        self._say = say
+        self._next_check = 0.0
+        self._prev: tuple[float, dict[TP, int]] | None = None
+        self._late: tuple[float, list[int]] | None = None  # (when, pids) to go on later
+        self._base: int | None = None  # the broker's RSS when it started
+
+    def broker_started(self, pid: int) -> None:
+        """A new broker process: its memory growth counts from now."""
+        self._base = rss_bytes(pid)
+        self._prev = None
+
+    def resume(self) -> None:
+        """Let every service a recycle stopped go on now (the stack is stopping)."""
+        if self._late is not None:
+            _signal(self._late[1], signal.SIGCONT)
+            self._late = None
+
+    def step(self, broker_pid: int | None) -> None:
+        now = time.monotonic()
+        if self._late is not None and now >= self._late[0]:
+            _signal(self._late[1], signal.SIGCONT)
+            self._late = None
+        limit = self.settings.broker_recycle_mb
+        if limit <= 0 or broker_pid is None or now < self._next_check:
+            return
+        self._next_check = now + CHECK_S
+        rss = rss_bytes(broker_pid)
+        if self._base is None:
+            self._base = rss
+        if rss is None or self._base is None or rss - self._base < limit * (1 << 20):
+            self.stats.waiting, self._prev = "", None
+            return
+        try:
+            ends = true_ends(self.settings, RESENT)
+            cluster = cluster_id(self.settings)
+            prev, self._prev = self._prev, (time.time(), ends)
+            if prev is None:
+                self.stats.waiting = "measuring how far the telemetry was read"
+                return
+            since, old = prev
+            sink = committed(self.settings, SinkSettings().group_id, old)
+            why = caught_up(old, sink, read_positions(self.settings.home_dir),
+                            cluster=cluster, since=since)  # fmt: skip
+        except _ERRORS as e:
+            self.stats.waiting = f"the broker did not answer: {_one_line(e)}"
+            return
+        if why is not None:
+            self.stats.waiting = why
+            return
+        self._recycle(rss)
+
+    def _recycle(self, rss: int) -> None:
+        s = self.settings
+        started = time.monotonic()
+        running = self._services()
+        paused = [pid for name, pid in running.items() if name.split("-")[0] in PAUSED]
+        late = [pid for name, pid in running.items() if name.split("-")[0] in LATE]
+        _signal(paused, signal.SIGSTOP)
+        replaced = False
+        try:
+            why = self._quiet(started + s.broker_recycle_wait_s)
+            if why is not None:
+                self.stats.given_up += 1
+                self.stats.waiting = f"not quiet within {s.broker_recycle_wait_s:.0f} s: {why}"
+                self._next_check = time.monotonic() + s.broker_recycle_retry_s
+                self._say(f"broker recycle put off for {s.broker_recycle_retry_s:.0f} s: {why}")
+                return
+            groups = _groups(s)
+            self._replace()
+            replaced = True
+            _start_at_zero(s, groups)
+        except _ERRORS as e:
+            self.stats.given_up += 1
+            self.stats.waiting = f"recycle failed: {_one_line(e)}"
+            self._next_check = time.monotonic() + s.broker_recycle_retry_s
+            self._say(f"broker recycle failed ({_one_line(e)}); the services go on")
+        finally:
+            if replaced:  # the workers at once, the rest once the agents have joined
+                _signal([p for p in paused if p not in late], signal.SIGCONT)
+                self._late = (time.monotonic() + SETTLE_S, late)
+            else:
+                _signal(paused, signal.SIGCONT)
+        if replaced:
+            st = self.stats
+            st.recycles += 1
+            st.last_at, st.last_rss_bytes, st.waiting = time.time(), rss, ""
+            st.last_pause_s = round(time.monotonic() - started, 2)
+            self._prev = None
+            self._say(
+                f"broker recycled at {rss / (1 << 20):.0f} MiB resident (recycle "
+                f"{st.recycles}); the stream tier paused {st.last_pause_s:.1f} s"
+            )
+
+    def _quiet(self, deadline: float) -> str | None:
+        """None once every partition of what no producer resends is read by the sink to an end
+        that has not moved for `QUIET_S`; else why not, at ``deadline``."""
+        s = self.settings
+        sink_group = SinkSettings().group_id
+        last: dict[TP, int] | None = None
+        stable = time.monotonic()
+        why = "not checked"
+        while time.monotonic() < deadline:
+            ends = true_ends(s, OTHERS)
+            if ends != last:
+                last, stable = ends, time.monotonic()
+            read = {tp: e for tp, e in ends.items() if e > 0 and tp[0] in TABLES}
+            sink = committed(s, sink_group, read)
+            behind = [f"{t}[{p}]" for (t, p), e in sorted(read.items()) if sink.get((t, p), -1) < e]
+            if behind:
+                why = f"the sink has not read {', '.join(behind[:3])}"
+            elif time.monotonic() - stable < QUIET_S:
+                why = "records still arriving"
+            else:
+                return None
+            time.sleep(0.25)
+        return why
+
+
+def _groups(settings: StackSettings) -> list[str]:
+    """The consumer groups the broker holds offsets of (perfloop's probe left out), and the
+    stack's own services' groups whether it holds any of theirs or not. The embedded broker
+    answers a fetch past a partition's end with nothing, not an error: a consumer that kept
+    its position in the old log (the stream worker's, with no committed offset to go back
+    to) would wait until the new log grew past it, and skip what came before."""
+    a = admin(settings)
+    res = a.list_consumer_groups(request_timeout=5).result(5)
+    own = {
+        StreamsSettings().app_id,
+        SinkSettings().group_id,
+        ActuatorSettings().group_id,
+        NotifierSettings().notifier_group_id,
+    }
+    listed = {g.group_id for g in res.valid}
+    return sorted((listed | own) - {"perfloop-recycle-probe"})
+
+
+def _start_at_zero(settings: StackSettings, groups: list[str]) -> None:
+    """Commit offset 0 of every partition for each group, in the new broker: each reads it
+    from its start, whatever its ``auto.offset.reset``. A group whose member joined already
+    is refused (it reads from where it joined, which is after nothing)."""
+    if not groups:
+        return
+    md = admin(settings).list_topics(timeout=5)
+    zero = [
+        TopicPartition(t, p, 0)
+        for t in TOPICS
+        if (tm := md.topics.get(t)) is not None
+        for p in tm.partitions
+    ]
+    for g in groups:
+        c = consumer(settings, g)
+        try:
+            c.commit(offsets=zero, asynchronous=False)
+        except KafkaException as e:
+            if e.args[0].code() != KafkaError.UNKNOWN_MEMBER_ID:
+                raise
+        finally:
+            c.close()
+
+
+def _signal(pids: Iterable[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _one_line(e: BaseException) -> str:
+    text = e.args[0].str() if isinstance(e, KafkaException) and e.args else str(e)
+    return " ".join(text.split())[:200] or type(e).__name__
