@@ -18,8 +18,12 @@ demo: $(STAMP)
 	$(VENV)/bin/perfloop demo
 	$(VENV)/bin/perfloop demo --real
 
+# The unit, property and doctests share nothing: two processes run them. Then the integration
+# tests, against the real embedded stack, one at a time (they time what the stack does).
 test: $(STAMP) devtools-trace
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not integration" -n 2; unit=$$?; \
+	$(PY) -m pytest -m integration; integration=$$?; \
+	exit $$(( unit || integration ))
 
 # Chrome DevTools' trace engine, which the tests use to read the traces `perfloop export`
 # writes (pinned in its package-lock.json); where npm is missing or fails, those tests skip.

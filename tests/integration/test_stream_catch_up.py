@@ -23,6 +23,8 @@ from perfloop.stack import AUTOGROUP_NICE, read_state
 
 from .conftest import wait_for
 
+pytestmark = pytest.mark.integration
+
 LOWERED_S = 50
 """A worker lowers its group after 30 s within half a second of its input (`CatchUp`)."""
 
