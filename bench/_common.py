@@ -70,12 +70,17 @@ def raise_on_sigterm() -> None:
 
 
 @contextlib.contextmanager
-def embedded_stack(log: Callable[[str], None]) -> Iterator[Path]:
-    """`perfloop up --detach` on a temporary home and the bench ports; `down` on exit."""
+def embedded_stack(
+    log: Callable[[str], None], settings: dict[str, str] | None = None
+) -> Iterator[Path]:
+    """`perfloop up --detach` on a temporary home and the bench ports (and ``settings``,
+    ``PERFLOOP_*`` variables); `down` on exit."""
     kafka_port, ch_port = bench_ports()
     given = os.environ.get("PERFLOOP_BENCH_HOME")
     home = Path(given or tempfile.mkdtemp(prefix="perfloop-bench-"))
     env = isolate_env(home, kafka_port, ch_port)
+    os.environ.update(settings or {})
+    env.update(settings or {})
     cli = [sys.executable, "-m", "perfloop.cli"]
     log(f"bringing up a private stack: home {home}, kafka :{kafka_port}, clickhouse :{ch_port}")
     t0 = time.monotonic()

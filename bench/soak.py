@@ -53,7 +53,8 @@ def _pids(settings: Any) -> dict[str, int]:
 
     state = read_state(settings)
     assert state is not None, "the stack is not up"
-    return {n: int(s["pid"]) for n, s in state["services"].items() if n in ("streams", "sink")}
+    wanted = ("streams", "sink", "broker")
+    return {n: int(s["pid"]) for n, s in state["services"].items() if n in wanted}
 
 
 _Mark = tuple[float, dict[str, float], tuple[int, int]]
@@ -70,8 +71,11 @@ def _cpu_since(mark: _Mark, home: Any) -> tuple[dict[str, Any], _Mark]:
     now = _cpu_mark(home)
     (t0, cpu0, (steal0, total0)), (t1, cpu1, (steal1, total1)) = mark, now
     dt = max(t1 - t0, 1e-9)
-    cores = {k: (cpu1[k] - cpu0.get(k, 0.0)) / dt for k in cpu1 if k != "actuator"}
-    return {"cores": cores, "steal_share": (steal1 - steal0) / max(total1 - total0, 1)}, now
+    # a service that restarted (the broker, recycled) counts from its new process's start
+    used = {k: v - cpu0.get(k, 0.0) if v >= cpu0.get(k, 0.0) else v for k, v in cpu1.items()}
+    cores = {k: v / dt for k, v in used.items() if k != "actuator"}
+    steal = (steal1 - steal0) / max(total1 - total0, 1)
+    return {"cores": cores, "seconds": dt, "steal_share": steal}, now
 
 
 def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
@@ -79,6 +83,7 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
     from perfloop.producers.scenarios import scenario_config
     from perfloop.producers.simulator import SimConfig, SimulatedJob
     from perfloop.settings import StreamsSettings
+    from perfloop.stack import read_state
     from perfloop.warehouse import client
 
     run_id = uuid.uuid4().hex[:6]
@@ -118,6 +123,7 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
     t0 = time.monotonic()
     mark = _cpu_mark(settings.home_dir)
     minutes: list[dict[str, Any]] = []
+    counted = 0  # samples generated up to the last minute's mark
     for t in threads:
         t.start()
     try:
@@ -136,6 +142,8 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
                 )
                 if now >= args.every_s:  # not at the start: nothing to measure yet
                     minute, mark = _cpu_since(mark, settings.home_dir)
+                    minute["samples"] = samples - counted
+                    counted = samples
                     minutes.append(minute)
                     line += "; cores " + ", ".join(
                         f"{k} {v:.2f}" for k, v in minute["cores"].items()
@@ -203,6 +211,33 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
         return {"p50_s": float(p50), "p99_s": float(p99), "max_s": float(a.max())}
 
     out["close_to_row"] = q3(close_to_row)
+    state = read_state(settings) or {}
+    out["broker_recycling"] = state.get("broker_recycling")
+    per_sample = [
+        {k: v * m["seconds"] / m["samples"] * 1e6 for k, v in m["cores"].items()}
+        for m in minutes
+        if m.get("samples")
+    ]
+    out["cpu_us_per_sample_by_minute"] = per_sample
+    if per_sample:
+        say(
+            "  broker CPU µs per sample by minute: "
+            + ", ".join(f"{m.get('broker', float('nan')):.1f}" for m in per_sample)
+        )
+        say(
+            "  stack CPU µs per sample by minute: "
+            + ", ".join(f"{sum(m.values()):.1f}" for m in per_sample)
+        )
+    if out["broker_recycling"]:
+        say(f"  broker recycling: {out['broker_recycling']}")
+    if len(inserted) and (inserted.max() - inserted.min()) >= 20 * 60 * NS:
+        first = close_to_row[inserted < inserted.min() + 10 * 60 * NS]
+        last = close_to_row[inserted > inserted.max() - 10 * 60 * NS]
+        out["close_to_row_first_10_min"], out["close_to_row_last_10_min"] = q3(first), q3(last)
+        say(
+            f"  window close → row p99: first 10 min {q3(first)['p99_s']:.2f} s, last 10 min "
+            f"{q3(last)['p99_s']:.2f} s"
+        )
     if len(inserted):  # the tail minute by minute: a steady tail or bursts?
         minute = (inserted - inserted.min()) // (60 * NS)
         out["close_to_row_by_minute"] = [
@@ -266,10 +301,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenario", default="mixed")
     p.add_argument("--every-s", type=float, default=10.0)
     p.add_argument("--warmup-min", type=float, default=2.0)
+    p.add_argument(
+        "--broker-recycle-mb",
+        type=float,
+        default=None,
+        help="PERFLOOP_BROKER_RECYCLE_MB for the stack (default: the setting's; 0: never)",
+    )
     args = p.parse_args(argv)
     raise_on_sigterm()
     result: dict[str, Any] = {"bench": "soak", "args": vars(args), "cpus": os.cpu_count()}
-    with embedded_stack(say):
+    extra = {}
+    if args.broker_recycle_mb is not None:
+        extra["PERFLOOP_BROKER_RECYCLE_MB"] = str(args.broker_recycle_mb)
+    with embedded_stack(say, extra):
         from perfloop.settings import StackSettings
 
         result.update(run(args, StackSettings()))
