@@ -10,14 +10,15 @@ with an empty one (a new cluster id) at a moment when nothing it holds is still 
    ``resend_window_s`` of what the broker acknowledged and resend it to a broker that lost its
    log. So telemetry need only have been read — by the sink (its committed offsets) and by the
    stream workers (their positions files, `perfloop.streams.positions`) — up to where it ended
-   at the previous check, `CHECK_S` before. Otherwise the next check tries again.
+   `LAG_S` before. Otherwise the next check, `CHECK_S` later, tries again.
 2. **Quiet and read whole.** What no producer resends (the stream workers' outputs, the
    actuator's commands and decisions, the agents' acknowledgements, people's approvals) must
-   have been read whole. The stream workers, the actuator and the notifier are stopped
-   (SIGSTOP); then the sink must have committed the end of every such partition it reads, and
-   those ends must not have moved for `QUIET_S`. If that does not come within
-   ``broker_recycle_wait_s`` the services go on and the recycle is tried again
-   ``broker_recycle_retry_s`` later.
+   have been read whole. The stream workers are stopped (SIGSTOP); once the sink (everything
+   it lands) and the actuator (the recommendations, commands and acknowledgements) have
+   committed the end of every such partition, and those ends have not moved for `QUIET_S`,
+   the actuator and the notifier are stopped too and the sink's reading is checked once more.
+   If that does not come within ``broker_recycle_wait_s`` the services go on and the recycle
+   is tried again ``broker_recycle_retry_s`` later.
 3. **Replaced.** The broker is killed and started empty, the topics are made again, and every
    consumer group the old broker held offsets of is given offset 0 on every partition (a group
    that starts at the log's end would otherwise miss what was published before it joined
@@ -37,6 +38,7 @@ import contextlib
 import os
 import signal
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -70,16 +72,20 @@ OTHERS = tuple(t for t in TOPICS if t not in RESENT and t != Topics.STREAM_STATE
 """What no producer resends (the changelog is written again by the stream workers)."""
 CHECK_S = 5.0
 """How often a due recycle checks whether the broker may go (step 1)."""
+LAG_S = 10.0
+"""The telemetry must have been read up to where it ended this long ago (the sink reads it in
+rounds, one per flush). What came since, plus a check's interval and the pause, must fit in
+the producers' resend window (30 s): hence ``broker_recycle_wait_s`` ≤ 12."""
 QUIET_S = 1.0
 """How long the ends of what no producer resends must stay put before the broker goes."""
 SETTLE_S = 10.0
 """How long the actuator and the notifier wait, after the new broker is up, for the jobs'
 agents to join it (a consumer group's join takes ~half the session timeout here)."""
-PAUSED = ("streams", "actuator", "notifier")
-"""The services stopped while the broker is replaced (by name: ``streams-2`` is a stream
-worker too)."""
 LATE = ("actuator", "notifier")
-"""Of those, the ones that go on `SETTLE_S` after the new broker is up."""
+"""Of those, the ones that go on `SETTLE_S` after the new broker is up (stopped once the
+actuator has read what there was to read)."""
+ACTUATOR_READS = frozenset({Topics.RECOMMENDATIONS, Topics.CONTROL, Topics.ACTUATIONS})
+"""What the actuator reads that no producer resends."""
 
 TP = tuple[str, int]
 _ERRORS = (KafkaException, TimeoutError, OSError, ValueError)
@@ -215,14 +221,15 @@ class Recycler:
         self._replace = replace
         self._say = say
         self._next_check = 0.0
-        self._prev: tuple[float, dict[TP, int]] | None = None
+        self._ends: deque[tuple[float, dict[TP, int]]] = deque(maxlen=int(LAG_S / CHECK_S) + 2)
+        self._said_at = -60.0
         self._late: tuple[float, list[int]] | None = None  # (when, pids) to go on later
         self._base: int | None = None  # the broker's RSS when it started
 
     def broker_started(self, pid: int) -> None:
         """A new broker process: its memory growth counts from now."""
         self._base = rss_bytes(pid)
-        self._prev = None
+        self._ends.clear()
 
     def resume(self) -> None:
         """Let every service a recycle stopped go on now (the stack is stopping)."""
@@ -243,37 +250,57 @@ class Recycler:
         if self._base is None:
             self._base = rss
         if rss is None or self._base is None or rss - self._base < limit * (1 << 20):
-            self.stats.waiting, self._prev = "", None
+            self.stats.waiting = ""
+            self._ends.clear()
             return
         try:
             ends = true_ends(self.settings, RESENT)
             cluster = cluster_id(self.settings)
-            prev, self._prev = self._prev, (time.time(), ends)
-            if prev is None:
-                self.stats.waiting = "measuring how far the telemetry was read"
+            self._ends.append((time.time(), ends))
+            old = [(t, e) for t, e in self._ends if t <= time.time() - LAG_S]
+            if not old:
+                self._wait("measuring how far the telemetry was read")
                 return
-            since, old = prev
-            sink = committed(self.settings, SinkSettings().group_id, old)
-            why = caught_up(old, sink, read_positions(self.settings.home_dir),
+            since, then = old[-1]
+            sink = committed(self.settings, SinkSettings().group_id, then)
+            why = caught_up(then, sink, read_positions(self.settings.home_dir),
                             cluster=cluster, since=since)  # fmt: skip
         except _ERRORS as e:
-            self.stats.waiting = f"the broker did not answer: {_one_line(e)}"
+            self._wait(f"the broker did not answer: {_one_line(e)}")
             return
         if why is not None:
-            self.stats.waiting = why
+            self._wait(why)
             return
         self._recycle(rss)
+
+    def _wait(self, why: str) -> None:
+        """A due recycle waits: say why in the state, and in the log once a minute."""
+        self.stats.waiting = why
+        if time.monotonic() - self._said_at >= 60:
+            self._said_at = time.monotonic()
+            self._say(f"broker recycle due, waiting: {why}")
 
     def _recycle(self, rss: int) -> None:
         s = self.settings
         started = time.monotonic()
+        deadline = started + s.broker_recycle_wait_s
         running = self._services()
-        paused = [pid for name, pid in running.items() if name.split("-")[0] in PAUSED]
+        workers = [pid for name, pid in running.items() if name.split("-")[0] == "streams"]
         late = [pid for name, pid in running.items() if name.split("-")[0] in LATE]
-        _signal(paused, signal.SIGSTOP)
+        # who must have read what no producer resends: the sink everything it lands, the
+        # actuator (while it runs) the recommendations, approvals and acknowledgements
+        readers = {SinkSettings().group_id: frozenset(TABLES)}
+        if "actuator" in running:
+            readers[ActuatorSettings().group_id] = ACTUATOR_READS
+        stopped = list(workers)
+        _signal(stopped, signal.SIGSTOP)  # no more windows, diagnoses, recommendations
         replaced = False
         try:
-            why = self._quiet(started + s.broker_recycle_wait_s)
+            why = self._quiet(deadline, readers)
+            if why is None:  # the actuator has acted on what there was: it stops too
+                _signal(late, signal.SIGSTOP)
+                stopped += late
+                why = self._quiet(deadline, {SinkSettings().group_id: frozenset(TABLES)})
             if why is not None:
                 self.stats.given_up += 1
                 self.stats.waiting = f"not quiet within {s.broker_recycle_wait_s:.0f} s: {why}"
@@ -291,26 +318,25 @@ class Recycler:
             self._say(f"broker recycle failed ({_one_line(e)}); the services go on")
         finally:
             if replaced:  # the workers at once, the rest once the agents have joined
-                _signal([p for p in paused if p not in late], signal.SIGCONT)
-                self._late = (time.monotonic() + SETTLE_S, late)
+                _signal(workers, signal.SIGCONT)
+                self._late = (time.monotonic() + SETTLE_S, [p for p in stopped if p in late])
             else:
-                _signal(paused, signal.SIGCONT)
+                _signal(stopped, signal.SIGCONT)
         if replaced:
             st = self.stats
             st.recycles += 1
             st.last_at, st.last_rss_bytes, st.waiting = time.time(), rss, ""
             st.last_pause_s = round(time.monotonic() - started, 2)
-            self._prev = None
             self._say(
                 f"broker recycled at {rss / (1 << 20):.0f} MiB resident (recycle "
                 f"{st.recycles}); the stream tier paused {st.last_pause_s:.1f} s"
             )
 
-    def _quiet(self, deadline: float) -> str | None:
-        """None once every partition of what no producer resends is read by the sink to an end
-        that has not moved for `QUIET_S`; else why not, at ``deadline``."""
+    def _quiet(self, deadline: float, readers: dict[str, frozenset[str]]) -> str | None:
+        """None once every non-empty partition of what no producer resends has been read to
+        its end by each group of ``readers`` that reads its topic, and those ends have not
+        moved for `QUIET_S`; else, at ``deadline``, why not."""
         s = self.settings
-        sink_group = SinkSettings().group_id
         last: dict[TP, int] | None = None
         stable = time.monotonic()
         why = "not checked"
@@ -318,14 +344,19 @@ class Recycler:
             ends = true_ends(s, OTHERS)
             if ends != last:
                 last, stable = ends, time.monotonic()
-            read = {tp: e for tp, e in ends.items() if e > 0 and tp[0] in TABLES}
-            sink = committed(s, sink_group, read)
-            behind = [f"{t}[{p}]" for (t, p), e in sorted(read.items()) if sink.get((t, p), -1) < e]
-            if behind:
-                why = f"the sink has not read {', '.join(behind[:3])}"
-            elif time.monotonic() - stable < QUIET_S:
+            why = ""
+            for group, topics in readers.items():
+                read = {tp: e for tp, e in ends.items() if e > 0 and tp[0] in topics}
+                got = committed(s, group, read)
+                behind = [
+                    f"{t}[{p}]" for (t, p), e in sorted(read.items()) if got.get((t, p), -1) < e
+                ]
+                if behind:
+                    why = f"{group} has not read {', '.join(behind[:3])}"
+                    break
+            if not why and time.monotonic() - stable < QUIET_S:
                 why = "records still arriving"
-            else:
+            if not why:
                 return None
             time.sleep(0.25)
         return why
