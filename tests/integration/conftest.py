@@ -82,6 +82,23 @@ def query(settings: StackSettings, sql: str, **params: Any) -> list[tuple[Any, .
         ch.close()
 
 
+def short_seconds(settings: StackSettings, job_ids: list[str]) -> list[tuple[Any, ...]]:
+    """(job, second, step samples, samples its 1 s windows count, each window once) for
+    every second of the jobs whose windows count another number than the steps table holds:
+    what a failing window-coverage check shows."""
+    return query(
+        settings,
+        "SELECT s.job_id, s.sec, s.n, w.c FROM (SELECT job_id, toUnixTimestamp(ts) AS sec, "
+        "count() AS n FROM steps WHERE job_id IN {j:Array(String)} GROUP BY job_id, sec) s "
+        "LEFT JOIN (SELECT job_id, sec, sum(c) AS c FROM (SELECT job_id, "
+        "toUnixTimestamp(ts) AS sec, any(count) AS c FROM windows WHERE job_id IN "
+        "{j:Array(String)} AND metric = 'step_time_ms' AND window_s = 1 AND hop_s = 1 "
+        "GROUP BY job_id, node, rank, device, ts) GROUP BY job_id, sec) w "
+        "ON s.job_id = w.job_id AND s.sec = w.sec WHERE w.c != s.n ORDER BY s.sec",
+        j=job_ids,
+    )
+
+
 def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -30,9 +30,8 @@ from perfloop.producers.simulator import SimulatedJob
 from perfloop.schemas.job import FAULT_KINDS
 from perfloop.settings import StackSettings, StreamsSettings
 from perfloop.stack import read_state
-from perfloop.warehouse import client
 
-from .conftest import private_stack, wait_for
+from .conftest import private_stack, query, short_seconds, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -48,14 +47,6 @@ def recycling_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackS
         PERFLOOP_BROKER_RECYCLE_RETRY_S="5",
     ) as settings:
         yield settings
-
-
-def _rows(stack: StackSettings, sql: str, **params: Any) -> list[tuple[Any, ...]]:
-    ch = client(stack)
-    try:
-        return [tuple(r) for r in ch.query(sql, parameters=params).result_rows]
-    finally:
-        ch.close()
 
 
 def _recycling(stack: StackSettings) -> dict[str, Any]:
@@ -99,7 +90,7 @@ def test_a_recycled_broker_loses_and_doubles_nothing(recycling_stack: StackSetti
     sent = sum(j.step * j.world for j in jobs)  # a step sample per rank and step
 
     def steps() -> tuple[int, int]:
-        (n, uniq) = _rows(
+        (n, uniq) = query(
             stack,
             "SELECT count(), uniqExact(job_id, rank, step) FROM steps "
             "WHERE job_id IN {j:Array(String)}",
@@ -116,7 +107,7 @@ def test_a_recycled_broker_loses_and_doubles_nothing(recycling_stack: StackSetti
     assert n == uniq == sent, f"{n} step rows, {uniq} distinct, {sent} sent"
 
     def covered() -> tuple[int, int]:
-        (c,) = _rows(
+        (c,) = query(
             stack,
             "SELECT sum(c) FROM (SELECT any(count) AS c FROM windows WHERE job_id IN "
             "{j:Array(String)} AND metric = 'step_time_ms' AND window_s = 1 AND hop_s = 1 "
@@ -128,24 +119,14 @@ def test_a_recycled_broker_loses_and_doubles_nothing(recycling_stack: StackSetti
     try:
         wait_for(lambda: covered()[1] >= n, 60, "the 1 s windows to count every step sample")
     except AssertionError:
-        gaps = _rows(
-            stack,
-            "SELECT s.job_id, s.sec, s.n, w.c FROM (SELECT job_id, toUnixTimestamp(ts) AS sec, "
-            "count() AS n FROM steps WHERE job_id IN {j:Array(String)} GROUP BY job_id, sec) s "
-            "LEFT JOIN (SELECT job_id, sec, sum(c) AS c FROM (SELECT job_id, "
-            "toUnixTimestamp(ts) AS sec, any(count) AS c FROM windows WHERE job_id IN "
-            "{j:Array(String)} AND metric = 'step_time_ms' AND window_s = 1 AND hop_s = 1 "
-            "GROUP BY job_id, node, rank, device, ts) GROUP BY job_id, sec) w "
-            "ON s.job_id = w.job_id AND s.sec = w.sec WHERE w.c != s.n ORDER BY s.sec",
-            j=job_ids,
-        )
+        gaps = short_seconds(stack, job_ids)
         raise AssertionError(
             f"windows count {covered()[1]} of {n} step samples; recycled at "
             f"{rec.get('last_at')}; seconds (job, s, steps, windowed): {gaps[:40]}"
         ) from None
     time.sleep(StreamsSettings().allowed_lateness_s + 6)
     assert covered() == (n, n)
-    (twice,) = _rows(
+    (twice,) = query(
         stack,
         "SELECT count() FROM (SELECT job_id, rank, ts, count() AS k FROM windows WHERE job_id "
         "IN {j:Array(String)} AND metric = 'step_time_ms' AND window_s = 1 AND hop_s = 1 "
@@ -154,7 +135,7 @@ def test_a_recycled_broker_loses_and_doubles_nothing(recycling_stack: StackSetti
     )[0]
     assert twice == 0, f"{twice} windows emitted twice"
 
-    found = _rows(
+    found = query(
         stack,
         "SELECT job_id, groupUniqArray(bottleneck) FROM diagnoses WHERE job_id IN "
         "{j:Array(String)} GROUP BY job_id",

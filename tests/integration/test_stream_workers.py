@@ -38,7 +38,7 @@ from perfloop.settings import StackSettings, StreamsSettings
 from perfloop.stack import read_state
 from perfloop.warehouse import client
 
-from .conftest import pid_alive, private_stack, wait_for
+from .conftest import pid_alive, private_stack, short_seconds, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -182,17 +182,7 @@ def _check(stack: StackSettings, jobs: list[SimulatedJob], kills: list[int], log
         )
     except AssertionError:
         steps, covered = _coverage(stack, job_ids)
-        gaps = _rows(
-            stack,
-            "SELECT s.job_id, s.sec, s.n, w.c FROM (SELECT job_id, toUnixTimestamp(ts) AS sec, "
-            "count() AS n FROM steps WHERE job_id IN {j:Array(String)} GROUP BY job_id, sec) s "
-            "LEFT JOIN (SELECT job_id, sec, sum(c) AS c FROM (SELECT job_id, "
-            "toUnixTimestamp(ts) AS sec, any(count) AS c FROM windows WHERE job_id IN "
-            "{j:Array(String)} AND metric = 'step_time_ms' AND window_s = 1 AND hop_s = 1 "
-            "GROUP BY job_id, node, rank, device, ts) GROUP BY job_id, sec) w "
-            "ON s.job_id = w.job_id AND s.sec = w.sec WHERE w.c < s.n ORDER BY s.sec",
-            j=job_ids,
-        )
+        gaps = short_seconds(stack, job_ids)
         raise AssertionError(
             f"1 s windows cover {covered}/{steps} step samples; kills at "
             f"{[k // NS for k in kills]}; short seconds (job, s, steps, windowed): {gaps[:30]}"
