@@ -282,6 +282,7 @@ class Recycler:
 
     def _recycle(self, rss: int) -> None:
         s = self.settings
+        self.resume()  # what the last recycle left stopped goes on first
         started = time.monotonic()
         deadline = started + s.broker_recycle_wait_s
         running = self._services()
