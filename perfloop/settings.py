@@ -207,8 +207,8 @@ class StackSettings(BaseServiceSettings):
     many MiB since it started, at a moment when nothing it holds is still needed
     (`perfloop.stack._recycle`); 0: never (it then grows with everything published)."""
     broker_recycle_wait_s: float = Field(10.0, gt=0, le=12)
-    """How long the stream tier may be paused for a recycle to find the broker quiet (with the
-    telemetry's 10 s of lag and a check's 5 s, under the producers' 30 s resend window)."""
+    """How long the stream tier may be paused for a recycle to find the broker quiet (at most
+    12 s: the stream tier's output waits that long)."""
     broker_recycle_retry_s: float = Field(60.0, gt=0)
     """When a recycle did not find the broker quiet, how long before it tries again."""
     accounting: bool = True

@@ -123,7 +123,10 @@ def headroom_lines(headroom: dict[str, Any]) -> list[str]:
         line = f"broker recycled every {rec['every_mb']:g} MiB of growth: {rec['recycles']} so far"
         if rec.get("last_at"):
             ago = max(0.0, time.time() - rec["last_at"]) / 60
-            line += f", the last {ago:.0f} min ago (stream tier paused {rec['last_pause_s']} s)"
+            line += f", the last {ago:.0f} min ago (stream tier paused {rec['last_pause_s']} s"
+            if rec.get("last_carried") is not None:
+                line += f"; {rec['last_carried']} unread record(s) carried over"
+            line += ")"
         if rec.get("waiting"):
             line += f"; due, waiting: {rec['waiting']}"
         out.append(line)

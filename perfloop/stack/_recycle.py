@@ -6,11 +6,10 @@ that runs for days would run its machine out of memory and its broker out of CPU
 broker's memory has grown by ``broker_recycle_mb`` since it started, the supervisor replaces it
 with an empty one (a new cluster id) at a moment when nothing it holds is still needed:
 
-1. **Read, nearly to the end.** The telemetry topics' producers (`Publisher`) keep the last
-   ``resend_window_s`` of what the broker acknowledged and resend it to a broker that lost its
-   log. So telemetry need only have been read — by the sink (its committed offsets) and by the
-   stream workers (their positions files, `perfloop.streams.positions`) — up to where it ended
-   `LAG_S` before. Otherwise the next check, `CHECK_S` later, tries again.
+1. **Read, nearly to the end.** The telemetry must have been read — by the sink (its
+   committed offsets) and by the stream workers (their positions files,
+   `perfloop.streams.positions`) — up to where it ended `LAG_S` before. Otherwise the next
+   check, `CHECK_S` later, tries again. What came since is carried over (step 3).
 2. **Quiet and read whole.** What no producer resends (the stream workers' outputs, the
    actuator's commands and decisions, the agents' acknowledgements, people's approvals) must
    have been read whole. The stream workers are stopped (SIGSTOP); once the sink (everything
@@ -19,12 +18,17 @@ with an empty one (a new cluster id) at a moment when nothing it holds is still 
    the actuator and the notifier are stopped too and the sink's reading is checked once more.
    If that does not come within ``broker_recycle_wait_s`` the services go on and the recycle
    is tried again ``broker_recycle_retry_s`` later.
-3. **Replaced.** The broker is killed and started empty, the topics are made again, and every
-   consumer group the old broker held offsets of is given offset 0 on every partition (a group
-   that starts at the log's end would otherwise miss what was published before it joined
-   again). The stream workers go on at once: they drop what producers resend by its ids
-   (`perfloop.streams._recent`). The actuator and the notifier go on `SETTLE_S` later, once
-   the jobs' agents (which start at the end of the commands' log) have joined the new broker.
+3. **Replaced.** The telemetry not read yet (from the slowest reader's position to the end)
+   is read out of the old broker (`perfloop.stack._carry`). The broker is killed and started
+   empty, the topics are made again, every consumer group the old broker held offsets of is
+   given offset 0 on every partition (a group that starts at the log's end would otherwise
+   miss what was published before it joined again), and the unread telemetry is produced into
+   the new broker. A producer that notices the lost log resends its last
+   ``resend_window_s`` too (`Publisher`), which covers what arrived after the unread was read.
+   The stream workers go on at once: they drop what arrives twice by its ids
+   (`perfloop.streams._recent`), as the sink does. The actuator and the notifier go on
+   `SETTLE_S` later, once the jobs' agents (which start at the end of the commands' log)
+   have joined the new broker.
 
 What a recycle may cost is stated in docs/guarantees.md: the pause (the stream tier's output
 waits a few seconds; producers keep what they publish meanwhile), and the state the new broker
@@ -60,6 +64,7 @@ from perfloop.settings import (
     StackSettings,
     StreamsSettings,
 )
+from perfloop.stack._carry import Carried, read_unread, start_of_unread, write
 from perfloop.stack._headroom import rss_bytes
 from perfloop.streams.positions import read_positions
 from perfloop.warehouse.tables import TABLES
@@ -74,8 +79,8 @@ CHECK_S = 5.0
 """How often a due recycle checks whether the broker may go (step 1)."""
 LAG_S = 10.0
 """The telemetry must have been read up to where it ended this long ago (the sink reads it in
-rounds, one per flush). What came since, plus a check's interval and the pause, must fit in
-the producers' resend window (30 s): hence ``broker_recycle_wait_s`` ≤ 12."""
+rounds, one per flush); what came since is carried over. It bounds what is carried, and keeps
+a recycle from starting while a reader is far behind."""
 QUIET_S = 1.0
 """How long the ends of what no producer resends must stay put before the broker goes."""
 SETTLE_S = 10.0
@@ -117,15 +122,21 @@ def true_ends(
         c.assign(probe)
         left = {(tp.topic, tp.partition) for tp in probe}
         deadline = time.monotonic() + timeout_s
-        idle = 0
-        while time.monotonic() < deadline and (left or idle < 2):
-            got = c.consume(10_000, 0.2)
-            idle = 0 if got else idle + 1
+        drained = False
+        # A fetch brings the last batch whole: once its first record is read, the rest is in
+        # the consumer's queue, taken by one more call (records published since may come with
+        # it: an end found later than the call's start is still an end that was there).
+        while time.monotonic() < deadline:
+            got = c.consume(10_000, 0.2 if left else 0.02)
             for m in got:
                 if m.error() is None:
                     tp = (m.topic(), m.partition())
-                    ends[tp] = max(ends[tp], m.offset() + 1)
+                    ends[tp] = max(ends[tp], int(m.offset() or 0) + 1)
                     left.discard(tp)
+            if not left:
+                if drained or not got:
+                    break
+                drained = True
         if left:
             raise TimeoutError(f"the last records of {len(left)} partition(s) were not read")
     finally:
@@ -193,6 +204,8 @@ class Recycling:
     last_at: float | None = None
     last_pause_s: float | None = None
     last_rss_bytes: int | None = None
+    last_carried: int | None = None
+    """How many unread telemetry records the last recycle carried to the new broker."""
     waiting: str = ""
     """Why a due recycle has not happened yet ("" when none is due)."""
 
@@ -296,6 +309,7 @@ class Recycler:
         stopped = list(workers)
         _signal(stopped, signal.SIGSTOP)  # no more windows, diagnoses, recommendations
         replaced = False
+        took: dict[str, float] = {}  # how long each part of the pause took
         try:
             why = self._quiet(deadline, readers)
             if why is None:  # the actuator has acted on what there was: it stops too
@@ -308,10 +322,18 @@ class Recycler:
                 self._next_check = time.monotonic() + s.broker_recycle_retry_s
                 self._say(f"broker recycle put off for {s.broker_recycle_retry_s:.0f} s: {why}")
                 return
+            took["quiet"] = time.monotonic() - started
             groups = _groups(s)
+            unread = self._unread()
+            took["read out"] = time.monotonic() - started - sum(took.values())
             self._replace()
             replaced = True
             _start_at_zero(s, groups)
+            took["new broker"] = time.monotonic() - started - sum(took.values())
+            if lost := write(s, unread):
+                self._say(f"broker recycle: {lost} of {len(unread)} unread record(s) not carried")
+            took["carried"] = time.monotonic() - started - sum(took.values())
+            self.stats.last_carried = len(unread) - lost
         except _ERRORS as e:
             self.stats.given_up += 1
             self.stats.waiting = f"recycle failed: {_one_line(e)}"
@@ -330,8 +352,24 @@ class Recycler:
             st.last_pause_s = round(time.monotonic() - started, 2)
             self._say(
                 f"broker recycled at {rss / (1 << 20):.0f} MiB resident (recycle "
-                f"{st.recycles}); the stream tier paused {st.last_pause_s:.1f} s"
+                f"{st.recycles}); the stream tier paused {st.last_pause_s:.1f} s ("
+                + ", ".join(f"{k} {v:.1f} s" for k, v in took.items())
+                + f"); {st.last_carried} unread telemetry record(s) carried over"
             )
+
+    def _unread(self) -> list[Carried]:
+        """The telemetry not read yet by the sink or a stream worker (stopped now), to its
+        end and what arrived while it was read. What arrives after, in the moment before the
+        broker goes, is resent by its producers, which have just published."""
+        s = self.settings
+        ends = true_ends(s, RESENT)
+        starts = start_of_unread(
+            ends,
+            committed(s, SinkSettings().group_id, ends),
+            read_positions(s.home_dir),
+            cluster=cluster_id(s),
+        )
+        return read_unread(s, starts, ends)
 
     def _quiet(self, deadline: float, readers: dict[str, frozenset[str]]) -> str | None:
         """None once every non-empty partition of what no producer resends has been read to

@@ -146,3 +146,51 @@ def test_a_recycled_broker_loses_and_doubles_nothing(recycling_stack: StackSetti
         fault = job.rsplit("-", 1)[-1]
         want = {fault} if fault in FAULT_KINDS else set()
         assert kinds.get(job, set()) == want, f"{job}: diagnosed {kinds.get(job)}"
+
+
+def test_the_unread_records_are_read_out_whole_and_written_back_in_order(
+    stack: StackSettings,
+) -> None:
+    """What a recycle carries over (`perfloop.stack._carry`), on the real embedded broker: every
+    record from each partition's start of unread to its end (the embedded broker reports no
+    true end: `true_ends` finds it), with its key, headers and timestamp, and written back to
+    the same partition in the same order."""
+    from confluent_kafka.admin import NewTopic
+
+    from perfloop.kafka import admin, producer
+    from perfloop.stack._carry import CarryError, read_unread, write
+    from perfloop.stack._recycle import true_ends
+
+    src, dst = (f"it-carry-{uuid.uuid4().hex[:8]}-{n}" for n in ("old", "new"))
+    a = admin(stack)
+    for f in a.create_topics([NewTopic(t, 2, 1) for t in (src, dst)]).values():
+        f.result(10)
+    p = producer(stack)
+    for i in range(600):
+        p.produce(src, key=f"k{i}".encode(), value=f"v{i}".encode() * 50, partition=i % 2,
+                  headers=[("id", str(i).encode())], timestamp=1_700_000_000_000 + i)  # fmt: skip
+        if i % 97 == 0:
+            p.flush(10)  # several record batches per partition
+    assert p.flush(10) == 0
+    ends = true_ends(stack, [src])
+    assert ends == {(src, 0): 300, (src, 1): 300}, ends
+
+    got = read_unread(stack, {(src, 0): 250, (src, 1): 0}, ends)
+    assert len(got) == 50 + 300
+    for part, first in ((0, 250), (1, 0)):
+        ids = [int(dict(r.headers or [])["id"]) for r in got if r.partition == part]
+        assert ids == list(range(2 * first + part, 600, 2)), (part, ids[:5])
+    r0 = next(r for r in got if r.partition == 0)
+    assert (r0.key, r0.value, r0.timestamp_ms) == (b"k500", b"v500" * 50, 1_700_000_000_500)
+    with pytest.raises(CarryError, match="MiB of telemetry is unread"):
+        read_unread(stack, {(src, 1): 0}, ends, max_bytes=1000)
+
+    moved = [type(r)(dst, r.partition, r.key, r.value, r.headers, r.timestamp_ms) for r in got]
+    assert write(stack, moved) == 0
+    back = read_unread(stack, {(dst, 0): 0, (dst, 1): 0}, true_ends(stack, [dst]))
+
+    def fields(recs: list[Any], part: int) -> list[tuple[Any, ...]]:
+        return [(r.key, r.value, r.headers, r.timestamp_ms) for r in recs if r.partition == part]
+
+    for part in (0, 1):
+        assert fields(back, part) == fields(moved, part), part
