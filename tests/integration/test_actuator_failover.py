@@ -88,14 +88,17 @@ def _commands(settings: StackSettings, job: str) -> list[tuple[Any, ...]]:
     )
 
 
-def _decided(settings: StackSettings, rec_id: str) -> list[tuple[Any, ...]]:
-    """A's and B's decisions on ``rec_id`` in time order (the session stack's actuator, which
-    refuses it for its expected gain, left out)."""
+def _decided(settings: StackSettings, rec_id: str, after_ns: int = 0) -> list[tuple[Any, ...]]:
+    """Decisions on ``rec_id`` made after ``after_ns``, in time order, as (outcome, command_id,
+    reason). The session stack's actuator refuses it for its expected gain: left out. It may
+    instead have read A's command first and refused it as already issued, as B does; it reads
+    it within a second of A, so ``after_ns`` (when B started) tells B's decisions apart."""
     rows = _query(
         settings,
         "SELECT outcome, command_id, reason FROM audit WHERE rec_id = {r:String} "
-        "ORDER BY ts LIMIT 1 BY event_id",
+        "AND toUnixTimestamp64Nano(ts) > {after:Int64} ORDER BY ts LIMIT 1 BY event_id",
         r=rec_id,
+        after=after_ns,
     )
     return [r for r in rows if not str(r[2]).startswith("expected gain")]
 
@@ -134,8 +137,9 @@ def test_a_replaced_actuator_acts_on_nothing_twice_and_loses_nothing(
 
         # B resumes at R1, as if A had died before committing it.
         _position(stack, f"it-actuator-{job}-b", at)
+        b_at = time.time_ns()
         start("b")
-        wait_for(lambda: _decided(stack, r1.event_id)[1:], 60, "B's decision on R1 again")
+        wait_for(lambda: _decided(stack, r1.event_id, b_at), 60, "B's decision on R1 again")
         r2 = _rec(job, "torch.num_threads", 4, 2)
         r3 = _rec(job, "dataloader.num_workers", 2, 4)
         _publish(stack, r2)
@@ -163,8 +167,9 @@ def test_a_replaced_actuator_acts_on_nothing_twice_and_loses_nothing(
     assert by_rec[r2.event_id][1] > by_rec[r1.event_id][1]  # the sequence goes on
     assert len(commands) == 2
 
-    first, again = _decided(stack, r1.event_id)
-    assert first[0] == "issued" and first[1] == by_rec[r1.event_id][0]
+    issued = [r for r in _decided(stack, r1.event_id) if r[0] == "issued"]
+    assert [r[1] for r in issued] == [by_rec[r1.event_id][0]], issued  # A's, and only A's
+    (again,) = _decided(stack, r1.event_id, b_at)
     assert again[0] == "refused"
     assert again[2] == f"already issued as command {by_rec[r1.event_id][0]}"
     (r3_decision,) = _decided(stack, r3.event_id)
