@@ -11,14 +11,14 @@ they are unset, the embedded stack's loopback addresses (``PERFLOOP_KAFKA_PORT``
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import NoDecode
 
+from perfloop._settings_base import DEV_SIGNING_KEY, BaseServiceSettings
+from perfloop._settings_check import INTERNAL_ENV, check_environment, known_settings, load_settings
 from perfloop._webhook_values import (
     DEFAULT_WEBHOOK_KINDS,
     WEBHOOK_EVENTS,
@@ -28,6 +28,8 @@ from perfloop._webhook_values import (
 
 __all__ = [
     "DEFAULT_WEBHOOK_KINDS",
+    "DEV_SIGNING_KEY",
+    "INTERNAL_ENV",
     "WEBHOOK_EVENTS",
     "AccountantSettings",
     "ActuatorSettings",
@@ -43,64 +45,6 @@ __all__ = [
     "known_settings",
     "load_settings",
 ]
-
-_CONFIG = SettingsConfigDict(
-    env_prefix="PERFLOOP_", frozen=True, extra="ignore", populate_by_name=True
-)
-
-
-DEV_SIGNING_KEY = "perfloop-embedded-dev-key"
-"""The embedded stack's command-signing key; set ``PERFLOOP_SIGNING_KEY`` in production."""
-
-
-class BaseServiceSettings(BaseSettings):
-    """What every perfloop process needs: where state lives and how to reach the stack."""
-
-    model_config = _CONFIG
-
-    home: Path = Field(Path(".perfloop"), description="Logs and state of the embedded stack.")
-    host: str = Field("127.0.0.1", description="Loopback address the embedded stack binds.")
-    kafka_port: int = Field(19092, ge=1, le=65535)
-    clickhouse_port: int = Field(18123, ge=1, le=65535)
-    kafka_bootstrap_override: str | None = Field(
-        None, alias="PERFLOOP_KAFKA_BOOTSTRAP", description="External Kafka-API bootstrap."
-    )
-    clickhouse_url_override: str | None = Field(
-        None, alias="PERFLOOP_CLICKHOUSE_URL", description="External ClickHouse HTTP URL."
-    )
-    clickhouse_database: str = Field("perfloop", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-    clickhouse_user: str = "default"
-    clickhouse_password: SecretStr = SecretStr("")
-    topic_partitions: int = Field(4, ge=1, le=1024)
-    broker_keeps_log: bool | None = None
-    """Whether the broker keeps its log when it restarts (None: where it is not the embedded
-    one, i.e. with ``PERFLOOP_KAFKA_BOOTSTRAP``). The embedded broker does not, and the
-    supervisor says so to its services; their producers are then not idempotent
-    (`perfloop.kafka.producer`)."""
-
-    @property
-    def external_kafka(self) -> bool:
-        return bool(self.kafka_bootstrap_override)
-
-    @property
-    def keeps_log(self) -> bool:
-        return self.external_kafka if self.broker_keeps_log is None else self.broker_keeps_log
-
-    @property
-    def external_clickhouse(self) -> bool:
-        return bool(self.clickhouse_url_override)
-
-    @property
-    def kafka_bootstrap(self) -> str:
-        return self.kafka_bootstrap_override or f"{self.host}:{self.kafka_port}"
-
-    @property
-    def clickhouse_url(self) -> str:
-        return self.clickhouse_url_override or f"http://{self.host}:{self.clickhouse_port}"
-
-    @property
-    def home_dir(self) -> Path:
-        return self.home.expanduser().resolve()
 
 
 class ProducerSettings(BaseServiceSettings):
@@ -481,134 +425,3 @@ class AccountantSettings(ReportSettings):
     accounting_lookback_s: float = Field(7 * 86_400.0, gt=0)
     """Only jobs whose end is at most this old are accounted for (a first start on an old
     warehouse does not account for its whole history)."""
-
-
-_S = TypeVar("_S", bound=BaseSettings)
-
-
-def load_settings(cls: type[_S]) -> _S:
-    """``cls()`` from the environment; a bad ``PERFLOOP_*`` value is one `ConfigError` line.
-
-    >>> import os; os.environ["PERFLOOP_ALLOWED_LATENESS_S"] = "zero"
-    >>> from perfloop.exceptions import ConfigError
-    >>> try:
-    ...     load_settings(StreamsSettings)
-    ... except ConfigError as e:
-    ...     print(str(e).split(":")[0])
-    invalid setting PERFLOOP_ALLOWED_LATENESS_S='zero'
-    >>> del os.environ["PERFLOOP_ALLOWED_LATENESS_S"]
-    """
-    from perfloop.exceptions import ConfigError
-
-    try:
-        return cls()
-    except ValidationError as e:
-        raise ConfigError(_one_line(e.errors()[0])) from None
-
-
-def _one_line(err: Any) -> str:
-    """A settings validation error as one line: the variable, the value given and what it
-    must be (the valid values where the field has a fixed set)."""
-    name = f"PERFLOOP_{str(err['loc'][0]).upper()}"
-    given = err.get("input")
-    what = err["msg"]
-    pattern = str((err.get("ctx") or {}).get("pattern", ""))
-    choices = re.fullmatch(r"\^\(([\w|-]+)\)\$", pattern)
-    if choices:
-        what = "must be one of " + ", ".join(choices.group(1).split("|"))
-    shown = f"={given!r}" if isinstance(given, str | int | float) else ""
-    return f"invalid setting {name}{shown}: {what}"
-
-
-INTERNAL_ENV = frozenset(
-    {
-        "PERFLOOP_BROKER_PID",
-        "PERFLOOP_CPU_GROUP",
-        "PERFLOOP_GROUP_NICE",
-        "PERFLOOP_GROUP_RAISED",
-        "PERFLOOP_RUN_COMMAND",
-        "PERFLOOP_RUN_HOOKS",
-        # docker/compose.yaml's own variables (read by Compose, not by perfloop)
-        "PERFLOOP_IMAGE",
-        "PERFLOOP_STREAMS_REPLICAS",
-    }
-)
-"""``PERFLOOP_*`` variables that are not settings: those perfloop sets for its own processes,
-and docker/compose.yaml's."""
-_INTERNAL_PREFIXES = ("PERFLOOP_BENCH_", "PERFLOOP_TEST_")
-
-
-def _setting_classes() -> list[type[BaseServiceSettings]]:
-    out, todo = [], [BaseServiceSettings]
-    while todo:
-        cls = todo.pop()
-        out.append(cls)
-        todo.extend(cls.__subclasses__())
-    return out
-
-
-def known_settings() -> dict[str, list[type[BaseServiceSettings]]]:
-    """Every settings variable (``PERFLOOP_<FIELD>``) and the classes that read it."""
-    out: dict[str, list[type[BaseServiceSettings]]] = {}
-    for cls in _setting_classes():
-        for field, info in cls.model_fields.items():
-            alias = info.validation_alias if isinstance(info.validation_alias, str) else info.alias
-            name = alias.upper() if alias else f"PERFLOOP_{field.upper()}"
-            out.setdefault(name, []).append(cls)
-    return out
-
-
-def check_environment(environ: Mapping[str, str] | None = None) -> None:
-    """Validate every ``PERFLOOP_*`` variable of ``environ`` (the process's environment) at an
-    entry point, whichever service will read it: an unknown name (with the closest known
-    ones) or a bad value (with the valid values) is one `ConfigError` line.
-
-    >>> from perfloop.exceptions import ConfigError
-    >>> for env in ({"PERFLOOP_TIER": "bogus"}, {"PERFLOOP_WINDOW_S": "zero"}):
-    ...     try:
-    ...         check_environment(env)
-    ...     except ConfigError as e:
-    ...         print(str(e).partition(";")[0])
-    invalid setting PERFLOOP_TIER='bogus': must be one of observe, recommend, approve, auto
-    unknown setting PERFLOOP_WINDOW_S (did you mean PERFLOOP_WINDOWS or PERFLOOP_RESEND_WINDOW_S?)
-    >>> check_environment({"PERFLOOP_TIER": "observe", "PERFLOOP_RUN_HOOKS": "1", "HOME": "/"})
-    """
-    import difflib
-    import os
-
-    from perfloop.exceptions import ConfigError
-
-    env = os.environ if environ is None else environ
-    names = sorted(k.upper() for k in env if k.upper().startswith("PERFLOOP_"))
-    known = known_settings()
-    for name in names:
-        if name in known or name in INTERNAL_ENV or name.startswith(_INTERNAL_PREFIXES):
-            continue
-        close = difflib.get_close_matches(name, list(known), n=2, cutoff=0.75)
-        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
-        raise ConfigError(f"unknown setting {name}{hint}; docs/settings.md lists them")
-    checked: set[type[BaseServiceSettings]] = set()
-    for name in names:
-        for cls in known.get(name, ()):
-            if cls in checked:
-                continue
-            checked.add(cls)
-            try:
-                if environ is None:
-                    cls()
-                else:  # a mapping of one's own (tests): its values as the fields' inputs
-                    cls(**_env_values(cls, env))
-            except ValidationError as e:
-                raise ConfigError(_one_line(e.errors()[0])) from None
-
-
-def _env_values(cls: type[BaseServiceSettings], env: Mapping[str, str]) -> dict[str, str]:
-    """``cls``'s fields as ``env`` gives them (a mapping that is not the environment: its
-    values are taken as they are, not decoded as the environment's JSON values would be)."""
-    upper = {k.upper(): v for k, v in env.items()}
-    out = {}
-    for field, info in cls.model_fields.items():
-        name = (info.alias or f"PERFLOOP_{field}").upper()
-        if name in upper:
-            out[field] = upper[name]
-    return out

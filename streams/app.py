@@ -55,8 +55,10 @@ from perfloop.schemas.windows import encode_windows
 from perfloop.service_heap import GcClock, libc_trim
 from perfloop.settings import StreamsSettings
 from perfloop.streams._changelog import Changelog
+from perfloop.streams._fetching import pace_fetches, set_fetch_wait
 from perfloop.streams._metrics_http import MetricsEndpoint
 from perfloop.streams._publisher import Output
+from perfloop.streams._stats_line import stats_line
 from perfloop.streams.engine import (
     INPUT_TOPICS,
     TELEMETRY_TOPICS,
@@ -107,82 +109,6 @@ def sent_ns(msg: Any) -> int:
     """When a message was sent, by its Kafka timestamp (-1: it has none)."""
     ts = getattr(msg, "timestamp", None)
     return int(ts * 1e9) if isinstance(ts, int | float) and ts > 0 else -1
-
-
-def _fetcher(app: faust.App, needs: str) -> Any:
-    """The app's aiokafka fetcher if it exists and has attribute ``needs``, else None."""
-    try:
-        fetcher = app.consumer._thread._ensure_consumer()._fetcher
-    except Exception:  # not started yet, or another consumer driver
-        return None
-    return fetcher if fetcher is not None and hasattr(fetcher, needs) else None
-
-
-def set_fetch_wait(app: faust.App, wait_ms: int) -> bool:
-    """Give the app's consumer fetches this longest wait; False until its fetcher exists.
-
-    Faust fixes it at 1.5 s, which on the embedded broker delays input by ~0.4 s at the
-    median (`perfloop.stack.broker`); the fetcher reads the value for each fetch it builds.
-    """
-    fetcher = _fetcher(app, "_fetch_max_wait_ms")
-    if fetcher is None:
-        return False
-    fetcher._fetch_max_wait_ms = wait_ms
-    return True
-
-
-def pace_fetches(app: faust.App, interval_ms: int) -> dict[str, Any] | None:
-    """Send the app's consumer fetches at least ``interval_ms`` apart (per broker); return
-    the pacing state, or None until its fetcher exists: ``interval_s``, ``fetches`` (sent)
-    and ``answered`` (per (topic, partition), the `time.monotonic` at which the latest fetch
-    whose answer gave the partition's end was sent: that end is at least that recent).
-
-    A fetch is answered as soon as any of its partitions has new records, so the consumer
-    would fetch again each time a producer publishes; the embedded broker lists every stored
-    batch of each such partition per fetch (`perfloop.stack.broker`). Waiting before the next
-    fetch lets the records of several publishes come in one. Calling it again changes the
-    interval.
-    """
-    fetcher = _fetcher(app, "_proc_fetch_request")
-    if fetcher is None:
-        return None
-    state: dict[str, Any] | None = getattr(fetcher, "_perfloop_pace", None)
-    if state is not None:
-        state["interval_s"] = interval_ms / 1000
-        return state
-    pace: dict[str, Any] = {
-        "interval_s": interval_ms / 1000,
-        "fetches": 0,
-        "last": {},
-        "answered": {},  # (topic, partition): when the latest fetch answered for it was sent
-    }
-    send = fetcher._proc_fetch_request
-
-    async def paced(assignment: Any, node_id: int, request: Any) -> Any:
-        wait = pace["last"].get(node_id, -1e9) + pace["interval_s"] - time.monotonic()
-        if wait > 0:
-            try:
-                await asyncio.sleep(wait)
-            except asyncio.CancelledError:  # closed or unassigned meanwhile: as aiokafka does
-                return False
-        sent, sent_ms = time.monotonic(), int(time.time() * 1000)
-        pace["last"][node_id] = sent
-        pace["fetches"] += 1
-        result = await send(assignment, node_id, request)
-        answered = pace["answered"]
-        for topic, parts in request.topics:
-            for partition, *_ in parts:
-                try:  # the partition's end was taken from this answer (aiokafka stamps it)
-                    stamp = assignment.state_value(TP(topic, partition)).timestamp
-                except Exception:  # unassigned meanwhile
-                    continue
-                if stamp is not None and stamp >= sent_ms:
-                    answered[(topic, partition)] = sent
-        return result
-
-    fetcher._proc_fetch_request = paced
-    fetcher._perfloop_pace = pace
-    return pace
 
 
 def windows_messages(cols: WindowColumns) -> list[tuple[bytes, bytes]]:
@@ -635,42 +561,8 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
 
     @app.timer(10.0)
     async def report() -> None:
-        st = shards.stats
-        log.info(
-            "stream stats: %d messages, %d samples, %d events, %d rejected, %d late samples %s, "
-            "%d window rows, %d phase events, %d diagnoses, %d recommendations; %d read again "
-            "and skipped; %d held, "
-            "%d read behind their partition's end, %d partitions behind now; %d partitions "
-            "(moves %s); snapshots every %.1f s (%.1f MB, serialised in %.0f ms; %d written to "
-            "the changelog, %.1f MB compressed); %d fetches; "
-            "%.1f s in %d garbage collections; %d published, %d undelivered",
-            st["messages"],
-            st["samples"],
-            st["events"],
-            sum(shards.rejected.values()),
-            shards.late_samples,
-            shards.late_by_kind or "",
-            st["window_rows"],
-            st["phase_events"],
-            st["diagnoses"],
-            st["recommendations"],
-            st["replayed"],
-            len(held),
-            st["behind"],
-            len(shards.held_inputs),
-            len(shards.engines),
-            dict(shards.moves) or "none",
-            snap["every"],
-            snap["bytes"] / 1e6,
-            snap["dumps_s"] * 1000,
-            changelog.written,
-            changelog.bytes / 1e6,
-            (pace_fetches(app, settings.fetch_min_interval_ms) or {}).get("fetches", 0),
-            gc_clock.seconds,
-            gc_clock.collections,
-            output.sent,
-            output.failed,
-        )
+        fetches = (pace_fetches(app, settings.fetch_min_interval_ms) or {}).get("fetches", 0)
+        log.info("%s", stats_line(shards, len(held), snap, changelog, fetches, gc_clock, output))
 
     app.perfloop_shards = shards  # type: ignore[attr-defined]
     app.perfloop_metrics = metrics  # type: ignore[attr-defined]

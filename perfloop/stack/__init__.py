@@ -1,24 +1,16 @@
 """The embedded stack that `perfloop up` runs on one machine.
 
 - `perfloop.stack.supervisor`: starts, watches and restarts the services, records them, and
-  stops exactly what it started (`perfloop up`, `down`, `status`); its names are also here
+  stops exactly what it started (`perfloop up`); `perfloop.stack.control`: `up_detached`,
+  `down` and `status` from outside it; their names are also here
   (``from perfloop.stack import Supervisor``);
 - `perfloop.stack.broker`: the embedded Kafka-API broker (the Tansu binary) and its limits;
 - `perfloop.stack.warehouse_server`: chDB served over the ClickHouse HTTP interface
   (``python -m perfloop.stack.warehouse_server``).
 """
 
-from perfloop.stack.supervisor import (
-    AUTOGROUP_NICE,
-    SERVICES,
-    STATE_FILE,
-    Supervisor,
-    check_external,
-    down,
-    read_state,
-    status,
-    up_detached,
-)
+from perfloop.stack.control import STATE_FILE, check_external, down, read_state, status, up_detached
+from perfloop.stack.supervisor import AUTOGROUP_NICE, SERVICES, Supervisor
 
 __all__ = [
     "AUTOGROUP_NICE",

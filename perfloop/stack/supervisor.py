@@ -1,4 +1,5 @@
-"""The embedded stack's supervisor: `perfloop up`, `down` and `status`.
+"""The embedded stack's supervisor: `perfloop up` (`down` and `status` are in
+`perfloop.stack.control`).
 
 `Supervisor` starts, watches and restarts perfloop's processes — the Tansu broker and the chDB
 warehouse server (embedded mode only), then the topics and migrations, then the stream
@@ -53,8 +54,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,12 +61,20 @@ from typing import Any
 
 from perfloop._cpugroup import StackGroups, set_idle
 from perfloop.autogroup import CATCH_UP_NICE, set_autogroup_nice
-from perfloop.exceptions import PerfloopError, StackError, WarehouseError
-from perfloop.kafka import ensure_topics, ping
+from perfloop.exceptions import PerfloopError, StackError
+from perfloop.kafka import ensure_topics
 from perfloop.settings import StackSettings
-from perfloop.stack._headroom import SAMPLE_S, SAMPLES, headroom, rss_bytes
+from perfloop.stack._headroom import SAMPLE_S, SAMPLES, rss_bytes
 from perfloop.stack._recycle import Recycler
-from perfloop.stack.broker import RETENTION_NOTE, broker_argv
+from perfloop.stack.broker import broker_argv
+from perfloop.stack.control import (
+    STATE_FILE,
+    _alive,
+    _http_ok,
+    _last_line,
+    check_external,
+    read_state,
+)
 from perfloop.warehouse import migrate
 
 __all__ = [
@@ -75,17 +82,10 @@ __all__ = [
     "NOTIFIER",
     "OPTIONAL_SERVICES",
     "SERVICES",
-    "STATE_FILE",
     "Supervisor",
-    "check_external",
-    "down",
-    "read_state",
     "services_for",
-    "status",
-    "up_detached",
 ]
 
-STATE_FILE = "stack.json"
 SERVICES = ("streams", "sink", "actuator")
 ACCOUNTANT = "accountant"
 """Started after `SERVICES` unless ``accounting`` is off (`perfloop.report.accountant`)."""
@@ -169,29 +169,6 @@ def _port_open(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
         return s.connect_ex((host, port)) == 0
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/ping", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child still answers kill(0); treat it as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][:1] != "Z"
-    except OSError:
-        return True
 
 
 @dataclass
@@ -528,119 +505,3 @@ class Supervisor:
         tmp = self.home / f".{STATE_FILE}.tmp"
         tmp.write_text(json.dumps(doc, indent=2))
         tmp.replace(self.home / STATE_FILE)
-
-
-def _last_line(path: Path) -> str:
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return "(no log)"
-    return lines[-1][:300] if lines else "(empty log)"
-
-
-def read_state(settings: StackSettings) -> dict[str, Any] | None:
-    """The state file of a running stack, or None."""
-    try:
-        doc: dict[str, Any] = json.loads((settings.home_dir / STATE_FILE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return doc
-
-
-def check_external(settings: StackSettings) -> None:
-    """Fail with one line if an external broker or warehouse is configured but unreachable."""
-    if settings.external_kafka:
-        ping(settings)
-    if settings.external_clickhouse and not _http_ok(settings.clickhouse_url):
-        raise WarehouseError(f"ClickHouse at {settings.clickhouse_url} is unreachable")
-
-
-def up_detached(settings: StackSettings) -> dict[str, Any]:
-    """Start a supervisor in the background and wait until the stack is up."""
-    state = read_state(settings)
-    if state and _alive(state["supervisor_pid"]):
-        return state
-    Supervisor(settings).preflight()
-    home = settings.home_dir
-    (home / "logs").mkdir(parents=True, exist_ok=True)
-    log_path = home / "logs" / "supervisor.log"
-    env = dict(os.environ, PERFLOOP_HOME=str(home))
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "perfloop.cli", "up"],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + settings.start_timeout_s + 10
-    while time.monotonic() < deadline:
-        state = read_state(settings)
-        if state and state.get("supervisor_pid") == proc.pid and state.get("state") == "up":
-            return state
-        if proc.poll() is not None:
-            raise StackError(f"perfloop up failed: {_last_line(log_path)}")
-        time.sleep(0.2)
-    proc.terminate()
-    raise StackError(f"the stack did not come up in time; see {log_path}")
-
-
-def down(settings: StackSettings) -> bool:
-    """Stop the stack that `up` started; return False if none was running."""
-    state = read_state(settings)
-    if state is None:
-        return False
-    pid, pgid = state["supervisor_pid"], state["pgid"]
-    if _alive(pid):
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + settings.stop_timeout_s + 5
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    # Anything left in the stack's own process group is ours: end it.
-    if pgid != os.getpgid(0):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-    for svc in state.get("services", {}).values():
-        if svc.get("pid") and _alive(svc["pid"]):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(svc["pid"], signal.SIGKILL)
-    with contextlib.suppress(FileNotFoundError):
-        (settings.home_dir / STATE_FILE).unlink()
-    return True
-
-
-def status(settings: StackSettings) -> dict[str, Any]:
-    """What is running, where, and whether it answers."""
-    state = read_state(settings) or {}
-    up = bool(state) and _alive(state.get("supervisor_pid", -1))
-    services: dict[str, Any] = {}
-    for name, svc in (state.get("services") or {}).items() if up else ():
-        pid = svc.get("pid")
-        alive = bool(pid) and _alive(pid)
-        services[name] = {
-            "pid": pid,
-            "state": svc["state"] if alive else "dead",
-            "restarts": svc.get("restarts", 0),
-            "rss_bytes": rss_bytes(pid) if alive else None,
-            "log": svc.get("log"),
-        }
-    kafka_ok = True
-    try:
-        ping(settings, timeout_s=2.0)
-    except PerfloopError:
-        kafka_ok = False
-    doc: dict[str, Any] = {
-        "state": state.get("state", "down") if up else "down",
-        "home": str(settings.home_dir),
-        "kafka_bootstrap": settings.kafka_bootstrap,
-        "clickhouse_url": settings.clickhouse_url,
-        "kafka_reachable": kafka_ok,
-        "clickhouse_reachable": _http_ok(settings.clickhouse_url),
-        "services": services,
-    }
-    if "broker" in services:
-        doc["broker_retention"] = RETENTION_NOTE
-    if up:
-        doc["headroom"] = headroom(settings, state, services)
-    return doc

@@ -1,0 +1,68 @@
+"""What every perfloop process's settings share (`perfloop.settings` re-exports it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["DEV_SIGNING_KEY", "SETTINGS_CONFIG", "BaseServiceSettings"]
+
+SETTINGS_CONFIG = SettingsConfigDict(
+    env_prefix="PERFLOOP_", frozen=True, extra="ignore", populate_by_name=True
+)
+
+
+DEV_SIGNING_KEY = "perfloop-embedded-dev-key"
+"""The embedded stack's command-signing key; set ``PERFLOOP_SIGNING_KEY`` in production."""
+
+
+class BaseServiceSettings(BaseSettings):
+    """What every perfloop process needs: where state lives and how to reach the stack."""
+
+    model_config = SETTINGS_CONFIG
+
+    home: Path = Field(Path(".perfloop"), description="Logs and state of the embedded stack.")
+    host: str = Field("127.0.0.1", description="Loopback address the embedded stack binds.")
+    kafka_port: int = Field(19092, ge=1, le=65535)
+    clickhouse_port: int = Field(18123, ge=1, le=65535)
+    kafka_bootstrap_override: str | None = Field(
+        None, alias="PERFLOOP_KAFKA_BOOTSTRAP", description="External Kafka-API bootstrap."
+    )
+    clickhouse_url_override: str | None = Field(
+        None, alias="PERFLOOP_CLICKHOUSE_URL", description="External ClickHouse HTTP URL."
+    )
+    clickhouse_database: str = Field("perfloop", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+    clickhouse_user: str = "default"
+    clickhouse_password: SecretStr = SecretStr("")
+    topic_partitions: int = Field(4, ge=1, le=1024)
+    broker_keeps_log: bool | None = None
+    """Whether the broker keeps its log when it restarts (None: where it is not the embedded
+    one, i.e. with ``PERFLOOP_KAFKA_BOOTSTRAP``). The embedded broker does not, and the
+    supervisor says so to its services; their producers are then not idempotent
+    (`perfloop.kafka.producer`)."""
+
+    @property
+    def external_kafka(self) -> bool:
+        return bool(self.kafka_bootstrap_override)
+
+    @property
+    def keeps_log(self) -> bool:
+        return self.external_kafka if self.broker_keeps_log is None else self.broker_keeps_log
+
+    @property
+    def external_clickhouse(self) -> bool:
+        return bool(self.clickhouse_url_override)
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        return self.kafka_bootstrap_override or f"{self.host}:{self.kafka_port}"
+
+    @property
+    def clickhouse_url(self) -> str:
+        return self.clickhouse_url_override or f"http://{self.host}:{self.clickhouse_port}"
+
+    @property
+    def home_dir(self) -> Path:
+        return self.home.expanduser().resolve()
