@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["DEV_SIGNING_KEY", "SETTINGS_CONFIG", "BaseServiceSettings"]
@@ -36,12 +36,30 @@ class BaseServiceSettings(BaseSettings):
     clickhouse_database: str = Field("perfloop", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
     clickhouse_user: str = "default"
     clickhouse_password: SecretStr = SecretStr("")
+    """The warehouse user's password. The embedded warehouse asks for it (user and password)
+    on every query once it is set; with none it answers anyone who reaches its port."""
+    clickhouse_ca: Path | None = None
+    """The CA certificate (PEM) the clients check the warehouse's HTTPS certificate against
+    (none: the system's CAs)."""
+    clickhouse_tls_cert: Path | None = None
+    """The embedded warehouse's certificate chain (PEM). With it and ``clickhouse_tls_key`` it
+    serves HTTPS only, and the stack's warehouse URL is ``https://``."""
+    clickhouse_tls_key: Path | None = None
+    """The private key (PEM) of ``clickhouse_tls_cert``."""
     topic_partitions: int = Field(4, ge=1, le=1024)
     broker_keeps_log: bool | None = None
     """Whether the broker keeps its log when it restarts (None: where it is not the embedded
     one, i.e. with ``PERFLOOP_KAFKA_BOOTSTRAP``). The embedded broker does not, and the
     supervisor says so to its services; their producers are then not idempotent
     (`perfloop.kafka.producer`)."""
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> BaseServiceSettings:
+        if (self.clickhouse_tls_cert is None) != (self.clickhouse_tls_key is None):
+            raise ValueError(
+                "PERFLOOP_CLICKHOUSE_TLS_CERT and PERFLOOP_CLICKHOUSE_TLS_KEY go together"
+            )
+        return self
 
     @property
     def external_kafka(self) -> bool:
@@ -61,7 +79,8 @@ class BaseServiceSettings(BaseSettings):
 
     @property
     def clickhouse_url(self) -> str:
-        return self.clickhouse_url_override or f"http://{self.host}:{self.clickhouse_port}"
+        scheme = "https" if self.clickhouse_tls_cert else "http"
+        return self.clickhouse_url_override or f"{scheme}://{self.host}:{self.clickhouse_port}"
 
     @property
     def home_dir(self) -> Path:

@@ -41,6 +41,8 @@ def load_settings(cls: type[_S]) -> _S:
 def _one_line(err: Any) -> str:
     """A settings validation error as one line: the variable, the value given and what it
     must be (the valid values where the field has a fixed set)."""
+    if not err.get("loc"):  # a check of several settings together: its message names them
+        return f"invalid settings: {str(err['msg']).removeprefix('Value error, ')}"
     name = f"PERFLOOP_{str(err['loc'][0]).upper()}"
     given = err.get("input")
     what = err["msg"]

@@ -50,31 +50,76 @@ def client(
         raise WarehouseError(
             f"PERFLOOP_CLICKHOUSE_URL={settings.clickhouse_url!r} is not an http(s) URL"
         )
+    user = url.username or settings.clickhouse_user
+    tls: dict[str, Any] = {}
+    if url.scheme == "https" and settings.clickhouse_ca is not None:
+        tls["ca_cert"] = str(settings.clickhouse_ca)
     try:
         return clickhouse_connect.get_client(
             host=url.hostname,
             port=url.port or (8443 if url.scheme == "https" else 8123),
             secure=url.scheme == "https",
-            username=url.username or settings.clickhouse_user,
+            username=user,
             password=url.password or settings.clickhouse_password.get_secret_value(),
             database=settings.clickhouse_database if database is None else database,
             connect_timeout=min(timeout_s, 5.0),
             send_receive_timeout=timeout_s,
             autogenerate_session_id=False,
             compress=settings.external_clickhouse,
+            **tls,
         )
     except ClickHouseError as e:
         raise WarehouseError(
-            f"ClickHouse at {settings.clickhouse_url} is unreachable or refused: {_reason(e)}"
+            f"ClickHouse at {settings.clickhouse_url} is unreachable or refused: "
+            f"{_reason(e, user=user, ca=settings.clickhouse_ca)}"
         ) from e
 
 
-def _reason(e: Exception) -> str:
+def _reason(e: Exception, *, user: str = "", ca: object = None) -> str:
+    """What went wrong, in a few words, and which setting to look at.
+
+    >>> failed = "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: self-signed (_"
+    >>> print(_reason(Exception(failed)))  # doctest: +NORMALIZE_WHITESPACE
+    its TLS certificate is not trusted (certificate verify failed: self-signed;
+    PERFLOOP_CLICKHOUSE_CA names the CA to trust)
+    >>> refused = Exception("Code: 516. DB::Exception: ann: Authentication failed")
+    >>> print(_reason(refused, user="ann"))  # doctest: +NORMALIZE_WHITESPACE
+    user 'ann' was refused: wrong password, or no such user (PERFLOOP_CLICKHOUSE_USER,
+    PERFLOOP_CLICKHOUSE_PASSWORD)
+    """
     text = " ".join(str(e).split())
+    cert = re.search(r"certificate verify failed: ([^(']+)", text)
+    if cert or "CERTIFICATE_VERIFY_FAILED" in text:
+        why = f"certificate verify failed: {cert.group(1).strip()}" if cert else "not verified"
+        fix = (
+            f"PERFLOOP_CLICKHOUSE_CA={ca}" if ca else "PERFLOOP_CLICKHOUSE_CA names the CA to trust"
+        )
+        return f"its TLS certificate is not trusted ({why}; {fix})"
+    if "Code: 516." in text or "AUTHENTICATION_FAILED" in text:
+        return (
+            f"user {user!r} was refused: wrong password, or no such user "
+            "(PERFLOOP_CLICKHOUSE_USER, PERFLOOP_CLICKHOUSE_PASSWORD)"
+        )
+    if "SSLError" in text or "WRONG_VERSION_NUMBER" in text:
+        ssl_why = re.search(r"\[SSL: ([A-Z_]+)\]", text)
+        return f"TLS failed ({ssl_why.group(1) if ssl_why else 'SSL error'}): is it HTTPS?"
     errno = re.search(r"\[Errno -?\d+\] ([^\"')]+)", text)
     if errno:
         return errno.group(1).strip()
+    if "Remote end closed connection without response" in text:
+        return "it closed the connection without an answer (an HTTPS server asked over HTTP?)"
     return text[:200] or type(e).__name__
+
+
+class _DropDriverNoise(logging.Filter):
+    """clickhouse-connect logs "Unexpected Http Driver Exception" before raising the error
+    that `client` turns into one line: the line says it all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Unexpected Http Driver Exception"
+
+
+logging.getLogger("clickhouse_connect.driver._backend.http_sync").addFilter(_DropDriverNoise())
 
 
 def query(

@@ -3,10 +3,13 @@ content types, request-body decompression and ClickHouse's compressed-block fram
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hmac
 import re
 import socket
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 CHUNK = 1 << 20
@@ -41,6 +44,7 @@ NAMES = {
     62: "SYNTAX_ERROR",
     73: "UNKNOWN_FORMAT",
     271: "CANNOT_DECOMPRESS",
+    516: "AUTHENTICATION_FAILED",
     307: "TOO_MANY_BYTES",
     1001: "STD_EXCEPTION",
 }
@@ -160,3 +164,50 @@ def leading_keywords(sql: str) -> tuple[str, str]:
     if match is None:
         return "", ""
     return match.group(1).upper(), (match.group(2) or "").upper()
+
+
+def credentials(headers: Mapping[str, str], params: Mapping[str, str]) -> tuple[str, str]:
+    """The user and password a request gives, the ways ClickHouse takes them: HTTP Basic
+    authentication, the ``X-ClickHouse-User``/``-Key`` headers, or the ``user``/``password``
+    URL parameters (none: ``default`` with no password).
+
+    >>> credentials({"Authorization": "Basic " + base64.b64encode(b"ann:p:w").decode()}, {})
+    ('ann', 'p:w')
+    >>> credentials({"X-ClickHouse-User": "bob", "X-ClickHouse-Key": "k"}, {})
+    ('bob', 'k')
+    >>> credentials({}, {"user": "cy"}), credentials({}, {})
+    (('cy', ''), ('default', ''))
+    >>> credentials({"Authorization": "Basic !!"}, {})
+    ('', '')
+    """
+    auth = headers.get("Authorization") or ""
+    if auth[:6].lower() == "basic ":
+        try:
+            user, _, password = base64.b64decode(auth[6:], validate=True).decode().partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return "", ""  # refused below: no user is called ""
+        return user, password
+    if headers.get("X-ClickHouse-User") is not None:
+        return headers["X-ClickHouse-User"], headers.get("X-ClickHouse-Key") or ""
+    return params.get("user") or "default", params.get("password") or ""
+
+
+def check_credentials(given: tuple[str, str], wanted: tuple[str, str]) -> None:
+    """Raise ClickHouse's AUTHENTICATION_FAILED unless ``given`` is ``wanted`` (compared in
+    constant time).
+
+    >>> check_credentials(("default", "s3"), ("default", "s3"))
+    >>> try:
+    ...     check_credentials(("default", "no"), ("default", "s3"))
+    ... except DBException as e:
+    ...     print(e.code, e.status, str(e).split("DB::Exception: ")[1][:30])
+    516 401 default: Authentication failed
+    """
+    user_ok = hmac.compare_digest(given[0].encode(), wanted[0].encode())
+    password_ok = hmac.compare_digest(given[1].encode(), wanted[1].encode())
+    if not (user_ok and password_ok):
+        raise DBException.of(
+            516,
+            f"{given[0]}: Authentication failed: password is incorrect, or there is no user "
+            "with such name",
+        )

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -26,11 +27,16 @@ __all__ = ["STATE_FILE", "check_external", "down", "read_state", "status", "up_d
 STATE_FILE = "stack.json"
 
 
-def _http_ok(url: str) -> bool:
+def _http_ok(url: str, ca: Path | None = None) -> bool:
+    """Whether the warehouse at ``url`` answers its ``/ping`` (over HTTPS: with a certificate
+    that ``ca``, or the system's CAs, vouch for)."""
+    ctx = (
+        ssl.create_default_context(cafile=str(ca) if ca else None) if url[:6] == "https:" else None
+    )
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/ping", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
+        with urllib.request.urlopen(f"{url.rstrip('/')}/ping", timeout=2, context=ctx) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError, ssl.SSLError):
         return False
 
 
@@ -70,7 +76,9 @@ def check_external(settings: StackSettings) -> None:
     """Fail with one line if an external broker or warehouse is configured but unreachable."""
     if settings.external_kafka:
         ping(settings)
-    if settings.external_clickhouse and not _http_ok(settings.clickhouse_url):
+    if settings.external_clickhouse and not _http_ok(
+        settings.clickhouse_url, settings.clickhouse_ca
+    ):
         raise WarehouseError(f"ClickHouse at {settings.clickhouse_url} is unreachable")
 
 
@@ -157,7 +165,7 @@ def status(settings: StackSettings) -> dict[str, Any]:
         "kafka_bootstrap": settings.kafka_bootstrap,
         "clickhouse_url": settings.clickhouse_url,
         "kafka_reachable": kafka_ok,
-        "clickhouse_reachable": _http_ok(settings.clickhouse_url),
+        "clickhouse_reachable": _http_ok(settings.clickhouse_url, settings.clickhouse_ca),
         "services": services,
     }
     if "broker" in services:

@@ -240,7 +240,7 @@ class Supervisor:
                 self._child(
                     "warehouse",
                     [py, "-m", "perfloop.stack.warehouse_server"],
-                    lambda: _http_ok(s.clickhouse_url),
+                    lambda: _http_ok(s.clickhouse_url, s.clickhouse_ca),
                 )
             )
         for child in self._children:

@@ -16,6 +16,13 @@ framing (lz4, zstd, none); a Native answer at the ``client_protocol_version`` th
 sends (`perfloop.stack._native`). Responses are never compressed. Errors come back as ClickHouse
 sends them: status, ``X-ClickHouse-Exception-Code`` and ``Code: N. DB::Exception: ...``.
 
+Security: with ``clickhouse_password`` set, every request but ``/ping`` must give the user and
+password (``clickhouse_user``) as ClickHouse takes them (HTTP Basic authentication, the
+``X-ClickHouse-User``/``-Key`` headers or the ``user``/``password`` parameters), or is refused
+with AUTHENTICATION_FAILED (516). With ``clickhouse_tls_cert`` and ``clickhouse_tls_key`` it
+serves HTTPS only (TLS 1.2 or later; each connection's handshake in the thread serving it, so
+a client that stalls holds up no one else).
+
 Example (``python -m perfloop.stack.warehouse_server`` runs the same from the environment):
 
 >>> from perfloop.settings import WarehouseServerSettings
@@ -34,6 +41,7 @@ import json
 import logging
 import queue
 import signal
+import ssl
 import sys
 import threading
 import time
@@ -56,7 +64,9 @@ from perfloop.stack._clickhouse_http import (
     TRAILING_FORMAT,
     DBException,
     body_decoder,
+    check_credentials,
     content_type,
+    credentials,
     leading_keywords,
     unframe,
 )
@@ -254,6 +264,13 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._drain()
                 raise DBException.of(36, f"No handler for path {url.path!r}; valid: /, /ping", 404)
+            wanted = self.server.credentials
+            if wanted is not None:
+                try:
+                    check_credentials(credentials(self.headers, params), wanted)
+                except DBException:
+                    self._drain()
+                    raise
             self._execute(params, query_id)
         except DBException as e:
             self._error(e, query_id)
@@ -449,10 +466,28 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
 
+HANDSHAKE_TIMEOUT_S = 10.0
+"""How long a client may take over its TLS handshake."""
+
+
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     engine: _Engine
     max_body_bytes: int
+    credentials: tuple[str, str] | None = None  # (user, password) every query must give
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        # In the connection's own thread: the TLS handshake (the listening socket defers it),
+        # then the request. A client that fails it is dropped, with a line in the log.
+        if isinstance(request, ssl.SSLSocket):
+            try:
+                request.settimeout(HANDSHAKE_TIMEOUT_S)
+                request.do_handshake()
+                request.settimeout(None)
+            except (ssl.SSLError, OSError) as e:
+                log.info("TLS handshake with %s failed: %s", client_address[0], e)
+                return
+        super().finish_request(request, client_address)
 
 
 class WarehouseServer:
@@ -468,7 +503,8 @@ class WarehouseServer:
     @property
     def url(self) -> str:
         """The ClickHouse HTTP address this server answers on."""
-        return f"http://{self.settings.host}:{self.settings.clickhouse_port}"
+        scheme = "https" if self.settings.clickhouse_tls_cert else "http"
+        return f"{scheme}://{self.settings.host}:{self.settings.clickhouse_port}"
 
     def start(self) -> None:
         """Bind the port, open the data directory and serve in a background thread."""
@@ -485,6 +521,13 @@ class WarehouseServer:
                 ) from e
             raise WarehouseError(f"cannot bind {address[0]}:{address[1]}: {e.strerror}") from e
         try:
+            if self.settings.clickhouse_tls_cert:
+                httpd.socket = self._tls().wrap_socket(
+                    httpd.socket, server_side=True, do_handshake_on_connect=False
+                )
+            password = self.settings.clickhouse_password.get_secret_value()
+            if password:
+                httpd.credentials = (self.settings.clickhouse_user, password)
             httpd.engine = _Engine(self.data_dir, self.settings.sessions)
         except BaseException:
             httpd.server_close()
@@ -497,6 +540,19 @@ class WarehouseServer:
         )
         self._thread.start()
         log.info("warehouse serving %s from %s", self.url, self.data_dir)
+
+    def _tls(self) -> ssl.SSLContext:
+        cert, key = self.settings.clickhouse_tls_cert, self.settings.clickhouse_tls_key
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            ctx.load_cert_chain(str(cert), str(key))
+        except (OSError, ssl.SSLError) as e:
+            raise WarehouseError(
+                f"cannot load the warehouse's TLS certificate {cert} and key {key} "
+                f"(PERFLOOP_CLICKHOUSE_TLS_CERT, _KEY): {getattr(e, 'strerror', None) or e}"
+            ) from None
+        return ctx
 
     def stop(self) -> None:
         """Stop serving and close the data directory; safe to call twice."""

@@ -126,3 +126,23 @@ def test_secrets_do_not_show_in_repr(monkeypatch: pytest.MonkeyPatch) -> None:
     s = ActuatorSettings()
     assert s.signing_key.get_secret_value() == "s3cret-key"
     assert "s3cret-key" not in repr(s) and "hunter2" not in repr(s)
+
+
+def test_the_warehouse_is_https_with_a_certificate_and_key_and_refused_with_one_alone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from perfloop.exceptions import ConfigError
+    from perfloop.settings import load_settings
+
+    assert StackSettings().clickhouse_url.startswith("http://")
+    both = StackSettings(clickhouse_tls_cert=tmp_path / "c.pem", clickhouse_tls_key=tmp_path / "k")
+    assert both.clickhouse_url == f"https://127.0.0.1:{both.clickhouse_port}"
+    # the password is a secret: never in the settings' text
+    s = StackSettings(clickhouse_password="hunter2")
+    assert "hunter2" not in repr(s) and "hunter2" not in str(s.model_dump())
+    monkeypatch.setenv("PERFLOOP_CLICKHOUSE_TLS_CERT", str(tmp_path / "c.pem"))
+    with pytest.raises(ConfigError) as e:
+        load_settings(StackSettings)
+    assert str(e.value) == (
+        "invalid settings: PERFLOOP_CLICKHOUSE_TLS_CERT and PERFLOOP_CLICKHOUSE_TLS_KEY go together"
+    )
