@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -46,6 +47,20 @@ class BaseServiceSettings(BaseSettings):
     serves HTTPS only, and the stack's warehouse URL is ``https://``."""
     clickhouse_tls_key: Path | None = None
     """The private key (PEM) of ``clickhouse_tls_cert``."""
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """How every Kafka client (librdkafka's and the stream workers' Faust consumer) talks to
+    the broker: ``SSL`` (TLS, with a client certificate for mutual TLS), ``SASL_SSL`` (a user
+    and password over TLS), ``SASL_PLAINTEXT`` (a user and password, unencrypted)."""
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "SCRAM-SHA-512"
+    kafka_sasl_username: str = ""
+    kafka_sasl_password: SecretStr = SecretStr("")
+    kafka_ssl_ca: Path | None = None
+    """The CA certificate (PEM) the broker's certificate is checked against (none: the
+    system's CAs)."""
+    kafka_ssl_cert: Path | None = None
+    """This client's certificate (PEM), for mutual TLS; with ``kafka_ssl_key``."""
+    kafka_ssl_key: Path | None = None
+    kafka_ssl_key_password: SecretStr = SecretStr("")
     topic_partitions: int = Field(4, ge=1, le=1024)
     broker_keeps_log: bool | None = None
     """Whether the broker keeps its log when it restarts (None: where it is not the embedded
@@ -54,10 +69,27 @@ class BaseServiceSettings(BaseSettings):
     (`perfloop.kafka.producer`)."""
 
     @model_validator(mode="after")
-    def _tls_pair(self) -> BaseServiceSettings:
+    def _security(self) -> BaseServiceSettings:
         if (self.clickhouse_tls_cert is None) != (self.clickhouse_tls_key is None):
             raise ValueError(
                 "PERFLOOP_CLICKHOUSE_TLS_CERT and PERFLOOP_CLICKHOUSE_TLS_KEY go together"
+            )
+        if (self.kafka_ssl_cert is None) != (self.kafka_ssl_key is None):
+            raise ValueError("PERFLOOP_KAFKA_SSL_CERT and PERFLOOP_KAFKA_SSL_KEY go together")
+        protocol = self.kafka_security_protocol
+        if protocol.startswith("SASL") and not (
+            self.kafka_sasl_username and self.kafka_sasl_password.get_secret_value()
+        ):
+            raise ValueError(
+                f"PERFLOOP_KAFKA_SECURITY_PROTOCOL={protocol} needs PERFLOOP_KAFKA_SASL_USERNAME "
+                "and PERFLOOP_KAFKA_SASL_PASSWORD"
+            )
+        tls_files = self.kafka_ssl_ca or self.kafka_ssl_cert
+        if tls_files and not protocol.endswith("SSL"):
+            # refused rather than ignored: a file meant for TLS with a plaintext connection
+            raise ValueError(
+                "PERFLOOP_KAFKA_SSL_* is set but PERFLOOP_KAFKA_SECURITY_PROTOCOL is "
+                f"{protocol}: set it to SSL or SASL_SSL"
             )
         return self
 

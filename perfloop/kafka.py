@@ -37,6 +37,7 @@ __all__ = [
     "ping",
     "producer",
     "reason_class",
+    "security_config",
     "tail",
 ]
 
@@ -51,7 +52,42 @@ def _common(settings: BaseServiceSettings) -> dict[str, Any]:
         # librdkafka's own log lines go through Python logging (perfloop.kafka.client), so a
         # CLI command prints one clear line, and services log them with everything else.
         "logger": _CLIENT_LOG,
-    }
+    } | security_config(settings)
+
+
+def security_config(settings: BaseServiceSettings) -> dict[str, Any]:
+    """librdkafka's security properties from the settings (`BaseServiceSettings`: the
+    protocol, the SASL user and password, the CA and the client's certificate and key). It
+    holds secrets: never log it.
+
+    >>> from perfloop.settings import StackSettings
+    >>> security_config(StackSettings())
+    {}
+    >>> conf = security_config(StackSettings(kafka_security_protocol="SASL_SSL",
+    ...     kafka_sasl_username="ann", kafka_sasl_password="pw", kafka_ssl_ca="/ca.pem"))
+    >>> sorted(conf)  # doctest: +NORMALIZE_WHITESPACE
+    ['sasl.mechanism', 'sasl.password', 'sasl.username', 'security.protocol',
+     'ssl.ca.location']
+    """
+    protocol = settings.kafka_security_protocol
+    if protocol == "PLAINTEXT":
+        return {}
+    conf: dict[str, Any] = {"security.protocol": protocol}
+    if protocol.startswith("SASL"):
+        conf |= {
+            "sasl.mechanism": settings.kafka_sasl_mechanism,
+            "sasl.username": settings.kafka_sasl_username,
+            "sasl.password": settings.kafka_sasl_password.get_secret_value(),
+        }
+    if protocol.endswith("SSL"):
+        if settings.kafka_ssl_ca is not None:
+            conf["ssl.ca.location"] = str(settings.kafka_ssl_ca)
+        if settings.kafka_ssl_cert is not None and settings.kafka_ssl_key is not None:
+            conf["ssl.certificate.location"] = str(settings.kafka_ssl_cert)
+            conf["ssl.key.location"] = str(settings.kafka_ssl_key)
+            if key_password := settings.kafka_ssl_key_password.get_secret_value():
+                conf["ssl.key.password"] = key_password
+    return conf
 
 
 def admin(settings: BaseServiceSettings) -> AdminClient:

@@ -54,6 +54,7 @@ from perfloop.schemas.topics import Topics
 from perfloop.schemas.windows import encode_windows
 from perfloop.service_heap import GcClock, libc_trim
 from perfloop.settings import StreamsSettings
+from perfloop.streams._auth import faust_credentials
 from perfloop.streams._changelog import Changelog
 from perfloop.streams._fetching import pace_fetches, set_fetch_wait
 from perfloop.streams._metrics_http import MetricsEndpoint
@@ -150,6 +151,7 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
     app = faust.App(
         settings.app_id,
         broker=f"kafka://{settings.kafka_bootstrap}",
+        broker_credentials=faust_credentials(settings),  # as every librdkafka client's
         broker_session_timeout=settings.broker_session_timeout_s,
         broker_heartbeat_interval=1.0,
         topic_partitions=settings.topic_partitions,
