@@ -82,9 +82,9 @@ def _setting_classes() -> list[type[BaseServiceSettings]]:
 
 
 def known_settings() -> dict[str, list[type[BaseServiceSettings]]]:
-    """Every settings variable (``PERFLOOP_<FIELD>``) and the classes that read it (those of
-    `perfloop.settings`, and any other subclass of `BaseServiceSettings` imported)."""
-    import perfloop.settings  # noqa: F401  (every service's class defined)
+    """Every settings variable (``PERFLOOP_<FIELD>``) and the classes that read it: every
+    subclass of `BaseServiceSettings` defined (`perfloop.settings`, which re-exports this,
+    defines the services' classes)."""
 
     out: dict[str, list[type[BaseServiceSettings]]] = {}
     for cls in _setting_classes():

@@ -1,7 +1,7 @@
 """The embedded stack that `perfloop up` runs on one machine.
 
 - `perfloop.stack.supervisor`: starts, watches and restarts the services, records them, and
-  stops exactly what it started (`perfloop up`); `perfloop.stack.control`: `up_detached`,
+  stops exactly what it started (`perfloop up`, `up_detached`); `perfloop.stack.control`:
   `down` and `status` from outside it; their names are also here
   (``from perfloop.stack import Supervisor``);
 - `perfloop.stack.broker`: the embedded Kafka-API broker (the Tansu binary) and its limits;
@@ -9,8 +9,8 @@
   (``python -m perfloop.stack.warehouse_server``).
 """
 
-from perfloop.stack.control import STATE_FILE, check_external, down, read_state, status, up_detached
-from perfloop.stack.supervisor import AUTOGROUP_NICE, SERVICES, Supervisor
+from perfloop.stack.control import STATE_FILE, check_external, down, read_state, status
+from perfloop.stack.supervisor import AUTOGROUP_NICE, SERVICES, Supervisor, up_detached
 
 __all__ = [
     "AUTOGROUP_NICE",

@@ -1,5 +1,5 @@
-"""Controlling the embedded stack from outside it: `up_detached`, `down`, `status`, and the
-state file the supervisor (`perfloop.stack.supervisor`) writes."""
+"""Controlling the embedded stack from outside it: `down`, `status`, and the state file the
+supervisor (`perfloop.stack.supervisor`, which also has `up_detached`) writes."""
 
 from __future__ import annotations
 
@@ -8,21 +8,19 @@ import json
 import os
 import signal
 import ssl
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from perfloop.exceptions import PerfloopError, StackError, WarehouseError
+from perfloop.exceptions import PerfloopError, WarehouseError
 from perfloop.kafka import ping
 from perfloop.settings import StackSettings
 from perfloop.stack._headroom import headroom, rss_bytes
 from perfloop.stack.broker import RETENTION_NOTE
 
-__all__ = ["STATE_FILE", "check_external", "down", "read_state", "status", "up_detached"]
+__all__ = ["STATE_FILE", "check_external", "down", "read_state", "status"]
 
 STATE_FILE = "stack.json"
 
@@ -80,39 +78,6 @@ def check_external(settings: StackSettings) -> None:
         settings.clickhouse_url, settings.clickhouse_ca
     ):
         raise WarehouseError(f"ClickHouse at {settings.clickhouse_url} is unreachable")
-
-
-def up_detached(settings: StackSettings) -> dict[str, Any]:
-    """Start a supervisor in the background and wait until the stack is up."""
-    state = read_state(settings)
-    if state and _alive(state["supervisor_pid"]):
-        return state
-    from perfloop.stack.supervisor import Supervisor
-
-    Supervisor(settings).preflight()
-    home = settings.home_dir
-    (home / "logs").mkdir(parents=True, exist_ok=True)
-    log_path = home / "logs" / "supervisor.log"
-    env = dict(os.environ, PERFLOOP_HOME=str(home))
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "perfloop.cli", "up"],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + settings.start_timeout_s + 10
-    while time.monotonic() < deadline:
-        state = read_state(settings)
-        if state and state.get("supervisor_pid") == proc.pid and state.get("state") == "up":
-            return state
-        if proc.poll() is not None:
-            raise StackError(f"perfloop up failed: {_last_line(log_path)}")
-        time.sleep(0.2)
-    proc.terminate()
-    raise StackError(f"the stack did not come up in time; see {log_path}")
 
 
 def down(settings: StackSettings) -> bool:

@@ -1,5 +1,5 @@
-"""The embedded stack's supervisor: `perfloop up` (`down` and `status` are in
-`perfloop.stack.control`).
+"""The embedded stack's supervisor: `perfloop up`, in the foreground or detached (`down` and
+`status` are in `perfloop.stack.control`).
 
 `Supervisor` starts, watches and restarts perfloop's processes — the Tansu broker and the chDB
 warehouse server (embedded mode only), then the topics and migrations, then the stream
@@ -84,6 +84,7 @@ __all__ = [
     "SERVICES",
     "Supervisor",
     "services_for",
+    "up_detached",
 ]
 
 SERVICES = ("streams", "sink", "actuator")
@@ -505,3 +506,34 @@ class Supervisor:
         tmp = self.home / f".{STATE_FILE}.tmp"
         tmp.write_text(json.dumps(doc, indent=2))
         tmp.replace(self.home / STATE_FILE)
+
+
+def up_detached(settings: StackSettings) -> dict[str, Any]:
+    """Start a supervisor in the background and wait until the stack is up."""
+    state = read_state(settings)
+    if state and _alive(state["supervisor_pid"]):
+        return state
+    Supervisor(settings).preflight()
+    home = settings.home_dir
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    log_path = home / "logs" / "supervisor.log"
+    env = dict(os.environ, PERFLOOP_HOME=str(home))
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "perfloop.cli", "up"],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + settings.start_timeout_s + 10
+    while time.monotonic() < deadline:
+        state = read_state(settings)
+        if state and state.get("supervisor_pid") == proc.pid and state.get("state") == "up":
+            return state
+        if proc.poll() is not None:
+            raise StackError(f"perfloop up failed: {_last_line(log_path)}")
+        time.sleep(0.2)
+    proc.terminate()
+    raise StackError(f"the stack did not come up in time; see {log_path}")
