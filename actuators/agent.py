@@ -55,9 +55,10 @@ from typing import Any
 
 from perfloop.actuators._notice import notice, say
 from perfloop.actuators.config_patch import ConfigPatch
-from perfloop.actuators.signing import verify
+from perfloop.actuators.signing import check_signature
 from perfloop.actuators.verification import ChangeVerifier, Verdict
 from perfloop.exceptions import ConfigError
+from perfloop.identity import KeyringFile
 from perfloop.kafka import consumer, follow, producer
 from perfloop.schemas import (
     ActuationResult,
@@ -219,6 +220,7 @@ class JobAgent:
         node: str,
         signing_key: bytes,
         handlers: Mapping[str, KnobHandler],
+        keyring: KeyringFile | None = None,
         on_result: Callable[[ActuationResult], None] | None = None,
         on_config: ConfigHandler | None = None,
         bounds: Mapping[str, tuple[float, float]] | None = None,
@@ -253,6 +255,9 @@ class JobAgent:
         self._trial: tuple[Command, KnobValue | None, ChangeVerifier] | None = None
         self._undo: tuple[Command, KnobValue, Verdict] | None = None  # at the next boundary
         self._key = signing_key
+        self.keyring = keyring
+        """The public keys commands must be signed with (`perfloop.identity`); with one, a
+        command signed with the shared ``signing_key`` is refused."""
         self._handlers = handlers
         self._on_result = on_result
         self.on_config = on_config
@@ -346,8 +351,10 @@ class JobAgent:
 
     def check(self, cmd: Command, *, now_ns: int) -> str:
         """Why the command must not be applied, or "" if it may."""
-        if not verify(cmd, self._key):
-            return "signature does not verify"
+        ring = self.keyring.current() if self.keyring is not None else None
+        why = check_signature(cmd, key=self._key, keyring=ring, now_ns=now_ns)
+        if why:
+            return why
         if cmd.expires_ts_ns <= now_ns:
             return f"expired {(now_ns - cmd.expires_ts_ns) / 1e9:.1f} s ago"
         if cmd.seq <= self._last_seq:

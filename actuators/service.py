@@ -53,6 +53,7 @@ from perfloop.actuators.policy import HOOK_KNOBS, KNOB_BOUNDS, JobRules, Policy
 from perfloop.actuators.signing import sign
 from perfloop.bad_input import Failed, OnError, decide, skip_policy
 from perfloop.exceptions import ConfigError
+from perfloop.identity import PrivateKey
 from perfloop.kafka import consumer, dlq_headers, producer
 from perfloop.schemas import (
     ActuationResult,
@@ -98,6 +99,11 @@ class ActuatorService:
         self.on_error = on_error
         """What to do with a message that does not decode (`perfloop.bad_input`)."""
         self._key = settings.signing_key.get_secret_value().encode()
+        self._private = (
+            PrivateKey.load(settings.signing_private_key)
+            if settings.signing_private_key is not None
+            else None
+        )
         self.policy = Policy(
             _rules(settings),
             ttl_s=settings.command_ttl_s,
@@ -441,8 +447,11 @@ class ActuatorService:
             finally:
                 self._actions.task_done()
 
-    def signing_key_for(self, job_id: str) -> tuple[str, bytes]:
-        """``(key id, key)`` a job's commands are signed with: its own when it has one."""
+    def signing_key_for(self, job_id: str) -> tuple[str, bytes | PrivateKey]:
+        """``(key id, key)`` a job's commands are signed with: the actuator's private key when
+        it has one, else the job's own shared key when it has one, else the shared key."""
+        if self._private is not None:
+            return self._private.key_id, self._private
         own = self.settings.job_signing_keys.get(job_id)
         if own is not None:
             return f"job:{job_id}", own.get_secret_value().encode()

@@ -102,6 +102,10 @@ class ProducerSettings(BaseServiceSettings):
     signing_key: SecretStr = Field(
         SecretStr(DEV_SIGNING_KEY), description="The key commands to this job are signed with."
     )
+    command_keyring: Path | None = None
+    """A keyring of the public keys commands to this job must be signed with (the actuator's,
+    `perfloop keys`; read again when it changes). With it, a command signed with the shared
+    ``signing_key`` is refused: this job's host holds nothing that can sign a command."""
     config_patch: Path | None = Field(
         None,
         description="The job's config patch (slow-loop changes, read at start); default "
@@ -302,6 +306,10 @@ class ActuatorSettings(BaseServiceSettings):
     group_id: str = "perfloop-actuator"
     tier: str = Field("auto", pattern="^(observe|recommend|approve|auto)$")
     signing_key: SecretStr = SecretStr(DEV_SIGNING_KEY)
+    signing_private_key: Path | None = None
+    """The actuator's Ed25519 private key (PEM, `perfloop keys new`): with it every command is
+    signed with it (key id: its public key's) and jobs check them with the public key alone
+    (``PERFLOOP_COMMAND_KEYRING``); ``signing_key`` and ``job_signing_keys`` then sign none."""
     job_signing_keys: dict[str, SecretStr] = Field(
         default_factory=dict,
         description='Keys of individual jobs (JSON: {"job-id": "key"}); their commands are '

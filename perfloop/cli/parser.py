@@ -16,6 +16,7 @@ from perfloop.cli.config import config_command
 from perfloop.cli.demo import demo_command
 from perfloop.cli.export import export_command, step_range
 from perfloop.cli.jobs import duration_arg, jobs_command
+from perfloop.cli.keys import add_keys, keys_command
 from perfloop.cli.plan import plan_command
 from perfloop.cli.query import schemas_command, sql_command
 from perfloop.cli.recs import approve_command, recs_command
@@ -152,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recs(sub)
     _add_jobs(sub)
     _add_report(sub)
+    add_keys(sub)
     _add_watch(sub)
     _add_export(sub)
     _add_capture(sub)
@@ -330,6 +332,7 @@ _COMMANDS = {
     "watch": watch_command,
     "export": export_command,
     "capture": capture_command,
+    "keys": keys_command,
 }
 
 

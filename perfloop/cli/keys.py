@@ -1,0 +1,127 @@
+"""``perfloop keys``: Ed25519 keys and the keyrings that trust them (`perfloop.identity`).
+
+- ``perfloop keys new NAME [--dir DIR] [--principal P]``: a private key ``DIR/NAME.key``
+  (owner-only, never over a file) and its keyring entry ``DIR/NAME.pub.json``; prints the
+  key id.
+- ``perfloop keys trust KEYRING NAME.pub.json [--until TIME]``: add (or replace) an entry in
+  a keyring (made if missing), trusted until TIME (an ISO time, or 30s/10m/2h/1d from now).
+- ``perfloop keys revoke KEYRING KEY_ID``: refuse that key from now on.
+- ``perfloop keys list KEYRING``: the entries, one a line.
+
+Rotating the actuator's key: ``keys new actuator-2``; ``keys trust`` it in every job's keyring;
+point ``PERFLOOP_SIGNING_PRIVATE_KEY`` at the new key and restart the actuator; ``keys trust``
+the old entry again ``--until 10m`` for the overlap (a command signed just before still
+verifies), or ``keys revoke`` it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from perfloop.exceptions import ConfigError
+from perfloop.identity import Keyring, PrivateKey, TrustedKey
+
+__all__ = ["add_keys", "keys_command", "until_ns"]
+
+
+def until_ns(text: str, now_ns: int | None = None) -> int:
+    """``--until``: an ISO time with its zone, or a duration from now (30s, 10m, 2h, 1d).
+
+    >>> until_ns("10m", now_ns=0)
+    600000000000
+    >>> until_ns("2026-12-08T00:00:00Z")
+    1796688000000000000
+    >>> until_ns("soon")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: --until 'soon': an ISO time with its zone, or 30s/10m/2h/1d
+    """
+    now = time.time_ns() if now_ns is None else now_ns
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
+    if m:
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+        return now + int(float(m.group(1)) * unit * 1e9)
+    try:
+        when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        when = None
+    if when is None or when.tzinfo is None:
+        raise argparse.ArgumentTypeError(
+            f"--until {text!r}: an ISO time with its zone, or 30s/10m/2h/1d"
+        )
+    return int(when.timestamp() * 1e9)
+
+
+def add_keys(sub: Any) -> None:
+    """Register ``keys`` on the CLI's subparsers."""
+    k = sub.add_parser("keys", help="Ed25519 keys and keyrings: new, trust, revoke, list")
+    ks = k.add_subparsers(dest="keys_command", required=True)
+    new = ks.add_parser("new", help="a private key and its keyring entry")
+    new.add_argument("name", metavar="NAME")
+    new.add_argument("--dir", type=Path, default=Path("."), help="where to write them (here)")
+    new.add_argument("--principal", help="whose key it is (default: NAME)")
+    tr = ks.add_parser("trust", help="add or replace a keyring entry")
+    tr.add_argument("keyring", type=Path, metavar="KEYRING")
+    tr.add_argument("entry", type=Path, metavar="NAME.pub.json")
+    tr.add_argument("--until", type=until_ns, metavar="TIME", help="trusted until (ISO or 10m)")
+    rv = ks.add_parser("revoke", help="refuse a key from now on")
+    rv.add_argument("keyring", type=Path, metavar="KEYRING")
+    rv.add_argument("key_id", metavar="KEY_ID")
+    ls = ks.add_parser("list", help="a keyring's entries")
+    ls.add_argument("keyring", type=Path, metavar="KEYRING")
+
+
+def keys_command(args: argparse.Namespace) -> int:
+    if args.keys_command == "new":
+        args.dir.mkdir(parents=True, exist_ok=True)
+        path, pub = args.dir / f"{args.name}.key", args.dir / f"{args.name}.pub.json"
+        if path.exists() or pub.exists():
+            raise ConfigError(f"{path} or {pub} exists already: choose another name")
+        key = PrivateKey.generate()
+        key.save(path)
+        entry = TrustedKey.of(key.public_bytes(), args.principal or args.name)
+        pub.write_text(json.dumps(entry.to_json(), indent=2) + "\n")
+        print(f"{key.key_id}  private key {path} (owner only), keyring entry {pub}")
+        return 0
+    ring = _ring(args.keyring, missing_ok=args.keys_command == "trust")
+    if args.keys_command == "trust":
+        try:
+            entry = TrustedKey.from_json(json.loads(args.entry.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{args.entry} is not a keyring entry: {e}") from None
+        if args.until is not None:
+            entry = TrustedKey(entry.key_id, entry.principal, entry.public, args.until)
+        ring.keys[entry.key_id] = entry
+        ring.save(args.keyring)
+        print(f"{args.keyring}: {_line(entry)}")
+    elif args.keys_command == "revoke":
+        old = ring.keys.get(args.key_id)
+        if old is None:
+            raise ConfigError(f"{args.keyring} has no key {args.key_id!r}")
+        ring.keys[old.key_id] = TrustedKey(
+            old.key_id, old.principal, old.public, old.not_after_ns, revoked=True
+        )
+        ring.save(args.keyring)
+        print(f"{args.keyring}: {_line(ring.keys[old.key_id])}")
+    else:
+        for entry in ring.keys.values():
+            print(_line(entry))
+    return 0
+
+
+def _ring(path: Path, *, missing_ok: bool) -> Keyring:
+    if missing_ok and not path.exists():
+        return Keyring()
+    return Keyring.load(path)
+
+
+def _line(k: TrustedKey) -> str:
+    doc = k.to_json()
+    state = "revoked" if k.revoked else f"until {doc['not_after']}" if k.not_after_ns else "trusted"
+    return f"{k.key_id}  {k.principal}  {state}"
