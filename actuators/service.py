@@ -50,10 +50,10 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from perfloop.actuators.hook import render, run_hook
 from perfloop.actuators.policy import HOOK_KNOBS, KNOB_BOUNDS, JobRules, Policy
-from perfloop.actuators.signing import sign
+from perfloop.actuators.signing import check_signature, sign, verify
 from perfloop.bad_input import Failed, OnError, decide, skip_policy
 from perfloop.exceptions import ConfigError
-from perfloop.identity import PrivateKey
+from perfloop.identity import Keyring, PrivateKey, TrustedKey
 from perfloop.kafka import consumer, dlq_headers, producer
 from perfloop.schemas import (
     ActuationResult,
@@ -104,6 +104,11 @@ class ActuatorService:
             if settings.signing_private_key is not None
             else None
         )
+        self._own_ring: Keyring | None = None  # the keys whose commands count as its own
+        if self._private is not None:
+            ring = Keyring.load(settings.command_keyring) if settings.command_keyring else Keyring()
+            ring.keys[self._private.key_id] = TrustedKey.of(self._private.public_bytes(), "self")
+            self._own_ring = ring
         self.policy = Policy(
             _rules(settings),
             ttl_s=settings.command_ttl_s,
@@ -203,9 +208,16 @@ class ActuatorService:
                         "be acted on again", e.args[0].str() if e.args else e)  # fmt: skip
         finally:
             reader.close()
+        ignored = 0
         for ev in events[Topics.CONTROL]:
             if isinstance(ev, Command):
-                self.policy.observe_command(ev)
+                if self.signed_here(ev):
+                    self.policy.observe_command(ev)
+                else:
+                    ignored += 1
+        if ignored:
+            log.warning("recall: %d command(s) on the topic not signed with this actuator's "
+                        "keys left out", ignored)  # fmt: skip
         for ev in events[Topics.ACTUATIONS]:
             if isinstance(ev, Decision):
                 self.policy.observe_decision(ev)
@@ -357,7 +369,11 @@ class ActuatorService:
                          ev.command_id)  # fmt: skip
             return None
         if isinstance(ev, Command):  # issued here, or by another actuator of the group
-            self.policy.observe_command(ev)
+            if self.signed_here(ev):
+                self.policy.observe_command(ev)
+            else:
+                log.warning("a command for %s (seq %d) not signed with this actuator's keys: "
+                            "not counted as acted on", ev.job_id, ev.seq)  # fmt: skip
             return None
         if isinstance(ev, Decision):
             self.policy.observe_decision(ev)
@@ -446,6 +462,18 @@ class ActuatorService:
                 log.error("action hook run failed: %r", e)
             finally:
                 self._actions.task_done()
+
+    def signed_here(self, cmd: Command) -> bool:
+        """Whether a command read back from ``perfloop.control`` was signed with this
+        actuator's keys (its private key's, or an actuator key before it in
+        ``command_keyring``, as trusted when it was signed; else the shared key it signs the
+        job's commands with). Only those count as acted on: a command anyone else put on the
+        topic — a forgery the job refuses, or one whose sequence number would push the job's
+        sequence out of reach — changes nothing here."""
+        if self._own_ring is not None:
+            return check_signature(cmd, key=None, keyring=self._own_ring, now_ns=cmd.ts_ns) == ""
+        _, key = self.signing_key_for(cmd.job_id)
+        return isinstance(key, bytes) and verify(cmd, key)
 
     def signing_key_for(self, job_id: str) -> tuple[str, bytes | PrivateKey]:
         """``(key id, key)`` a job's commands are signed with: the actuator's private key when

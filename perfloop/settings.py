@@ -310,6 +310,10 @@ class ActuatorSettings(BaseServiceSettings):
     """The actuator's Ed25519 private key (PEM, `perfloop keys new`): with it every command is
     signed with it (key id: its public key's) and jobs check them with the public key alone
     (``PERFLOOP_COMMAND_KEYRING``); ``signing_key`` and ``job_signing_keys`` then sign none."""
+    command_keyring: Path | None = None
+    """With ``signing_private_key``: the keyring of actuator keys (the one jobs hold). Commands
+    the actuators before this one signed with a key in it (as trusted when they were signed)
+    count in its recall of what was acted on, as its own do; no other command does."""
     job_signing_keys: dict[str, SecretStr] = Field(
         default_factory=dict,
         description='Keys of individual jobs (JSON: {"job-id": "key"}); their commands are '

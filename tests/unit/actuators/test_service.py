@@ -147,3 +147,37 @@ def test_a_job_that_ended_is_refused_and_its_state_freed_later(
     time.sleep(0.3)
     service.handle(encode_event(_rec(job_id="job-3")))  # any message frees what is due
     assert "job-1" not in service.policy._free_at and service.policy.ended("job-1")
+
+
+@pytest.mark.parametrize("scheme", ["shared key", "ed25519"])
+def test_a_command_on_the_topic_counts_as_acted_on_only_when_signed_here(
+    unreachable_settings: ActuatorSettings, tmp_path: Any, scheme: str
+) -> None:
+    """A command someone else put on ``perfloop.control`` — a forgery the job refuses anyway,
+    here with a sequence number near the top of the range — neither marks its recommendation
+    acted on nor moves the job's sequence numbers; one signed here does both."""
+    from perfloop.actuators import sign
+    from perfloop.identity import PrivateKey
+
+    settings = unreachable_settings
+    own: bytes | PrivateKey = b"k"
+    if scheme == "ed25519":
+        own = PrivateKey.generate()
+        own.save(tmp_path / "a.key")
+        settings = settings.model_copy(update={"signing_private_key": tmp_path / "a.key"})
+    service = ActuatorService(settings)
+    rec = _rec(job_id="j1")
+
+    def command(rec_id: str, seq: int, key: bytes | PrivateKey) -> bytes:
+        cmd = Command(ts_ns=T0, job_id="j1", node="n0", rank=-1, rec_id=rec_id, seq=seq,
+                      knob=KNOB, from_value=2, value=4, expires_ts_ns=T0 + 60 * S)  # fmt: skip
+        return encode_event(sign(cmd, key))
+
+    for forger in (b"someone-else", PrivateKey.generate()):
+        assert service.handle(command(rec.event_id, 2**62, forger)) is None
+    issued = service.handle(encode_event(rec))
+    assert issued is not None, "the forgeries marked the recommendation acted on"
+    assert issued.seq < 2**62, "a forgery moved the job's sequence numbers"
+    again = _rec(job_id="j1", knob="torch.num_threads", from_value=8, to_value=4)
+    assert service.handle(command(again.event_id, issued.seq + 5, own)) is None
+    assert service.handle(encode_event(again)) is None  # acted on here before: refused
