@@ -64,7 +64,8 @@ def test_bad_commands_are_rejected_and_audited(stack: StackSettings) -> None:
     reasons = [(r.status, r.reason) for r in agent.results]
     assert [s for s, _ in reasons] == ["rejected"] * 6 + ["applied"], reasons
     why = [r for _, r in reasons[:6]]
-    assert why[0] == why[1] == why[5] == "signature does not verify"
+    assert why[0] == "unsigned: it carries no signature"
+    assert why[1] == why[5] == "signature does not verify"
     assert why[2].startswith("expired")
     assert why[3] == "sequence 10 already seen (last 10)"
     assert why[4] == f"{KNOB}=1000 is outside [0, 64]"
