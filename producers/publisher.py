@@ -343,7 +343,14 @@ class Publisher(Delivery, Spooling, StatsReporting):
         )
 
     def _step(self) -> None:
-        self._producer.poll(0)
+        try:
+            self._producer.poll(0)
+        except KafkaException as e:
+            # librdkafka's fatal errors (an idempotent producer's UNKNOWN_PRODUCER_ID after a
+            # broker lost its log) come out of poll() as an exception, never to error_cb:
+            # the producer is replaced, as for every other loss
+            err = e.args[0] if e.args else None
+            self._fatal = f"fatal producer error: {err.str() if err is not None else e}"
         if self._fatal or self._failed_delivery or self._lost:
             why = self._fatal or self._failed_delivery or "connection to every broker lost"
             self._recover(why)

@@ -247,3 +247,49 @@ def test_count_samples_reads_the_ts_column_of_a_batch() -> None:
     assert count_samples(batch(0, samples=1)) == 1
     assert count_samples(b'{"columns":{"ts_ns":[]}}') == 0
     assert count_samples(b'{"kind":"lifecycle"}') == 1  # one event
+
+
+def test_a_fatal_error_out_of_poll_replaces_the_producer_and_the_thread_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """librdkafka raises a fatal error (an idempotent producer's UNKNOWN_PRODUCER_ID after the
+    broker lost its log) out of poll(), never to error_cb: it once ended the publisher's thread,
+    and every later publish was refused as "after close()". The producer is replaced instead."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    pub = Publisher(unreachable(tmp_path), producer_id="fatal")
+    try:
+        assert pub.publish(Topics.STEP, "j1", batch(0))
+        real = pub._producer
+
+        class Raising:
+            """The producer, but poll() raises the fatal error once."""
+
+            raised = False
+
+            def poll(self, timeout: float = 0) -> int:
+                if not Raising.raised:
+                    Raising.raised = True
+                    err = KafkaError(
+                        KafkaError.UNKNOWN_PRODUCER_ID, "unknown producer id", fatal=True
+                    )
+                    raise KafkaException(err)
+                return int(real.poll(timeout))
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+        before = pub.stats.recycles
+        with caplog.at_level(logging.WARNING):
+            pub._producer = Raising()  # type: ignore[assignment]
+            assert pub.publish(Topics.STEP, "j1", batch(1))
+            deadline = time.monotonic() + 10
+            while pub.stats.recycles == before and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert Raising.raised and pub.stats.recycles > before
+        assert pub.publish(Topics.STEP, "j1", batch(2)), "the publisher still takes messages"
+        assert not any("publisher thread failed" in r.getMessage() for r in caplog.records)
+        assert any("fatal producer error" in r.getMessage() for r in caplog.records)
+    finally:
+        pub.close(timeout_s=0)
+    assert pub.stats.failed == 0
