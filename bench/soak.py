@@ -120,6 +120,7 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
     )
     pids = _pids(settings)
     series: dict[str, list[tuple[float, int]]] = {n: [] for n in pids}
+    restarts: dict[str, int] = {}  # services (not the broker) that had to be restarted
     t0 = time.monotonic()
     mark = _cpu_mark(settings.home_dir)
     minutes: list[dict[str, Any]] = []
@@ -133,12 +134,19 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
                 if pid != pids[name]:
                     say(f"  ! {name} restarted (pid {pids[name]} → {pid})")
                     pids[name] = pid
-                series[name].append((now, rss_bytes(pid)))
+                    if name != "broker":  # the broker is recycled on purpose; the rest crash
+                        restarts[name] = restarts.get(name, 0) + 1
+                try:
+                    series[name].append((now, rss_bytes(pid)))
+                except (OSError, RuntimeError):  # gone, its replacement not recorded yet
+                    say(f"  ! {name} (pid {pid}) is gone; the supervisor restarts it")
             if len(series["streams"]) % max(1, int(60 / args.every_s)) == 1:
                 samples = sum(j.samples for j in jobs)
                 line = (
                     f"  {now:6.0f} s: {samples / max(now, 1e-9):9,.0f} samples/s generated; RSS "
-                    + ", ".join(f"{n} {series[n][-1][1] / 2**20:.0f} MiB" for n in series)
+                    + ", ".join(
+                        f"{n} {series[n][-1][1] / 2**20:.0f} MiB" for n in series if series[n]
+                    )
                 )
                 if now >= args.every_s:  # not at the start: nothing to measure yet
                     minute, mark = _cpu_since(mark, settings.home_dir)
@@ -197,6 +205,7 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
         "samples": samples,
         "samples_per_s": samples / elapsed,
         "rows_landed": rows,
+        "service_restarts": restarts,
         "windows_1s": len(lat),
         "step_samples": steps,
         "step_samples_windowed": covered,
@@ -230,6 +239,8 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
         )
     if out["broker_recycling"]:
         say(f"  broker recycling: {out['broker_recycling']}")
+    if restarts:
+        say(f"  ! services the supervisor had to restart: {restarts}")
     if len(inserted) and (inserted.max() - inserted.min()) >= 20 * 60 * NS:
         first = close_to_row[inserted < inserted.min() + 10 * 60 * NS]
         last = close_to_row[inserted > inserted.max() - 10 * 60 * NS]
