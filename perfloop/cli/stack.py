@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import signal
@@ -154,6 +155,9 @@ def service_command(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # A crash in native code (librdkafka, chDB) leaves every thread's Python stack in the
+    # service's log, where a bare "exited with code -11" said nothing of where it happened.
+    faulthandler.enable()
     if args.name == "warehouse":
         from perfloop.stack.warehouse_server import main as warehouse_main
 
