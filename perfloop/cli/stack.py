@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import io
 import json
 import logging
 import signal
@@ -157,7 +159,8 @@ def service_command(args: argparse.Namespace) -> int:
     )
     # A crash in native code (librdkafka, chDB) leaves every thread's Python stack in the
     # service's log, where a bare "exited with code -11" said nothing of where it happened.
-    faulthandler.enable()
+    with contextlib.suppress(io.UnsupportedOperation, AttributeError, ValueError):
+        faulthandler.enable()  # not where stderr is no file (an embedding, a test's capture)
     if args.name == "warehouse":
         from perfloop.stack.warehouse_server import main as warehouse_main
 
