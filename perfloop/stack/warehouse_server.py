@@ -41,7 +41,6 @@ import json
 import logging
 import queue
 import signal
-import ssl
 import sys
 import threading
 import time
@@ -71,6 +70,7 @@ from perfloop.stack._clickhouse_http import (
     unframe,
 )
 from perfloop.stack._native import NativeError, at_revision
+from perfloop.stack._tls_server import handshake, server_context
 
 __all__ = ["WarehouseServer", "main"]
 
@@ -466,10 +466,6 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
 
-HANDSHAKE_TIMEOUT_S = 10.0
-"""How long a client may take over its TLS handshake."""
-
-
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     engine: _Engine
@@ -477,17 +473,8 @@ class _HTTPServer(ThreadingHTTPServer):
     credentials: tuple[str, str] | None = None  # (user, password) every query must give
 
     def finish_request(self, request: Any, client_address: Any) -> None:
-        # In the connection's own thread: the TLS handshake (the listening socket defers it),
-        # then the request. A client that fails it is dropped, with a line in the log.
-        if isinstance(request, ssl.SSLSocket):
-            try:
-                request.settimeout(HANDSHAKE_TIMEOUT_S)
-                request.do_handshake()
-                request.settimeout(None)
-            except (ssl.SSLError, OSError) as e:
-                log.info("TLS handshake with %s failed: %s", client_address[0], e)
-                return
-        super().finish_request(request, client_address)
+        if handshake(request, client_address):  # in the connection's own thread
+            super().finish_request(request, client_address)
 
 
 class WarehouseServer:
@@ -522,9 +509,9 @@ class WarehouseServer:
             raise WarehouseError(f"cannot bind {address[0]}:{address[1]}: {e.strerror}") from e
         try:
             if self.settings.clickhouse_tls_cert:
-                httpd.socket = self._tls().wrap_socket(
-                    httpd.socket, server_side=True, do_handshake_on_connect=False
-                )
+                httpd.socket = server_context(
+                    self.settings.clickhouse_tls_cert, self.settings.clickhouse_tls_key
+                ).wrap_socket(httpd.socket, server_side=True, do_handshake_on_connect=False)
             password = self.settings.clickhouse_password.get_secret_value()
             if password:
                 httpd.credentials = (self.settings.clickhouse_user, password)
@@ -540,19 +527,6 @@ class WarehouseServer:
         )
         self._thread.start()
         log.info("warehouse serving %s from %s", self.url, self.data_dir)
-
-    def _tls(self) -> ssl.SSLContext:
-        cert, key = self.settings.clickhouse_tls_cert, self.settings.clickhouse_tls_key
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        try:
-            ctx.load_cert_chain(str(cert), str(key))
-        except (OSError, ssl.SSLError) as e:
-            raise WarehouseError(
-                f"cannot load the warehouse's TLS certificate {cert} and key {key} "
-                f"(PERFLOOP_CLICKHOUSE_TLS_CERT, _KEY): {getattr(e, 'strerror', None) or e}"
-            ) from None
-        return ctx
 
     def stop(self) -> None:
         """Stop serving and close the data directory; safe to call twice."""
