@@ -293,6 +293,11 @@ class SinkSettings(BaseServiceSettings):
     and a fetch would return at once: ~2 fetches a second instead of dozens. Each costs the
     embedded broker time in proportion to what the partitions hold (`perfloop.stack.broker`); the
     sink's fetches were most of the broker's CPU in a soak, and at 200 ms the idle sink still
+    """How many message ids the sink remembers to drop a message sent twice."""
+    dedup_seed_s: float = Field(600.0, ge=0)
+    """A sink that starts first remembers the ids of the rows that landed within this many
+    seconds of event time (`perfloop.warehouse._sink_seed`), so what a producer resends or
+    the sink reads again after a restart lands once; 0: it starts remembering nothing."""
     fetched ~8 times a second."""
     telemetry_in_rounds: bool = True
     """Read the telemetry topics in rounds, one per flush, each partition paused once read to

@@ -45,9 +45,10 @@ of ``perfloop.dlq`` itself land in ``dead_letters``; one that cannot land is log
 dropped, never dead-lettered again.
 
 A message that arrives twice (a producer resending what a restarted broker lost) carries the
-same id; the sink remembers the last ``dedup_window_messages`` ids and drops a repeat. The
-memory is per sink process: after a sink restart, a repeat can land once more, and so can the
-rows read since the last commit (at most about two flush intervals of data).
+same id; the sink remembers the last ``dedup_window_messages`` ids and drops a repeat. A sink
+that starts takes the ids of the rows that landed in the last ``dedup_seed_s`` seconds of event
+time from the warehouse (`perfloop.warehouse._sink_seed`) before it reads: after a restart,
+the rows it had inserted but not committed, and a producer's resends, land once too.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from perfloop.warehouse._sink_batch import Flight, Pending, RecentIds, Source
 from perfloop.warehouse._sink_insert import Rejected, SinkStats, Unavailable, insert
 from perfloop.warehouse._sink_rounds import ROUND_IDLE_S, Rounds
 from perfloop.warehouse._sink_rows import part_rows, rows_from_dead_letter, rows_from_message
+from perfloop.warehouse._sink_seed import seed_ids
 from perfloop.warehouse.tables import TABLES
 
 __all__ = ["Sink", "SinkStats", "rows_from_dead_letter", "rows_from_message"]
@@ -186,6 +188,13 @@ class Sink:
     # -- service ---------------------------------------------------------------------------
 
     def start(self) -> None:
+        t0 = time.monotonic()
+        seeded = seed_ids(self._ch, self.settings.dedup_seed_s, self.settings.dedup_window_messages)
+        for message_id in seeded:
+            self._seen.add(message_id)
+        if seeded:
+            log.info("remembering %d message ids already in the warehouse (read in %.2f s)",
+                     len(seeded), time.monotonic() - t0)  # fmt: skip
         # Land and commit what was read from partitions before they move to another sink.
         self._consumer.subscribe(list(TABLES), on_assign=self._on_assign, on_revoke=self._on_revoke)
         now = time.monotonic()
