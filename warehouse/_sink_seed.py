@@ -60,18 +60,20 @@ def seed_queries(window_s: float, limit: int) -> list[str]:
 def seed_ids(ch: Client, window_s: float, limit: int) -> list[str]:
     """The ids of the messages whose rows landed within the last ``window_s`` seconds of
     event time, the newest ``limit`` of them, oldest first. A table that cannot be read (not
-    made yet, the warehouse down) adds none: one line in the log, and the sink starts
-    without them (a repeat may then land once more, as before)."""
+    made yet, the warehouse down) adds none, and the log says so in one line: a repeat of its
+    rows may then land once more."""
     if window_s <= 0:
         return []
     found: list[tuple[object, str]] = []
+    failed: list[str] = []
     for sql in seed_queries(window_s, limit):
         try:
             rows = ch.query(sql).result_rows
         except Exception as e:  # a missing table, an unreachable warehouse: start without
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            log.warning("starting without the ids already in the warehouse: %s", first)
-            return []
+            failed.append((str(e).strip().splitlines() or [type(e).__name__])[0])
+            continue
         found.extend((t, str(i)) for i, t in rows)
+    if failed:
+        log.warning("starting without the ids already in %d table(s): %s", len(failed), failed[0])
     found.sort(key=lambda r: r[0])
     return [i for _, i in found[-limit:]]
