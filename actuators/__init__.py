@@ -4,6 +4,9 @@ Contract: the service (`ActuatorService`, deciding with `Policy` by each job's `
 automation tier, dry run, bounds, hysteresis, cooldown, rate limit) publishes signed commands
 on ``perfloop.control`` and every decision (`Decision`) on ``perfloop.actuations``; a person's
 signed `Approval` (``perfloop approve``) releases a recommendation pending in tier ``approve``.
+With a keyring of recommender keys and a roster of principals (`perfloop.actuators.trust`), only
+recommendations the stream tier signed and approvals and settings a principal signed within
+their role are taken; every refusal is a decision in ``audit``.
 The `JobAgent` inside the training process verifies each command (signature, expiry,
 sequence, bounds), applies it at the next step boundary and acks it on
 ``perfloop.actuations``; then judges it from the steps around it (`ChangeVerifier`) and keeps

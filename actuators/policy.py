@@ -375,14 +375,20 @@ class Policy:
             )
         return self._issue(rec, rules, now_ns=now_ns, actor="actuator")
 
-    def approve(self, appr: Approval, *, now_ns: int) -> tuple[Command | None, Decision]:
+    def approve(
+        self, appr: Approval, *, now_ns: int, verified_by: str = ""
+    ) -> tuple[Command | None, Decision]:
         """What becomes of a person's approval or rejection. A signed approval of an action
         knob (`ACTION_KNOBS`: a profiler capture) is a person asking for it (``perfloop
-        capture``): issued in every tier but observe, with no recommendation before it."""
+        capture``): issued in every tier but observe, with no recommendation before it.
+        ``verified_by``: the principal whose signature the service checked against its roster
+        (`perfloop.actuators.trust`; the shared key is then not asked), named as the actor."""
         rules = self.rules(appr.job_id)
         key = self.keys.get(appr.key_id)
         who = appr.author or "unknown"
-        if key is None or not verify(appr, key):
+        if verified_by:
+            who = f"{verified_by}: {who}"
+        elif key is None or not verify(appr, key):
             known = sorted(self.keys)
             return None, self._decision(
                 appr,

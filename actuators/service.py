@@ -10,7 +10,10 @@ each recommendation and approval, `Policy` decides; the service signs the comman
 else key ``default``) and publishes it on ``perfloop.control``, and publishes the `Decision`
 (issued, pending, refused with the reason, …) on ``perfloop.actuations``, from where the sink
 lands it in the ``audit`` table. Offsets are committed after both are delivered (at least
-once; the job agent drops a replayed command by its sequence number).
+once; the job agent drops a replayed command by its sequence number). Before the policy sees
+them, recommendations, approvals and settings pass the checks of `perfloop.actuators.trust`
+(the stream tier's signature; a roster principal's, within their role): what fails them
+changes nothing, and its refusal is published as a decision like any other.
 
 From ``perfloop.actuations`` it reads the jobs' verdicts: once the last command for a knob
 was judged ``kept``, that knob's cooldown is over, so a rule that grows a knob one verified
@@ -48,13 +51,16 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from perfloop.actuators._stored import stored_settings
 from perfloop.actuators.hook import render, run_hook
 from perfloop.actuators.policy import HOOK_KNOBS, KNOB_BOUNDS, JobRules, Policy
 from perfloop.actuators.signing import check_signature, sign, verify
+from perfloop.actuators.trust import Gate, refusal
 from perfloop.bad_input import Failed, OnError, decide, skip_policy
 from perfloop.exceptions import ConfigError
-from perfloop.identity import Keyring, PrivateKey, TrustedKey
+from perfloop.identity import Keyring, KeyringFile, PrivateKey, TrustedKey
 from perfloop.kafka import consumer, dlq_headers, producer
+from perfloop.roster import RosterFile
 from perfloop.schemas import (
     ActuationResult,
     Approval,
@@ -118,6 +124,12 @@ class ActuatorService:
             hook_max_per_hour=settings.straggler_hook_max_per_hour,
             ended_retention_s=settings.ended_job_retention_s,
         )
+        ring, roster = settings.recommendation_keyring, settings.roster
+        self.gate = Gate(
+            recommenders=KeyringFile(ring) if ring is not None else None,
+            roster=RosterFile(roster) if roster is not None else None,
+        )
+        """What a recommendation, an approval or a setting must be to be taken (`trust`)."""
         self._stop = threading.Event()
         self._consumer = consumer(
             settings,
@@ -268,37 +280,20 @@ class ActuatorService:
 
     def load_settings(self) -> int:
         """Apply the actuator settings changed live before this start (``config_changes``, in
-        order); return how many. A warehouse that cannot be read is logged, not fatal."""
-        from perfloop.warehouse import query, unix_ns
-
+        order; those `_stored` says may be); return how many. A warehouse that cannot be read
+        is logged, not fatal."""
         try:
-            rows = query(
-                self.settings,
-                "SELECT ts, event_id, job_id, node, applies_to, key, value FROM "
-                "config_changes WHERE target = 'actuator' "
-                "ORDER BY ts, event_id LIMIT 1 BY event_id",
-            ).result_rows
+            changes = stored_settings(self.settings, self.gate)
         except Exception as e:  # no warehouse (yet), no table yet: start with the defaults
             log.warning("actuator starts without its live settings from the warehouse: %s", e)
             return 0
         applied = 0
-        for ts, event_id, job_id, node, applies_to, key, value in rows:
-            change = ConfigChange(
-                ts_ns=unix_ns(ts),
-                event_id=event_id,
-                job_id=job_id,
-                node=node,
-                rank=-1,
-                target="actuator",
-                applies_to=applies_to,
-                key=key,
-                value=_stored(value),
-            )
+        for change in changes:
             try:
                 self.policy.configure(change)
                 applied += 1
             except ConfigError as e:
-                log.warning("skipping stored actuator setting %s: %s", event_id, e)
+                log.warning("skipping stored actuator setting %s: %s", change.event_id, e)
         if applied:
             log.info("applied %d actuator settings changed before this start", applied)
         return applied
@@ -355,7 +350,7 @@ class ActuatorService:
             for rec_id in [r for r, rec in self._pending_hooks.items() if rec.job_id == job_id]:
                 del self._pending_hooks[rec_id]
         if isinstance(ev, ConfigChange):
-            self._configure(ev)
+            self._configure(ev, now)
             return None
         if isinstance(ev, JobInfo):
             self.policy.observe_info(ev)
@@ -378,6 +373,11 @@ class ActuatorService:
         if isinstance(ev, Decision):
             self.policy.observe_decision(ev)
             return None
+        if isinstance(ev, Recommendation | Approval):
+            who, why = self.gate.check(ev, now_ns=now)
+            if why:
+                self._refuse(ev, who, why, now)
+                return None
         rec: Recommendation | None = None
         if isinstance(ev, Recommendation):
             cmd, decision = self.policy.decide(ev, now_ns=now)
@@ -387,7 +387,8 @@ class ActuatorService:
                 while len(self._pending_hooks) > PENDING_HOOKS:
                     self._pending_hooks.popitem(last=False)
         elif isinstance(ev, Approval):
-            cmd, decision = self.policy.approve(ev, now_ns=now)
+            by = who if self.gate.roster is not None else ""
+            cmd, decision = self.policy.approve(ev, now_ns=now, verified_by=by)
             if decision.outcome != "refused":  # acted on (or rejected): no longer pending
                 rec = self._pending_hooks.pop(ev.rec_id, None)
         else:  # commands (its own, on the control topic) and anything else
@@ -485,16 +486,31 @@ class ActuatorService:
             return f"job:{job_id}", own.get_secret_value().encode()
         return SIGNING_KEY_ID, self._key
 
-    def _configure(self, change: ConfigChange) -> None:
+    def _configure(self, change: ConfigChange, now: int) -> None:
         if change.target != "actuator":
             return
-        try:
-            old, new = self.policy.configure(change)
-        except ConfigError as e:
-            log.warning("refused actuator setting %s: %s", change.event_id, e)
+        who, why = self.gate.check(change, now_ns=now)
+        if not why:
+            try:
+                old, new = self.policy.configure(change)
+            except ConfigError as e:
+                why = str(e)
+        if why:  # one line in the log, and the refusal in audit
+            self._refuse(change, who, why, now)
             return
         scope = "every job" if change.applies_to == "*" else f"job {change.applies_to}"
-        log.info("%s for %s: %r -> %r (by %s)", change.key, scope, old, new, change.author)
+        by = f"{who}: {change.author}" if self.gate.roster is not None else change.author
+        log.info("%s for %s: %r -> %r (by %s)", change.key, scope, old, new, by)
+
+    def _refuse(self, ev: Recommendation | Approval | ConfigChange, who: str, why: str,
+                now: int) -> None:  # fmt: skip
+        """Record ``ev`` refused by the checks of `trust` (or a setting the policy refused)."""
+        job = ev.applies_to if isinstance(ev, ConfigChange) else ev.job_id
+        decision = refusal(ev, tier=self.policy.rules(job).tier, reason=why, actor=who,
+                           now_ns=now)  # fmt: skip
+        log.warning("%s %s refused (claimed by %s): %s", ev.KIND, ev.event_id, who, why)
+        if self._publish(Topics.ACTUATIONS, decision):
+            self.decisions += 1
 
     def _publish(self, topic: str, event: Command | Decision) -> bool:
         try:
@@ -525,13 +541,3 @@ def hook_values(cmd: Command, rec: Recommendation | None) -> dict[str, str]:
         "rec_id": cmd.rec_id,
         "reason": reason,
     }
-
-
-def _stored(value: str) -> Any:
-    """A value as ``config_changes`` keeps it (strings as they are, the rest as JSON)."""
-    import orjson
-
-    try:
-        return orjson.loads(value)
-    except orjson.JSONDecodeError:
-        return value

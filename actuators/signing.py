@@ -1,7 +1,7 @@
-"""Signatures of commands and approvals, over a canonical encoding of every field but the
-signature itself: HMAC-SHA256 with a shared key (bare hex), or Ed25519 with a private key whose
-public half the verifier holds in a `Keyring` (``ed25519:`` and base64; the key id is the
-public key's, `perfloop.identity`).
+"""Signatures of commands, approvals, recommendations and actuator settings, over a canonical
+encoding of every field but the signature itself: HMAC-SHA256 with a shared key (bare hex),
+or Ed25519 with a private key whose public half the verifier holds in a `Keyring`
+(``ed25519:`` and base64; the key id is the public key's, `perfloop.identity`).
 
 With Ed25519 a verifier cannot sign: a job that holds only the actuator's public key cannot
 forge a command, for itself or any other job. With HMAC whoever verifies can also sign.
@@ -18,28 +18,30 @@ from typing import TypeVar
 import orjson
 
 from perfloop.identity import ED25519, Keyring, PrivateKey
-from perfloop.schemas import Approval, Command
+from perfloop.schemas import Approval, Command, ConfigChange, Recommendation
 
-__all__ = ["check_signature", "sign", "signature_of", "verify"]
+__all__ = ["SignedEvent", "check_signature", "sign", "signature_of", "verify"]
 
-Signed = TypeVar("Signed", Command, Approval)
+SignedEvent = Command | Approval | Recommendation | ConfigChange
+"""The events that carry a signature (``key_id``, ``signature``)."""
+Signed = TypeVar("Signed", Command, Approval, Recommendation, ConfigChange)
 
 
-def _canonical(event: Command | Approval) -> bytes:
+def _canonical(event: SignedEvent) -> bytes:
     doc = event.model_dump(exclude={"signature"})
     doc["kind"] = event.KIND  # a command's signature never verifies an approval's fields
     return orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)
 
 
-def signature_of(event: Command | Approval, key: bytes) -> str:
+def signature_of(event: SignedEvent, key: bytes) -> str:
     """Hex HMAC-SHA256 of the event's canonical encoding."""
     return hmac.new(key, _canonical(event), hashlib.sha256).hexdigest()
 
 
 def sign(event: Signed, key: bytes | PrivateKey) -> Signed:
-    """The same command (or approval) carrying its signature: an HMAC under a shared ``key``
-    (its ``key_id`` as it is), or an Ed25519 signature under a `PrivateKey` (``key_id`` set to
-    the key's, and signed over).
+    """The same command (approval, recommendation, setting) carrying its signature: an HMAC
+    under a shared ``key`` (its ``key_id`` as it is), or an Ed25519 signature under a
+    `PrivateKey` (``key_id`` set to the key's, and signed over).
 
     >>> c = Command(ts_ns=1, job_id="j", node="n", rank=-1, seq=1, knob="k", value=2,
     ...             expires_ts_ns=10)
@@ -57,7 +59,7 @@ def sign(event: Signed, key: bytes | PrivateKey) -> Signed:
     return event.model_copy(update={"signature": signature_of(event, key)})
 
 
-def verify(event: Command | Approval, key: bytes) -> bool:
+def verify(event: SignedEvent, key: bytes) -> bool:
     """True if the event's HMAC signature matches its content under ``key`` (constant
     time); an Ed25519 signature never matches a shared key."""
     if not event.signature or event.signature.startswith(ED25519):
@@ -66,7 +68,7 @@ def verify(event: Command | Approval, key: bytes) -> bool:
 
 
 def check_signature(
-    event: Command | Approval, *, key: bytes | None, keyring: Keyring | None, now_ns: int
+    event: SignedEvent, *, key: bytes | None, keyring: Keyring | None, now_ns: int
 ) -> str:
     """Why the event's signature is not to be trusted ("" when it is). With a ``keyring``
     only an Ed25519 signature by one of its keys is; without one, only an HMAC under

@@ -61,6 +61,11 @@ class BaseServiceSettings(BaseSettings):
     """This client's certificate (PEM), for mutual TLS; with ``kafka_ssl_key``."""
     kafka_ssl_key: Path | None = None
     kafka_ssl_key_password: SecretStr = SecretStr("")
+    principal_key: Path | None = None
+    """This person's (or process's) Ed25519 private key (PEM, `perfloop keys new`): the CLI
+    signs approvals, rejections, capture requests and actuator settings with it, for an
+    actuator with a roster (``PERFLOOP_ROSTER``). Unset: ``$PERFLOOP_HOME/keys/owner.key``
+    when it exists (the embedded stack's owner, made by `perfloop up`), else the shared key."""
     topic_partitions: int = Field(4, ge=1, le=1024)
     broker_keeps_log: bool | None = None
     """Whether the broker keeps its log when it restarts (None: where it is not the embedded
@@ -117,3 +122,11 @@ class BaseServiceSettings(BaseSettings):
     @property
     def home_dir(self) -> Path:
         return self.home.expanduser().resolve()
+
+    @property
+    def principal_key_path(self) -> Path | None:
+        """``principal_key``, else the embedded stack's owner key where it exists."""
+        if self.principal_key is not None:
+            return self.principal_key
+        owner = self.home_dir / "keys" / "owner.key"
+        return owner if owner.exists() else None

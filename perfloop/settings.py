@@ -255,6 +255,14 @@ class StreamsSettings(BaseServiceSettings):
     metrics_grace_s: float = Field(300.0, gt=0, le=86_400)
     """A job's series, and a rank's, go this long after the last window, diagnosis, phase
     change or prediction that named it: an ended job's stay this long."""
+    recommendation_private_key: Path | None = None
+    """The stream tier's Ed25519 private key (PEM, `perfloop keys new`): every recommendation
+    is signed with it and given an expiry, for an actuator holding its public key
+    (``PERFLOOP_RECOMMENDATION_KEYRING``). Unset: recommendations go unsigned. `perfloop up`
+    makes one under ``$PERFLOOP_HOME/keys`` (docs/security.md)."""
+    recommendation_ttl_s: float = Field(300.0, gt=0, le=86_400)
+    """A signed recommendation expires this long after it is published: an actuator acts on
+    none later (a pending one is approved separately, within ``approval_ttl_s``)."""
     approval_ttl_s: float = Field(900.0, gt=0)
     """A recommendation pending approval stops counting in ``perfloop_pending_approvals``
     this long after it was asked (the actuator's `ActuatorSettings.approval_ttl_s`: the
@@ -319,6 +327,17 @@ class ActuatorSettings(BaseServiceSettings):
     """With ``signing_private_key``: the keyring of actuator keys (the one jobs hold). Commands
     the actuators before this one signed with a key in it (as trusted when they were signed)
     count in its recall of what was acted on, as its own do; no other command does."""
+    recommendation_keyring: Path | None = None
+    """The keyring of the stream tier's public keys (`perfloop keys`; read again when it
+    changes): with it the actuator acts only on recommendations signed by one of them, not
+    expired and not seen before; every other is refused and audited. Unset: recommendations
+    are taken as they come."""
+    roster: Path | None = None
+    """The roster of principals, their keys and roles (`perfloop.roster`; read again when it
+    changes): with it approvals and actuator settings count only signed by a principal's key
+    (``PERFLOOP_PRINCIPAL_KEY``), not expired, not seen before, and within their role; every
+    other is refused and audited, and only such stored settings are applied again at a start.
+    Unset: settings are taken unsigned, approvals signed with the shared ``signing_key``."""
     job_signing_keys: dict[str, SecretStr] = Field(
         default_factory=dict,
         description='Keys of individual jobs (JSON: {"job-id": "key"}); their commands are '

@@ -137,6 +137,12 @@ class ConfigChange(Event):
     for every job (``job_id`` then names who issued it). Every change is recorded in the warehouse
     (``config_changes``) with who asked and why.
 
+    A change for the actuator is signed by the person who makes it (Ed25519, ``key_id`` their
+    key's) and expires (``expires_ts_ns``): an actuator given a roster of principals applies it
+    only when a principal signed it within their role (`perfloop.actuators.trust`).
+
+    v2 adds ``expires_ts_ns``, ``key_id`` and ``signature`` (empty: unsigned, as v1 was).
+
     >>> ConfigChange(ts_ns=1, job_id="ops", node="cli", rank=-1, target="streams",
     ...              key="thresholds.straggler_score", value=0.7).applies_to
     '*'
@@ -144,13 +150,19 @@ class ConfigChange(Event):
     """
 
     KIND: ClassVar[str] = "config"
+    SCHEMA_VERSION: ClassVar[int] = 2
 
+    schema_version: int = Field(2, ge=1)
     target: Literal["streams", "producers", "actuator"]
     applies_to: Annotated[str, Field(min_length=1, max_length=128)] = "*"
     key: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[a-z0-9_.]+$")]
     value: KnobValue | list[list[float]]
     author: Short = ""
     reason: str = Field("", max_length=1000)
+    expires_ts_ns: int = Field(0, ge=0)
+    """When it stops being good to apply (Unix ns); 0: not said (unsigned, v1)."""
+    key_id: str = Field("", max_length=64)
+    signature: str = Field("", max_length=128)
 
 
 class Prediction(Event):

@@ -37,9 +37,19 @@ Tier = Literal["observe", "recommend", "approve", "auto"]
 
 
 class Recommendation(Event):
-    """A proposed change to one knob of one job, with its evidence and expected gain."""
+    """A proposed change to one knob of one job, with its evidence and expected gain.
+
+    The stream tier signs it (Ed25519, `perfloop.actuators.signing`: ``key_id`` names the key)
+    and says until when it may be acted on (``expires_ts_ns``); an actuator given a keyring of
+    recommender keys acts on nothing else (`perfloop.actuators.trust`).
+
+    v2 adds ``expires_ts_ns``, ``key_id`` and ``signature`` (empty: unsigned, as v1 was).
+    """
 
     KIND: ClassVar[str] = "recommendation"
+    SCHEMA_VERSION: ClassVar[int] = 2
+
+    schema_version: int = Field(2, ge=1)
 
     knob: str = Field(min_length=1, max_length=128)
     from_value: KnobValue
@@ -49,6 +59,10 @@ class Recommendation(Event):
     confidence: float = Field(ge=0, le=1)
     rationale: str = Field(max_length=2000)
     evidence: dict[str, float] = Field(default_factory=dict)
+    expires_ts_ns: int = Field(0, ge=0)
+    """When it stops being good to act on (Unix ns); 0: not said (unsigned, v1)."""
+    key_id: str = Field("", max_length=64)
+    signature: str = Field("", max_length=128)
 
 
 class Command(Event):
@@ -97,11 +111,18 @@ class Approval(Event):
 
     It carries the change it approves (``knob``, ``from_value`` → ``to_value``, ``loop`` and
     when the recommendation was made), so the actuator needs no memory of what is pending, and
-    it is signed like a command (HMAC-SHA256 under ``key_id``): the actuator acts only on
-    approvals signed with its key, and on none older than its approval horizon.
+    it is signed like a command: with a person's own Ed25519 key, checked against the
+    actuator's roster of principals and roles (`perfloop.actuators.trust`), or, on an actuator
+    without a roster, with HMAC-SHA256 under its shared key. The actuator acts on none older
+    than its approval horizon, and none past its own ``expires_ts_ns`` (0: not said).
+
+    v2 adds ``expires_ts_ns``.
     """
 
     KIND: ClassVar[str] = "approval"
+    SCHEMA_VERSION: ClassVar[int] = 2
+
+    schema_version: int = Field(2, ge=1)
 
     rec_id: str = Field(min_length=1, max_length=64)
     verdict: Literal["approve", "reject"]
@@ -112,6 +133,7 @@ class Approval(Event):
     to_value: KnobValue
     loop: Literal["fast", "slow"] = "fast"
     rec_ts_ns: int = Field(ge=0)
+    expires_ts_ns: int = Field(0, ge=0)
     key_id: str = Field("default", max_length=64)
     signature: str = Field("", max_length=128)
 

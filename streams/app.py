@@ -59,6 +59,7 @@ from perfloop.streams._changelog import Changelog
 from perfloop.streams._fetching import pace_fetches, set_fetch_wait
 from perfloop.streams._metrics_http import MetricsEndpoint
 from perfloop.streams._publisher import Output
+from perfloop.streams._signer import RecommendationSigner
 from perfloop.streams._stats_line import stats_line
 from perfloop.streams.engine import (
     INPUT_TOPICS,
@@ -172,6 +173,7 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
     # What the worker publishes goes out by librdkafka, off the loop (`Output`); Faust's own
     # producer stays idle.
     output = Output(settings)
+    signed = RecommendationSigner.of(settings)  # what it recommends, signed (`_signer`)
 
     shards = Shards(settings)
     changelog = Changelog(settings)
@@ -311,7 +313,7 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
         for name, events in (
             (Topics.PHASES, o.phases),
             (Topics.DIAGNOSES, o.diagnoses),
-            (Topics.RECOMMENDATIONS, o.recommendations),
+            (Topics.RECOMMENDATIONS, signed(o.recommendations)),
             (Topics.PREDICTIONS, o.predictions),
         ):
             for ev in events:

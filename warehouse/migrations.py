@@ -341,3 +341,33 @@ MIGRATIONS = (
         tuning=True,
     ),
 )
+
+
+# -- migration 19: signed recommendations and actuator settings ---------------------------------
+# Recommendations and actuator settings carry a signature, the key that made it and an expiry
+# (`perfloop.actuators.trust`); approvals an expiry. Kept with them, so the actuator can check
+# a stored setting again when it starts; ``inserted`` says whether it reached the warehouse
+# before its expiry.
+MIGRATIONS = (
+    *MIGRATIONS,
+    Migration(
+        19,
+        "recommendations, approvals and config_changes: signatures, key ids and expiries",
+        (
+            add_columns(
+                "recommendations",
+                """    expires_ts_ns Int64,
+    key_id String,
+    signature String""",
+            ),
+            add_columns("approvals", "    expires_ts_ns Int64"),
+            add_columns(
+                "config_changes",
+                """    expires_ts_ns Int64,
+    key_id String,
+    signature String,
+    inserted DateTime64(9, 'UTC') DEFAULT now64(9)""",
+            ),
+        ),
+    ),
+)

@@ -2,7 +2,7 @@
 next N steps, through the signed-command path.
 
 The request is a person's signed `Approval` of the action knob ``profiler.capture_steps``
-(signed like ``perfloop approve``'s, with the actuator's key): the actuator checks the
+(signed like ``perfloop approve``'s, with the person's own key): the actuator checks the
 signature, the job's tier (every tier but observe), the knob's bounds, the cooldown and the
 rate limit, records its decision in ``audit``, and issues the job a signed command. The job's
 agent runs the profiler at its next step boundary, and its summary (the trace's path, the

@@ -7,7 +7,9 @@
 tier, dry run, limits and pinned knobs, e.g. ``actuator.pinned '["torch.num_threads"]'``,
 `perfloop.actuators.policy`) and "streams" otherwise; a producers or
 actuator change is checked here before it is sent, a streams change by the stream workers
-(which refuse a bad one to ``perfloop.dlq``).
+(which refuse a bad one to ``perfloop.dlq``). An actuator change is signed with this person's
+key (``PERFLOOP_PRINCIPAL_KEY``, by default the embedded stack's owner key) and expires in
+five minutes: an actuator with a roster applies it only if the principal's role allows it.
 
 ``perfloop config history [--job JOB] [--limit N] [--json]`` reads the warehouse table
 ``config_changes`` (filled by the sink from ``perfloop.control``), oldest first; with
@@ -102,6 +104,14 @@ def _author() -> str:
     return f"{user}@{socket.gethostname()}"[:256]
 
 
+def principal_key(settings: Any) -> Any:
+    """This person's private key (`BaseServiceSettings.principal_key_path`), or None."""
+    from perfloop.identity import PrivateKey
+
+    path = settings.principal_key_path
+    return PrivateKey.load(path) if path is not None else None
+
+
 def build_change(
     key: str,
     value: Any,
@@ -177,6 +187,7 @@ def publish_change(settings: Any, change: Any, timeout_s: float = 10.0) -> str:
     (`perfloop.streams.shards`), and takes the change with the partition's input, in order
     and into its snapshots. Readers of the other targets see it once; `perfloop config
     history` shows each change once."""
+    from perfloop.actuators.trust import signed_by
     from perfloop.kafka import producer
     from perfloop.schemas import encode_event
     from perfloop.schemas.topics import Topics
@@ -187,6 +198,8 @@ def publish_change(settings: Any, change: Any, timeout_s: float = 10.0) -> str:
         if err is not None:
             errors.append(err.str())
 
+    if change.target == "actuator":  # signed by this person, for a roster (`trust`)
+        change = signed_by(change, principal_key(settings))
     try:
         p = producer(settings, **{"linger.ms": 0, "message.timeout.ms": int(timeout_s * 1000)})
         partitions: list[int | None] = [None]

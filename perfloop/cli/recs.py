@@ -7,7 +7,8 @@ by default only those pending approval, newest first.
 
 ``perfloop approve REC_ID [--reason TEXT]`` and ``perfloop reject REC_ID [--reason TEXT]`` read
 the recommendation from the warehouse, check that it is pending, and publish a signed
-`Approval` (HMAC-SHA256 under the actuator's key, ``PERFLOOP_SIGNING_KEY``) on
+`Approval` (Ed25519 with the person's own key, ``PERFLOOP_PRINCIPAL_KEY``, by default the
+embedded stack's owner key; without one HMAC-SHA256 under the shared ``PERFLOOP_SIGNING_KEY``) on
 ``perfloop.recommendations``, keyed by its job; then wait up to ``--wait-s`` (15 s) for the
 actuator's decision about it to reach the warehouse, and print it. They exit 0 when the
 actuator did as asked (the command issued, or in dry run decided; the recommendation
@@ -203,16 +204,19 @@ def approve_command(args: argparse.Namespace, *, out: TextIO | None = None) -> i
 
 
 def send_signed(settings: Any, approval: Any, what: str) -> Any:
-    """Sign ``approval`` with the actuator's key and publish it where the actuator reads
-    recommendations (keyed by job); wait for the broker's acknowledgement. Return the signed
-    approval; `BrokerError` (one line naming ``what``) if it was not delivered."""
-    from perfloop.actuators.signing import sign
+    """Sign ``approval`` with this person's key (``PERFLOOP_PRINCIPAL_KEY``, else the stack's
+    owner key, else the shared key: `perfloop.actuators.trust.signed_by`) and publish it where
+    the actuator reads recommendations (keyed by job); wait for the broker's acknowledgement.
+    Return the signed approval; `BrokerError` (one line naming ``what``) if it was not delivered."""
+    from perfloop.actuators.trust import signed_by
+    from perfloop.cli.config import principal_key
     from perfloop.exceptions import BrokerError
     from perfloop.kafka import ping, producer
     from perfloop.schemas import encode_event
     from perfloop.schemas.topics import Topics
 
-    approval = sign(approval, settings.signing_key.get_secret_value().encode())
+    approval = signed_by(approval, principal_key(settings),
+                         shared_key=settings.signing_key.get_secret_value().encode())  # fmt: skip
     ping(settings)
     errors: list[str] = []
     p = producer(settings, **{"linger.ms": 0, "message.timeout.ms": 10_000})
@@ -233,9 +237,11 @@ def _await_decision(
 ) -> tuple[str, str, str] | None:
     """The actuator's decision about this person's verdict, once it is in the warehouse."""
     deadline = time.monotonic() + wait_s
+    # the actor is the author, or "principal: author" where a roster checked the signature
     sql = (
         "SELECT outcome, reason, command_id FROM audit WHERE rec_id = {id:String} "
-        "AND actor = {author:String} AND ts >= fromUnixTimestamp64Nano({since:Int64}) "
+        "AND (actor = {author:String} OR endsWith(actor, concat(': ', {author:String}))) "
+        "AND ts >= fromUnixTimestamp64Nano({since:Int64}) "
         "ORDER BY ts DESC LIMIT 1"
     )
     # A decision is stamped with the actuator's clock: allow it a minute behind this one.

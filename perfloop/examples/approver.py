@@ -30,6 +30,7 @@ from typing import Any
 
 from perfloop.client import Follower
 from perfloop.exceptions import BrokerError, PerfloopError
+from perfloop.identity import PrivateKey
 from perfloop.schemas import Approval, Decision, Event, Recommendation, encode_event
 from perfloop.schemas.topics import Topics
 from perfloop.settings import ActuatorSettings, load_settings
@@ -56,10 +57,11 @@ def worth(rec: Recommendation, *, min_gain_pct: float, min_confidence: float) ->
 
 
 def approval_for(
-    rec: Recommendation, *, key: bytes, key_id: str, author: str, reason: str
+    rec: Recommendation, *, key: bytes | PrivateKey, key_id: str, author: str, reason: str
 ) -> Approval:
-    """The signed approval of ``rec``, as ``perfloop approve`` would send it."""
-    from perfloop.actuators import sign
+    """The signed approval of ``rec``, as ``perfloop approve`` would send it: with a person's
+    private key (expiring, for an actuator with a roster), or under the shared key."""
+    from perfloop.actuators.trust import signed_by
 
     appr = Approval(
         ts_ns=time.time_ns(),
@@ -77,7 +79,9 @@ def approval_for(
         rec_ts_ns=rec.ts_ns,
         key_id=key_id,
     )
-    return sign(appr, key)
+    if isinstance(key, PrivateKey):
+        return signed_by(appr, key)
+    return signed_by(appr, None, shared_key=key)
 
 
 class Approver:
@@ -100,7 +104,9 @@ class Approver:
         self.settings, self.say, self.dry_run = settings, say, dry_run
         self.min_gain_pct, self.min_confidence = min_gain_pct, min_confidence
         self.author = f"approver@{socket.gethostname()}"
-        self.key = settings.signing_key.get_secret_value().encode()
+        path = settings.principal_key_path  # its own key, else the shared one
+        own = PrivateKey.load(path) if path is not None else None
+        self.key: bytes | PrivateKey = own or settings.signing_key.get_secret_value().encode()
         self.key_id = SIGNING_KEY_ID
         self.approved = 0
         self.left = 0

@@ -66,6 +66,7 @@ from perfloop.kafka import ensure_topics
 from perfloop.settings import StackSettings
 from perfloop.stack._headroom import SAMPLE_S, SAMPLES, rss_bytes
 from perfloop.stack._recycle import Recycler
+from perfloop.stack._keys import stack_key_settings
 from perfloop.stack.broker import broker_argv
 from perfloop.stack.control import (
     STATE_FILE,
@@ -198,6 +199,7 @@ class Supervisor:
         self._recycler = Recycler(
             settings, services=self._services, replace=self._replace_broker, say=self._say
         )
+        self._keys: dict[str, str] = {}  # the settings naming the stack's keys (`_keys`)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def preflight(self) -> None:
@@ -224,6 +226,7 @@ class Supervisor:
         if s.stack_priority == "idle":
             groups = StackGroups()
             if groups.ok:
+        self._keys = stack_key_settings(self.home)  # made at the first start (`_keys`)
                 self._groups = groups
             else:
                 print(
@@ -412,6 +415,8 @@ class Supervisor:
                 policy,
                 lambda: subprocess.Popen(
                     child.argv,
+        for name, value in self._keys.items():
+            env.setdefault(name, value)  # the environment's own keys come first
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,

@@ -99,6 +99,19 @@ def short_seconds(settings: StackSettings, job_ids: list[str]) -> list[tuple[Any
     )
 
 
+def stack_signed(settings: StackSettings, event: Any) -> Any:
+    """A recommendation signed as the stack's stream tier signs its own (the key `perfloop up`
+    made under its home), and expiring in 5 minutes; any other event as it is."""
+    from perfloop.actuators import sign
+    from perfloop.identity import PrivateKey
+    from perfloop.schemas import Recommendation
+
+    if not isinstance(event, Recommendation):
+        return event
+    key = PrivateKey.load(settings.home / "keys" / "streams.key")
+    return sign(event.model_copy(update={"expires_ts_ns": time.time_ns() + 300 * NS}), key)
+
+
 def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

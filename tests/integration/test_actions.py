@@ -33,7 +33,7 @@ from perfloop.schemas.topics import Topics
 from perfloop.settings import DEV_SIGNING_KEY, StackSettings
 from tests.helpers import recommendation
 
-from .conftest import perfloop_cli, private_stack, wait_for
+from .conftest import perfloop_cli, private_stack, stack_signed, wait_for
 from .conftest import query as _query
 
 pytestmark = pytest.mark.integration
@@ -98,6 +98,8 @@ def env(stack: StackSettings) -> dict[str, str]:
 
 
 def _publish(settings: StackSettings, topic: str, event: Any) -> None:
+    """Publish ``event``: a recommendation signed as the stack's stream tier signs them."""
+    event = stack_signed(settings, event)
     p = producer(settings)
     p.produce(topic, key=event.job_id.encode(), value=encode_event(event))
     assert p.flush(10) == 0

@@ -90,7 +90,8 @@ def _commands(settings: StackSettings, job: str) -> list[tuple[Any, ...]]:
 
 def _decided(settings: StackSettings, rec_id: str, after_ns: int = 0) -> list[tuple[Any, ...]]:
     """Decisions on ``rec_id`` made after ``after_ns``, in time order, as (outcome, command_id,
-    reason). The session stack's actuator refuses it for its expected gain: left out. It may
+    reason). The session stack's actuator refuses it unsigned (or for its expected gain): left
+    out. It may
     instead have read A's command first and refused it as already issued, as B does; it reads
     it within a second of A, so ``after_ns`` (when B started) tells B's decisions apart."""
     rows = _query(
@@ -100,7 +101,8 @@ def _decided(settings: StackSettings, rec_id: str, after_ns: int = 0) -> list[tu
         r=rec_id,
         after=after_ns,
     )
-    return [r for r in rows if not str(r[2]).startswith("expected gain")]
+    theirs = ("expected gain", "recommendation refused")
+    return [r for r in rows if not str(r[2]).startswith(theirs)]
 
 
 def test_a_replaced_actuator_acts_on_nothing_twice_and_loses_nothing(

@@ -9,8 +9,8 @@ back to the value before it within ``settle_steps + verify_steps`` steps, acked 
 ``rolled_back`` and queryable in the warehouse; and the dead actuator issues nothing more.
 
 The session stack runs its own actuator, which reads the same recommendations: it must not
-issue the command instead. It keeps the default hysteresis (``actuator.min_gain_pct`` 5) and
-the recommendations here expect 1 %, so it refuses them; the actuator under test runs with
+issue the command instead. It takes only recommendations its stream tier signed (the stack's
+keyring), and these are unsigned, so it refuses them; the actuator under test runs with
 ``PERFLOOP_MIN_GAIN_PCT=0``, its own consumer group and its own signing key (the agent trusts
 only that key: a command from anyone else would be acked as rejected, and fail the test).
 """
@@ -217,4 +217,4 @@ def test_a_killed_actuator_leaves_the_job_on_its_last_known_good_value(
     )
     assert sorted(d[:2] for d in on_first) == [("issued", applied.command_id), ("refused", "")]
     [(outcome, command_id, reason)] = _decisions(stack, second.event_id)
-    assert (outcome, command_id) == ("refused", "") and "below the minimum" in reason
+    assert (outcome, command_id) == ("refused", "") and "unsigned" in reason, reason

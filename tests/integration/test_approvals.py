@@ -20,7 +20,7 @@ from perfloop.schemas import Approval, Recommendation, encode_event
 from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
 
-from .conftest import perfloop_cli, wait_for
+from .conftest import perfloop_cli, stack_signed, wait_for
 from .conftest import query as _query
 
 pytestmark = pytest.mark.integration
@@ -29,6 +29,8 @@ KNOB = "dataloader.num_workers"
 
 
 def _publish(settings: StackSettings, topic: str, event: Any) -> None:
+    """Publish ``event``: a recommendation signed as the stack's stream tier signs them."""
+    event = stack_signed(settings, event)
     p = producer(settings)
     p.produce(topic, key=event.job_id.encode(), value=encode_event(event))
     assert p.flush(10) == 0
@@ -117,7 +119,9 @@ def test_approve_releases_a_pending_recommendation_as_a_signed_command(
         "SELECT verdict, author, reason, to_value FROM approvals WHERE rec_id = {r:String}",
         r=rec.event_id,
     )
-    assert approvals == [("approve", actor, "go", "6")]
+    # the actor: the roster's principal that signed it (the stack's owner), and its author
+    assert actor.startswith("owner: ")
+    assert approvals == [("approve", actor.removeprefix("owner: "), "go", "6")]
     # Approved once: no longer pending, and a second approval is refused before it is sent.
     again = perfloop_cli("approve", rec.event_id, env=stack_env_vars)
     assert again.returncode == 1 and "is issued" in again.stderr
@@ -148,7 +152,7 @@ def test_reject_drops_a_recommendation_and_a_forged_approval_changes_nothing(
     _publish(stack, Topics.RECOMMENDATIONS, sign(forged, b"not the actuator's key"))
     decisions = _decided(stack, forged_for.event_id, 2)
     assert decisions[-1][:2] == ("refused", "mallory")
-    assert "does not verify" in decisions[-1][4]
+    assert "signed with a shared key" in decisions[-1][4], decisions[-1][4]
     assert not _query(
         stack, "SELECT 1 FROM commands WHERE rec_id = {r:String}", r=forged_for.event_id
     )

@@ -37,7 +37,7 @@ from perfloop.schemas.topics import Topics
 from perfloop.settings import ActuatorSettings, StackSettings
 from perfloop.warehouse import client
 
-from .conftest import query, wait_for
+from .conftest import query, stack_signed, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -221,8 +221,10 @@ class _Made:
 
 
 def _publish(settings: StackSettings, *events: Any, topic: str) -> None:
+    """Publish ``events`` (recommendations signed as the stack's stream tier signs them)."""
     p = producer(settings)
     for ev in events:
+        ev = stack_signed(settings, ev)
         p.produce(topic, key=ev.job_id.encode(), value=encode_event(ev))
     assert p.flush(10) == 0
 

@@ -27,7 +27,7 @@ from perfloop.schemas import Diagnosis, Event, Recommendation
 from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
 
-from .conftest import perfloop_cli, wait_for
+from .conftest import perfloop_cli, stack_signed, wait_for
 from .conftest import query as _query
 
 pytestmark = pytest.mark.integration
@@ -220,7 +220,7 @@ def test_the_example_approver_approves_a_pending_recommendation(
             )
             for to, gain in ((6, 30.0), (2, 5.0))
         ]  # fmt: skip
-        publish(*recs)
+        publish(*(stack_signed(stack, r) for r in recs))  # as the stack's stream tier signs
         lines.wait_for(f"approved {recs[0].event_id}", 30)
         lines.wait_for(f"left for a person (expected gain 5% < 10%): perfloop approve "
                        f"{recs[1].event_id}", 10)  # fmt: skip
@@ -234,7 +234,8 @@ def test_the_example_approver_approves_a_pending_recommendation(
             30,
             "the actuator to issue the approved command",
         )
-        assert issued[0][1].startswith("approver@") and issued[0][2]
+        # signed with the stack's owner key (the roster's principal), by the approver
+        assert issued[0][1].startswith("owner: approver@") and issued[0][2]
     finally:
         rc = _interrupt(proc)
     assert rc == 0, err.seen

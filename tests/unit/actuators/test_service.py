@@ -105,7 +105,8 @@ def test_service_takes_its_live_settings_from_the_control_topic(
     service.handle(change("producers", "sampling.gpu_interval_ms", 50), Topics.CONTROL)
     assert service.policy.rules("job-1").tier == "approve"
     assert service.handle(encode_event(_rec())) is None, "pending approval"
-    assert (service.issued, service.decisions) == (0, 1)
+    # the bad value's refusal and the recommendation's decision, both for audit
+    assert (service.issued, service.decisions) == (0, 2)
 
 
 def test_a_job_with_its_own_key_gets_commands_only_it_can_verify(
