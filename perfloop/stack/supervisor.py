@@ -65,8 +65,8 @@ from perfloop.exceptions import PerfloopError, StackError
 from perfloop.kafka import ensure_topics
 from perfloop.settings import StackSettings
 from perfloop.stack._headroom import SAMPLE_S, SAMPLES, rss_bytes
-from perfloop.stack._recycle import Recycler
 from perfloop.stack._keys import stack_key_settings
+from perfloop.stack._recycle import Recycler
 from perfloop.stack.broker import broker_argv
 from perfloop.stack.control import (
     STATE_FILE,
@@ -196,10 +196,10 @@ class Supervisor:
         self._children: list[_Child] = []
         self._broker_rss: collections.deque[list[float]] = collections.deque(maxlen=SAMPLES)
         self._groups: StackGroups | None = None  # idle CPU control groups, where they can be
+        self._keys: dict[str, str] = {}  # the settings naming the stack's keys (`_keys`)
         self._recycler = Recycler(
             settings, services=self._services, replace=self._replace_broker, say=self._say
         )
-        self._keys: dict[str, str] = {}  # the settings naming the stack's keys (`_keys`)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def preflight(self) -> None:
@@ -223,10 +223,10 @@ class Supervisor:
         s = self.settings
         self.preflight()
         self.logs.mkdir(parents=True, exist_ok=True)
+        self._keys = stack_key_settings(self.home)  # made at the first start (`_keys`)
         if s.stack_priority == "idle":
             groups = StackGroups()
             if groups.ok:
-        self._keys = stack_key_settings(self.home)  # made at the first start (`_keys`)
                 self._groups = groups
             else:
                 print(
@@ -384,6 +384,8 @@ class Supervisor:
         )
         if not s.external_kafka:  # the embedded broker restarts empty (`perfloop.kafka.producer`)
             env["PERFLOOP_BROKER_KEEPS_LOG"] = "false"
+        for name, value in self._keys.items():
+            env.setdefault(name, value)  # the environment's own keys come first
         # glibc gives each thread that allocates its own heap arena (up to 8 per core), and
         # memory freed in one is not reused by another: two keep the services' RSS flat.
         env.setdefault("MALLOC_ARENA_MAX", "2")
@@ -415,8 +417,6 @@ class Supervisor:
                 policy,
                 lambda: subprocess.Popen(
                     child.argv,
-        for name, value in self._keys.items():
-            env.setdefault(name, value)  # the environment's own keys come first
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
