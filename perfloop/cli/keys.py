@@ -7,6 +7,11 @@
   a keyring (made if missing), trusted until TIME (an ISO time, or 30s/10m/2h/1d from now).
 - ``perfloop keys revoke KEYRING KEY_ID``: refuse that key from now on.
 - ``perfloop keys list KEYRING``: the entries, one a line.
+- ``perfloop keys grant ROSTER NAME.pub.json --jobs J[,J…] [--settings S[,S…]]
+  [--max-tier T]``: add the entry's principal (or another key of theirs) to a roster (made if
+  missing, `perfloop.roster`) with a role: the jobs (ids, prefixes ending in ``*``, or ``*``),
+  the actuator settings (keys, or prefixes ending in ``*``; default ``actuator.*``) and the
+  highest tier (default ``approve``: they may approve these jobs' recommendations).
 
 Rotating the actuator's key: ``keys new actuator-2``; ``keys trust`` it in every job's keyring;
 point ``PERFLOOP_SIGNING_PRIVATE_KEY`` at the new key and restart the actuator; ``keys trust``
@@ -26,6 +31,8 @@ from typing import Any
 
 from perfloop.exceptions import ConfigError
 from perfloop.identity import Keyring, PrivateKey, TrustedKey
+from perfloop.roster import Principal, Role, Roster
+from perfloop.schemas import AUTOMATION_TIERS
 
 __all__ = ["add_keys", "keys_command", "until_ns"]
 
@@ -75,9 +82,49 @@ def add_keys(sub: Any) -> None:
     rv.add_argument("key_id", metavar="KEY_ID")
     ls = ks.add_parser("list", help="a keyring's entries")
     ls.add_argument("keyring", type=Path, metavar="KEYRING")
+    gr = ks.add_parser("grant", help="add a principal's key and a role to a roster")
+    gr.add_argument("roster", type=Path, metavar="ROSTER")
+    gr.add_argument("entry", type=Path, metavar="NAME.pub.json")
+    gr.add_argument("--jobs", required=True, type=_names, help="job ids or prefixes (a*,b)")
+    gr.add_argument("--settings", type=_names, default=("actuator.*",),
+                    help="actuator settings (default actuator.*)")  # fmt: skip
+    gr.add_argument("--max-tier", default="approve", choices=AUTOMATION_TIERS,
+                    help="the highest tier they may set (default approve)")  # fmt: skip
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more names, comma-separated")
+    return names
+
+
+def _entry(path: Path) -> TrustedKey:
+    try:
+        return TrustedKey.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path} is not a keyring entry: {e}") from None
+
+
+def _grant(args: argparse.Namespace) -> int:
+    """``keys grant``: the entry's principal in the roster, with its key and one role more."""
+    roster = Roster.load(args.roster) if args.roster.exists() else Roster([], [])
+    entry = _entry(args.entry)
+    name = entry.principal
+    old = roster.principals.get(name)
+    role = Role(args.jobs, args.settings, args.max_tier)
+    roles = old.roles if old is not None else ()
+    roster.principals[name] = Principal(name, roles if role in roles else (*roles, role))
+    roster.keyring.keys[entry.key_id] = entry
+    roster.save(args.roster)
+    print(f"{args.roster}: {name} ({entry.key_id}) may set {', '.join(role.settings)} of jobs "
+          f"{', '.join(role.jobs)} up to tier {role.max_tier}")  # fmt: skip
+    return 0
 
 
 def keys_command(args: argparse.Namespace) -> int:
+    if args.keys_command == "grant":
+        return _grant(args)
     if args.keys_command == "new":
         args.dir.mkdir(parents=True, exist_ok=True)
         path, pub = args.dir / f"{args.name}.key", args.dir / f"{args.name}.pub.json"
@@ -91,10 +138,7 @@ def keys_command(args: argparse.Namespace) -> int:
         return 0
     ring = _ring(args.keyring, missing_ok=args.keys_command == "trust")
     if args.keys_command == "trust":
-        try:
-            entry = TrustedKey.from_json(json.loads(args.entry.read_text()))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"{args.entry} is not a keyring entry: {e}") from None
+        entry = _entry(args.entry)
         if args.until is not None:
             entry = TrustedKey(entry.key_id, entry.principal, entry.public, args.until)
         ring.keys[entry.key_id] = entry

@@ -92,3 +92,23 @@ def test_the_stack_makes_its_keys_once_and_keeps_them(tmp_path: Path) -> None:
     assert stack_key_settings(tmp_path) == env
     assert PrivateKey.load(keys / "streams.key").key_id == streams.key_id
     assert (keys / "roster.json").read_text() == before
+
+
+def test_keys_grant_adds_a_principal_with_a_role(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from perfloop.cli.parser import main
+
+    roster = tmp_path / "roster.json"
+    assert main(["keys", "new", "ana", "--dir", str(tmp_path)]) == 0
+    pub = str(tmp_path / "ana.pub.json")
+    assert main(["keys", "grant", str(roster), pub, "--jobs", "team-a/*,solo",
+                 "--settings", "actuator.tier", "--max-tier", "recommend"]) == 0  # fmt: skip
+    assert main(["keys", "grant", str(roster), pub, "--jobs", "solo"]) == 0
+    got = Roster.load(roster)
+    ana = PrivateKey.load(tmp_path / "ana.key")
+    assert got.principal_of(ana.key_id) == "ana"
+    assert got.may_set("ana", "team-a/x", "actuator.tier", "recommend") == ""
+    assert "up to tier recommend" in got.may_set("ana", "team-a/x", "actuator.tier", "approve")
+    assert got.may_approve("ana", "solo") == "" and got.may_approve("ana", "team-a/x") != ""
+    assert "may set actuator.* of jobs solo up to tier approve" in capsys.readouterr().out
