@@ -168,7 +168,9 @@ def service_command(args: argparse.Namespace) -> int:
     if args.name == "streams":
         from perfloop.settings import StreamsSettings
         from perfloop.streams.app import StreamsService
+        from perfloop.streams.reconnect import rebootstrap_when_lost
 
+        rebootstrap_when_lost()  # the embedded broker moves at a recycle
         StreamsService(load_settings(StreamsSettings)).run()
         return 0
     service: Any

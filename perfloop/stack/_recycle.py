@@ -20,7 +20,9 @@ with an empty one (a new cluster id) at a moment when nothing it holds is still 
    is tried again ``broker_recycle_retry_s`` later.
 3. **Replaced.** The telemetry not read yet (from the slowest reader's position to the end)
    is read out of the old broker (`perfloop.stack._carry`). The broker is killed and started
-   empty, the topics are made again, every consumer group the old broker held offsets of is
+   empty at a port of its own, its topics are made, and only then does the stack's address
+   relay to it (`perfloop.stack._front`: no client reaches it with what it knew of the old
+   one); every consumer group the old broker held offsets of is
    given offset 0 on every partition (a group that starts at the log's end would otherwise
    miss what was published before it joined again), and the unread telemetry is produced into
    the new broker. A producer that notices the lost log resends its last

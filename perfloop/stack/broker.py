@@ -59,13 +59,15 @@ def tansu_binary() -> Path:
     return path
 
 
-def broker_argv(settings: BaseServiceSettings) -> list[str]:
-    """Command line of the embedded broker: memory storage, loopback only.
+def broker_argv(settings: BaseServiceSettings, port: int | None = None) -> list[str]:
+    """Command line of the embedded broker: memory storage, loopback only, listening on and
+    advertising ``port`` (default ``kafka_port``; the supervisor gives each broker process a
+    port of its own behind the stack's address, `perfloop.stack._front`).
 
     Each start gets a cluster id of its own: its memory log starts empty, so offsets from an
     earlier start (a stream snapshot's positions) mean nothing in it, and a client that
     compares cluster ids (`perfloop.kafka.cluster_id`) can tell."""
-    url = f"tcp://{settings.host}:{settings.kafka_port}"
+    url = f"tcp://{settings.host}:{settings.kafka_port if port is None else port}"
     return [
         str(tansu_binary()),
         "broker",

@@ -64,6 +64,7 @@ from perfloop.autogroup import CATCH_UP_NICE, set_autogroup_nice
 from perfloop.exceptions import PerfloopError, StackError
 from perfloop.kafka import ensure_topics
 from perfloop.settings import StackSettings
+from perfloop.stack._front import Front, free_port
 from perfloop.stack._headroom import SAMPLE_S, SAMPLES, rss_bytes
 from perfloop.stack._keys import stack_key_settings
 from perfloop.stack._recycle import Recycler
@@ -195,6 +196,8 @@ class Supervisor:
         self._stop = threading.Event()
         self._children: list[_Child] = []
         self._broker_rss: collections.deque[list[float]] = collections.deque(maxlen=SAMPLES)
+        self._front: Front | None = None  # the embedded broker's address (`._front`)
+        self._ports: list[int] = []  # each broker process's own port, in order
         self._groups: StackGroups | None = None  # idle CPU control groups, where they can be
         self._keys: dict[str, str] = {}  # the settings naming the stack's keys (`_keys`)
         self._recycler = Recycler(
@@ -236,8 +239,11 @@ class Supervisor:
                 )
         py = sys.executable
         if not s.external_kafka:
+            self._front = Front(s.host, s.kafka_port)
+            self._front.start()
+            port = self._broker_port()
             self._children.append(
-                self._child("broker", broker_argv(s), lambda: _port_open(s.host, s.kafka_port))
+                self._child("broker", broker_argv(s, port), lambda: self._broker_ready())
             )
         if not s.external_clickhouse:
             self._children.append(
@@ -250,7 +256,11 @@ class Supervisor:
         for child in self._children:
             self._spawn(child)
         self._await_ready(self._children)
-        ensure_topics(s)
+        if self._front is not None:  # its topics first: clients reach it through the front
+            ensure_topics(s.model_copy(update={"kafka_port": self._ports[-1]}))
+            self._front.point_at(self._ports[-1])
+        else:
+            ensure_topics(s)
         migrate(s)
         services = [
             self._child(name, [py, "-m", "perfloop.cli", "service", name.split("-")[0]])
@@ -310,20 +320,38 @@ class Supervisor:
         broker = self._broker()
         assert broker is not None and broker.proc is not None
         broker.state = "restarting"
+        if self._front is not None:
+            self._front.point_at(None)  # new connections wait for the next broker
         broker.proc.kill()
         broker.proc.wait()
         self._start_broker_again(broker)
         broker.state = "running"
 
     def _start_broker_again(self, child: _Child) -> None:
-        """An empty log: a cluster of its own (a new cluster id); its topics made again."""
-        child.argv = broker_argv(self.settings)
+        """An empty log: a cluster of its own (a new cluster id) at a port of its own, its
+        topics made before the front relays to it (`perfloop.stack._front`)."""
+        if self._front is not None:
+            self._front.point_at(None)
+        port = self._broker_port()
+        child.argv = broker_argv(self.settings, port)
         self._broker_rss.clear()  # a new process: its growth starts again
         self._spawn(child)
         self._await_ready([child])
-        ensure_topics(self.settings)
+        ensure_topics(self.settings.model_copy(update={"kafka_port": port}))
+        if self._front is not None:
+            self._front.point_at(port)
         assert child.proc is not None
         self._recycler.broker_started(child.proc.pid)
+
+    def _broker_port(self) -> int:
+        """A port for the next broker process: one no broker of this stack had, so a client
+        that knew an earlier one is refused there (`perfloop.stack._front`)."""
+        port = free_port(self.settings.host, avoid={self.settings.kafka_port, *self._ports})
+        self._ports.append(port)
+        return port
+
+    def _broker_ready(self) -> bool:
+        return bool(self._ports) and _port_open(self.settings.host, self._ports[-1])
 
     def _sample_broker(self, *, write: bool = True) -> None:
         """The broker's RSS, once a minute, into the state file (`perfloop.stack._headroom`)."""
@@ -361,6 +389,9 @@ class Supervisor:
                     child.proc.wait()
                 child.state = "stopped"
         self._children.clear()
+        if self._front is not None:
+            self._front.close()
+            self._front = None
         if self._groups is not None:
             self._groups.remove()
         with contextlib.suppress(FileNotFoundError):
