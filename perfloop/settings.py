@@ -293,6 +293,11 @@ class SinkSettings(BaseServiceSettings):
     """Bound on the message bytes the sink holds (the batch in the air and the one being
     filled, each flushed at half of it), beside ``max_batch_rows``; plus two messages."""
     dedup_window_messages: int = Field(200_000, gt=0)
+    """How many message ids the sink remembers to drop a message sent twice."""
+    dedup_seed_s: float = Field(600.0, ge=0)
+    """A sink that starts first remembers the ids of the rows that landed within this many
+    seconds of event time (`perfloop.warehouse._sink_seed`), so what a producer resends or
+    the sink reads again after a restart lands once; 0: it starts remembering nothing."""
     session_timeout_ms: int = Field(6000, ge=1000)
     fetch_min_bytes: int = Field(1 << 20, ge=1)
     fetch_max_wait_ms: int = Field(500, ge=1, le=10_000)
@@ -301,11 +306,6 @@ class SinkSettings(BaseServiceSettings):
     and a fetch would return at once: ~2 fetches a second instead of dozens. Each costs the
     embedded broker time in proportion to what the partitions hold (`perfloop.stack.broker`); the
     sink's fetches were most of the broker's CPU in a soak, and at 200 ms the idle sink still
-    """How many message ids the sink remembers to drop a message sent twice."""
-    dedup_seed_s: float = Field(600.0, ge=0)
-    """A sink that starts first remembers the ids of the rows that landed within this many
-    seconds of event time (`perfloop.warehouse._sink_seed`), so what a producer resends or
-    the sink reads again after a restart lands once; 0: it starts remembering nothing."""
     fetched ~8 times a second."""
     telemetry_in_rounds: bool = True
     """Read the telemetry topics in rounds, one per flush, each partition paused once read to
