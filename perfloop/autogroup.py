@@ -39,6 +39,7 @@ process is gone, nothing changes.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 import time
@@ -129,8 +130,12 @@ class CatchUp:
         clock: Callable[[], float] = time.monotonic,
         background: bool = True,
         raised: bool = False,
+        broker_pid: Callable[[], int | None] | None = None,
     ) -> None:
         self.targets = list(targets)
+        # The embedded broker's pid now: a recycle or a crash replaces the process, so the
+        # "tansu" target follows it (None: the pid given stays).
+        self._broker_pid = broker_pid
         self.idle_nice, self.catch_up_nice = idle_nice, catch_up_nice
         self.behind_s, self.caught_up_s, self.hold_s = behind_s, caught_up_s, hold_s
         self._setter, self._clock, self.background = setter, clock, background
@@ -151,6 +156,8 @@ class CatchUp:
     def tick(self) -> str | None:
         worst, self._worst = self._worst, 0.0
         now = self._clock()
+        if self.raised and self._moved():  # a new broker process starts at the yielding nice
+            self._apply(self.catch_up_nice)
         if not self.raised:
             if worst > self.behind_s:
                 self._apply(self.catch_up_nice)
@@ -184,9 +191,25 @@ class CatchUp:
             else f"back to nice {self.idle_nice}"
         )
 
+    def _moved(self) -> bool:
+        """Whether the broker is another process than the "tansu" target (which then
+        follows it)."""
+        pid = self._broker_pid() if self._broker_pid is not None else None
+        if pid is None:
+            return False
+        moved = False
+        for i, (old, word) in enumerate(self.targets):
+            if word == "tansu" and old != pid:
+                self.targets[i] = (pid, word)
+                moved = True
+        return moved
+
     def _apply(self, nice: int) -> None:
+        self._moved()
+        targets = list(self.targets)
+
         def run() -> None:
-            for t in self.targets:
+            for t in targets:
                 with contextlib.suppress(Exception):  # a group that cannot be set stays as is
                     self._setter(t, nice)
 
@@ -216,4 +239,20 @@ class CatchUp:
         targets: list[Target] = [(os.getpid(), "perfloop")]
         with contextlib.suppress(ValueError):
             targets.append((int(env.get("PERFLOOP_BROKER_PID", "")), "tansu"))
-        return cls(targets, idle, raised=raised)
+        home = env.get("PERFLOOP_HOME")
+        follow = (lambda: broker_pid_in(Path(home))) if home else None
+        return cls(targets, idle, raised=raised, broker_pid=follow)
+
+
+def broker_pid_in(home: Path) -> int | None:
+    """The embedded broker's pid in the stack's state file under ``home`` (None: no state,
+    or no broker).
+
+    >>> broker_pid_in(Path("/nonexistent")) is None
+    True
+    """
+    try:
+        doc = json.loads((home / "stack.json").read_text())
+        return int(doc["services"]["broker"]["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -218,3 +218,42 @@ def test_a_group_the_supervisor_cannot_set_is_said_in_the_services_log(
         "perfloop supervisor: sink's scheduling group was not set to nice 19 (no autogroups in "
         "this kernel?): it competes with the job as an equal"
     ]
+
+
+def test_a_raised_worker_raises_the_broker_that_replaced_the_one_it_was_told_of() -> None:
+    """A recycle or a crash starts a new broker process at the yielding nice: a worker that is
+    raised raises it too, and lowers the new one, never the old pid, when it has kept up."""
+    calls: list[tuple[int, int]] = []
+    clock, broker = Clock(), [12]
+    c = CatchUp(
+        [(11, "perfloop"), (12, "tansu")],
+        AUTOGROUP_NICE,
+        setter=lambda t, n: calls.append((t[0], n)) or True,
+        clock=clock,
+        background=False,
+        broker_pid=lambda: broker[0],
+    )
+    c.seen(3.0)
+    assert c.tick() == "raised" and calls == [(11, 10), (12, 10)]
+    calls.clear()
+    assert c.tick() is None and calls == []  # the same broker: nothing again
+    broker[0] = 13  # replaced
+    c.seen(3.0)
+    c.tick()
+    assert calls == [(11, 10), (13, 10)]
+    calls.clear()
+    for t in (1.0, 40.0):
+        clock.t = t
+        c.seen(0.1)
+        moved = c.tick()
+    assert moved == "lowered" and calls == [(11, 19), (13, 19)]
+
+
+def test_the_broker_pid_comes_from_the_stack_state(tmp_path: Path) -> None:
+    from perfloop.autogroup import broker_pid_in
+
+    assert broker_pid_in(tmp_path) is None
+    (tmp_path / "stack.json").write_text(json.dumps({"services": {"broker": {"pid": 4242}}}))
+    assert broker_pid_in(tmp_path) == 4242
+    (tmp_path / "stack.json").write_text("{not json")
+    assert broker_pid_in(tmp_path) is None
