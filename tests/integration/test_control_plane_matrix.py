@@ -1,9 +1,10 @@
 """Acceptance (issue 25), on the real embedded stack as `perfloop up` makes it (the stream tier's
 key and the owner's roster under its home, `perfloop.stack._keys`): for a recommendation, an
 approval, an actuator setting and a command — unsigned, signed with the wrong key, replayed,
-expired, out of its signer's role, tampered — nothing changes at the job or in the actuator's
-policy, and each refusal is on record: the actuator's in ``audit`` with the principal it
-claimed, the job's (for a command) in ``actuations``.
+expired, out of its signer's role, tampered (and, but for the command, signed with a revoked
+key) — nothing changes at the job or in the actuator's policy, and each refusal is on record:
+the actuator's in ``audit`` with the principal it claimed, the job's (for a command) in
+``actuations``.
 
 Everything is sent at once, then the records are awaited together (one module fixture); each
 cell of the matrix is then one parametrized test of what was recorded. The jobs:
@@ -29,7 +30,7 @@ import pytest
 from confluent_kafka import Producer
 
 from perfloop.actuators import JobAgent, sign
-from perfloop.identity import PrivateKey, TrustedKey
+from perfloop.identity import Keyring, PrivateKey, TrustedKey
 from perfloop.roster import Principal, Role, Roster
 from perfloop.schemas import Approval, Command, ConfigChange, Recommendation, encode_event
 from perfloop.schemas.topics import Topics
@@ -43,8 +44,12 @@ pytestmark = pytest.mark.integration
 NS = 1_000_000_000
 KNOB = "dataloader.num_workers"
 CASES = ("unsigned", "wrong key", "replayed", "expired", "out of role", "tampered")
+AUDITED = (*CASES, "revoked")
+"""What the actuator is sent: the cases above, and one signed with a key revoked since (a
+command's keys are the job's: `test_signed_commands` revokes one)."""
 MALLORY = PrivateKey.generate()  # a key nobody trusts
 ANA = PrivateKey.generate()  # a principal whose role does not reach the jobs here
+EVE = PrivateKey.generate()  # a principal and a recommender with every role, whose key is revoked
 
 
 @dataclass
@@ -61,6 +66,11 @@ class Matrix:
     decided about a good recommendation for the approve job sent after everything bad."""
     pending_ids: list[str] = field(default_factory=list)
     bad_rec_ids: list[str] = field(default_factory=list)
+
+
+def _revoked(key: PrivateKey, principal: str) -> TrustedKey:
+    k = TrustedKey.of(key.public_bytes(), principal)
+    return TrustedKey(k.key_id, k.principal, k.public, None, revoked=True)
 
 
 def _publish(settings: StackSettings, topic: str, *events: Any) -> None:
@@ -94,7 +104,12 @@ def matrix(
                                                  Role(("it-matrix/*",), ("actuator.dry_run",),
                                                       "recommend")))  # fmt: skip
     roster.keyring.keys[ANA.key_id] = TrustedKey.of(ANA.public_bytes(), "ana")
+    roster.principals["eve"] = Principal("eve", (Role(("*",), ("actuator.*",), "auto"),))
+    roster.keyring.keys[EVE.key_id] = _revoked(EVE, "eve")
     roster.save(keys / "roster.json")  # read again by the actuator when it changes
+    ring = Keyring.load(keys / "recommenders.json")
+    ring.keys[EVE.key_id] = _revoked(EVE, "eve-streams")
+    ring.save(keys / "recommenders.json")
 
     agents = {
         job: JobAgent(stack, job_id=job, node="n0", signing_key=DEV_SIGNING_KEY.encode(),
@@ -147,10 +162,11 @@ def matrix(
             "expired": sign(rec(m.auto_job, expires_ts_ns=gone), streams),
             "out of role": sign(rec(m.auto_job), owner),  # a person's key, not a recommender's
             "tampered": sign(rec(m.auto_job), streams).model_copy(update={"to_value": 64}),
+            "revoked": sign(rec(m.auto_job), EVE),
         }
         # approvals, each of a recommendation of its own pending for the approve job
         pending = {case: sign(rec(m.approve_job, 3 + i), streams)
-                   for i, case in enumerate(CASES)}  # fmt: skip
+                   for i, case in enumerate(AUDITED)}  # fmt: skip
         _publish(stack, Topics.RECOMMENDATIONS, good, *pending.values())
         wait_for(lambda: all(_audit(stack, r.event_id) for r in (good, *pending.values())), 30,
                  "the good recommendations pending")  # fmt: skip
@@ -164,6 +180,7 @@ def matrix(
             "tampered": sign(approval(pending["tampered"]), owner).model_copy(
                 update={"to_value": 64}
             ),
+            "revoked": sign(approval(pending["revoked"], author="eve@it"), EVE),
         }
         # settings: each tries to raise the approve job's tier to auto
         bad_settings = {
@@ -173,6 +190,7 @@ def matrix(
             "expired": sign(setting(expires_ts_ns=gone), owner),
             "out of role": sign(setting(author="ana@it"), ANA),
             "tampered": sign(setting("observe"), owner).model_copy(update={"value": "auto"}),
+            "revoked": sign(setting(author="eve@it"), EVE),
         }
         # commands, straight to the job (signed with what the actuator signs with here)
         key = DEV_SIGNING_KEY.encode()
@@ -202,7 +220,7 @@ def matrix(
                         got[(kind, case)] = rows
             return got
 
-        m.refused = wait_for(lambda: len(got := refusals()) == 3 * len(CASES) and got, 60,
+        m.refused = wait_for(lambda: len(got := refusals()) == 3 * len(AUDITED) and got, 60,
                              "every refusal in audit")  # fmt: skip
         cmd_agent = agents[m.cmd_job]
         wait_for(lambda: len(cmd_agent.results) >= len(CASES), 30, "the job's acks")
@@ -273,6 +291,9 @@ EXPECTED = {
     ("config", "expired"): "expired: its expiry passed",
     ("config", "out of role"): "principal 'ana' has no role that sets actuator.tier",
     ("config", "tampered"): "signature does not verify under key",
+    ("recommendation", "revoked"): "of 'eve-streams' is revoked",
+    ("approval", "revoked"): "of 'eve' is revoked",
+    ("config", "revoked"): "of 'eve' is revoked",
     ("command", "unsigned"): "unsigned: it carries no signature",
     ("command", "wrong key"): "signature does not verify",
     ("command", "replayed"): "already seen",
@@ -281,11 +302,15 @@ EXPECTED = {
     ("command", "tampered"): "signature does not verify",
 }
 CLAIMED = {"unsigned": "mallory@nowhere", "wrong key": "mallory@nowhere", "replayed": "owner",
-           "expired": "owner", "out of role": "ana", "tampered": "owner"}  # fmt: skip
+           "expired": "owner", "out of role": "ana", "tampered": "owner",
+           "revoked": "eve"}  # fmt: skip
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("kind", ["recommendation", "approval", "config", "command"])
+@pytest.mark.parametrize(
+    ("kind", "case"),
+    [(kind, case) for kind in ("recommendation", "approval", "config") for case in AUDITED]
+    + [("command", case) for case in CASES],
+)
 def test_a_bad_event_is_refused_and_on_record(matrix: Matrix, kind: str, case: str) -> None:
     rows = matrix.refused.get((kind, case))
     assert rows, f"no record of the {case} {kind}'s refusal"
@@ -300,6 +325,8 @@ def test_a_bad_event_is_refused_and_on_record(matrix: Matrix, kind: str, case: s
         assert actor == CLAIMED[case], rows
     elif case in ("expired", "tampered", "replayed"):
         assert actor == "streams", rows  # signed (or claiming to be) by the stream tier's key
+    elif case == "revoked":
+        assert actor == "eve-streams", rows
 
 
 def test_nothing_changed_at_the_jobs_or_in_the_policy(matrix: Matrix, stack: StackSettings) -> None:
