@@ -45,12 +45,14 @@ acked and never raises. The change itself is recorded in the warehouse by the si
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 from perfloop.actuators._notice import notice, say
@@ -92,6 +94,23 @@ KnobHandler = Callable[[KnobValue], None]
 ConfigHandler = Callable[[str, Any], tuple[Any, Any]]
 """``configure(key, value) -> (old, new)``; raises `ConfigError` for an unknown key or a bad
 value (the shape of `NodeSampler.configure` and of the stream components' ``configure``)."""
+
+
+APPLYING: contextvars.ContextVar[tuple[Command, bool] | None] = contextvars.ContextVar(
+    "perfloop_applying", default=None
+)
+"""While a knob handler runs: the verified command it applies, and whether it undoes it (a
+rollback). A handler that passes the change on to another process (the GPU power-limit
+helper, `perfloop.producers.power_helper`) sends the command, which that process checks."""
+
+
+@contextlib.contextmanager
+def applying(cmd: Command, *, undo: bool = False) -> Iterator[None]:
+    token = APPLYING.set((cmd, undo))
+    try:
+        yield
+    finally:
+        APPLYING.reset(token)
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -400,7 +419,8 @@ class JobAgent:
                 continue
             before = self._before(cmd)
             try:
-                self._handlers[cmd.knob](cmd.value)
+                with applying(cmd):
+                    self._handlers[cmd.knob](cmd.value)
             except Exception as e:  # a failing handler must not break training
                 done.append(self._ack(cmd, "rejected", f"handler failed: {e!r}", step=step))
                 continue
@@ -466,7 +486,8 @@ class JobAgent:
         cmd, before, verdict = self._undo
         self._undo = None
         try:
-            self._handlers[cmd.knob](before)
+            with applying(cmd, undo=True):
+                self._handlers[cmd.knob](before)
         except Exception as e:  # the change stays: say so
             return self._ack(
                 cmd, "kept", f"{verdict.reason}; rolling back to {before!r} failed: {e!r}",

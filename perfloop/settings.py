@@ -106,6 +106,11 @@ class ProducerSettings(BaseServiceSettings):
     """A keyring of the public keys commands to this job must be signed with (the actuator's,
     `perfloop keys`; read again when it changes). With it, a command signed with the shared
     ``signing_key`` is refused: this job's host holds nothing that can sign a command."""
+    power_helper: Path | None = None
+    """The socket of the node's GPU power-limit helper (`perfloop power-helper`, run as root):
+    the job's ``gpu.power_limit_w`` commands go to it, and it checks each one itself
+    (`perfloop.producers.power_helper`), so the training process needs no privilege. Unset:
+    the process sets power limits through NVML itself (it must then be allowed to)."""
     config_patch: Path | None = Field(
         None,
         description="The job's config patch (slow-loop changes, read at start); default "

@@ -31,9 +31,11 @@ def _live_loader() -> tuple[Any, Any] | None:
     return None if it is None or loader is None else (it, loader)
 
 
-def _optional_knobs(pipeline: Pipeline, rank: int) -> dict[str, Any]:
+def _optional_knobs(pipeline: Pipeline, rank: int, settings: Any = None) -> dict[str, Any]:
     """The profiler capture (publishing through the session's ``pipeline``) and, with CUDA,
-    the GPU power limit (each where available)."""
+    the GPU power limit (each where available): through the node's power-limit helper where
+    ``power_helper`` names its socket (`perfloop.producers.power_helper`: the process stays
+    unprivileged), else through NVML itself."""
     out: dict[str, Any] = {}
     try:
         from perfloop.producers._capture import ProfileCapture, emit_to
@@ -49,7 +51,14 @@ def _optional_knobs(pipeline: Pipeline, rank: int) -> dict[str, Any]:
         pipeline.errors("the profiler capture knob", e)
     torch = _S.torch
     try:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        helper = getattr(settings, "power_helper", None)
+        if torch.cuda.is_available() and torch.cuda.is_initialized() and helper is not None:
+            from perfloop.producers.power_helper import helper_handler, helper_range
+
+            devices = [_nvml_index(torch)]
+            out["power_range"] = helper_range(helper, devices)
+            out["power"] = helper_handler(helper, devices)
+        elif torch.cuda.is_available() and torch.cuda.is_initialized():
             from perfloop.producers._power import power_limit_handler, power_limit_range
             from perfloop.producers.gpu import NvmlBackend
 

@@ -139,7 +139,9 @@ class Session:
         try:
             from perfloop.producers.knobs import TorchKnobs
 
-            self.knobs = TorchKnobs(_S.torch, _live_loader, **_optional_knobs(self.pipeline, rank))
+            self.knobs = TorchKnobs(
+                _S.torch, _live_loader, **_optional_knobs(self.pipeline, rank, self.settings)
+            )
         except Exception as e:  # the job runs on, unchanged
             self.pipeline.errors(NOT_STARTED, e)
             return

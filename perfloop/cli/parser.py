@@ -18,6 +18,7 @@ from perfloop.cli.export import export_command, step_range
 from perfloop.cli.jobs import duration_arg, jobs_command
 from perfloop.cli.keys import add_keys, keys_command
 from perfloop.cli.plan import plan_command
+from perfloop.cli.power_helper import add_power_helper, power_helper_command
 from perfloop.cli.query import schemas_command, sql_command
 from perfloop.cli.recs import approve_command, recs_command
 from perfloop.cli.replay import replay_command
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_jobs(sub)
     _add_report(sub)
     add_keys(sub)
+    add_power_helper(sub)
     _add_watch(sub)
     _add_export(sub)
     _add_capture(sub)
@@ -333,6 +335,7 @@ _COMMANDS = {
     "export": export_command,
     "capture": capture_command,
     "keys": keys_command,
+    "power-helper": power_helper_command,
 }
 
 
