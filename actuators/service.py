@@ -362,6 +362,8 @@ class ActuatorService:
             if self.policy.observe_verdict(ev):
                 log.info("%s kept %s (command %s): its cooldown is over", ev.job_id, ev.knob,
                          ev.command_id)  # fmt: skip
+            if ev.status == "rejected":  # a command the job refused: on record in audit too
+                self._publish(Topics.ACTUATIONS, refused_at_job(ev, self.policy.rules(ev.job_id)))
             return None
         if isinstance(ev, Command):  # issued here, or by another actuator of the group
             if self.signed_here(ev):
@@ -519,6 +521,38 @@ class ActuatorService:
             log.error("cannot publish %s %s: %s", event.KIND, event.event_id, e)
             return False
         return True
+
+
+def refused_at_job(ack: ActuationResult, rules: Any) -> Decision:
+    """The `audit` row of a command a job refused (forged, tampered, replayed, expired, out of
+    its bounds, a knob it does not have): the job's reason, which names the key a signature
+    claimed; its id is made from the ack's (``refused-<ack id>``), so it lands once however
+    often the ack is read.
+
+    >>> from perfloop.actuators.policy import JobRules
+    >>> ack = ActuationResult(ts_ns=5, job_id="j", node="n", rank=0, command_id="c1",
+    ...                       status="rejected", reason="unsigned: it carries no signature",
+    ...                       knob="torch.num_threads")
+    >>> d = refused_at_job(ack, JobRules())
+    >>> d.outcome, d.actor, d.command_id, d.event_id == f"refused-{ack.event_id}"
+    ('refused', 'job j (node n, rank 0)', 'c1', True)
+    >>> d.reason
+    'the job refused command c1: unsigned: it carries no signature'
+    """
+    return Decision(
+        ts_ns=ack.ts_ns,
+        event_id=f"refused-{ack.event_id}"[:64],
+        job_id=ack.job_id,
+        node=ack.node,
+        rank=ack.rank,
+        command_id=ack.command_id,
+        knob=ack.knob,
+        to_value=ack.value,
+        tier=rules.tier,
+        outcome="refused",
+        reason=f"the job refused command {ack.command_id}: {ack.reason}"[:1000],
+        actor=f"job {ack.job_id} (node {ack.node}, rank {ack.rank})"[:256],
+    )
 
 
 def hook_values(cmd: Command, rec: Recommendation | None) -> dict[str, str]:

@@ -66,6 +66,9 @@ class Matrix:
     decided about a good recommendation for the approve job sent after everything bad."""
     pending_ids: list[str] = field(default_factory=list)
     bad_rec_ids: list[str] = field(default_factory=list)
+    command_audit: dict[str, list[str]] = field(default_factory=dict)
+    """case: the reasons of the ``refused`` rows in audit for its command (the actuator
+    records each command a job refused, `perfloop.actuators.service.refused_at_job`)."""
 
 
 def _revoked(key: PrivateKey, principal: str) -> TrustedKey:
@@ -238,6 +241,17 @@ def matrix(
         )
         for case, c in bad_commands.items():
             m.refused[("command", case)] = [(s, r) for i, s, r in acks if i == c.event_id]
+        audit_sql = (
+            "SELECT command_id, reason FROM audit WHERE command_id IN {c:Array(String)} "
+            "AND outcome = 'refused' LIMIT 1 BY event_id"
+        )
+        in_audit = wait_for(
+            lambda: len(rows := query(stack, audit_sql, c=ids)) >= len(CASES) and rows,
+            30,
+            "the job's refusals in audit",
+        )
+        for case, c in bad_commands.items():
+            m.command_audit[case] = [r for i, r in in_audit if i == c.event_id]
 
         # An actuator started now applies the stored settings again (the forged ones stored
         # too, by the sink): the approve job stays in tier approve for it as for the session's.
@@ -318,6 +332,8 @@ def test_a_bad_event_is_refused_and_on_record(matrix: Matrix, kind: str, case: s
     if kind == "command":  # the job's acks (a replay's original was applied, once)
         rejected = [reason for status, reason in rows if status == "rejected"]
         assert len(rejected) == 1 and why in rejected[0], rows
+        audited = matrix.command_audit.get(case, [])
+        assert len(audited) == 1 and why in audited[0], audited  # and in audit, once
         return
     outcome, actor, reason, command_id = rows[-1]
     assert (outcome, command_id) == ("refused", "") and why in reason, rows
