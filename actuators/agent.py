@@ -113,6 +113,14 @@ def applying(cmd: Command, *, undo: bool = False) -> Iterator[None]:
         APPLYING.reset(token)
 
 
+def keyring_for(settings: Any) -> KeyringFile | None:
+    """The keyring a job's agent checks commands against: ``command_keyring``, else the
+    embedded stack's keyring of its actuator's key where it exists
+    (``BaseServiceSettings.command_keyring_path``); None: the shared ``signing_key``."""
+    path = getattr(settings, "command_keyring_path", None)
+    return KeyringFile(path) if path is not None else None
+
+
 def _one_line(text: str, limit: int = 300) -> str:
     return " ".join(text.split())[:limit]
 

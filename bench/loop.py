@@ -42,6 +42,7 @@ KNOB = "dataloader.num_workers"
 
 def _run_round(settings: Any, args: argparse.Namespace, key: bytes, tag: str) -> list[Any]:
     from perfloop.actuators import JobAgent
+    from perfloop.actuators.agent import keyring_for
     from perfloop.producers.publisher import Publisher
     from perfloop.producers.scenarios import Fault
     from perfloop.producers.simulator import SimConfig, SimulatedJob
@@ -58,6 +59,7 @@ def _run_round(settings: Any, args: argparse.Namespace, key: bytes, tag: str) ->
         )
         job = SimulatedJob(cfg, publisher)
         agent = JobAgent(settings, job_id=cfg.job_id, node=cfg.node, signing_key=key,
+                         keyring=keyring_for(settings),
                          handlers={KNOB: job.set_num_workers}, read=job.knob_value)  # fmt: skip
         loops.append((job, agent))
     for _, agent in loops:

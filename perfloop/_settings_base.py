@@ -124,6 +124,17 @@ class BaseServiceSettings(BaseSettings):
         return self.home.expanduser().resolve()
 
     @property
+    def command_keyring_path(self) -> Path | None:
+        """``command_keyring`` where the settings have one, else the embedded stack's keyring
+        of its actuator's key (``$PERFLOOP_HOME/keys/commands.json``) where it exists: a job
+        on the stack's machine then takes only commands that key signed."""
+        own = getattr(self, "command_keyring", None)
+        if own is not None:
+            return Path(own)
+        ring = self.home_dir / "keys" / "commands.json"
+        return ring if ring.exists() else None
+
+    @property
     def principal_key_path(self) -> Path | None:
         """``principal_key``, else the embedded stack's owner key where it exists."""
         if self.principal_key is not None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from perfloop.actuators.agent import JobAgent
+from perfloop.actuators.agent import JobAgent, keyring_for
 from perfloop.exceptions import PerfloopError
 from perfloop.kafka import consumer, follow
 from perfloop.producers.publisher import Publisher
@@ -166,6 +166,7 @@ def run_demo(
         job_id=job_id,
         node=job.cfg.node,
         signing_key=signing_key,
+        keyring=keyring_for(settings),
         handlers={KNOB: job.set_num_workers},
         read=job.knob_value,
         on_result=on_result,

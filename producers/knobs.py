@@ -260,24 +260,22 @@ def start_agent(
     on_result: Callable[[Any], None] | None = None,
 ) -> Any:
     """Start the job agent of a training process over ``knobs``, with the job's config patch
-    for slow-loop commands, the key in ``settings.signing_key`` (or, when set, only the public
-    keys in ``settings.command_keyring``), the knobs the user pinned
+    for slow-loop commands, the key in ``settings.signing_key`` (or, where there is one, only
+    the public keys in ``settings.command_keyring_path``), the knobs the user pinned
     (``settings.pinned_knobs``) and a line on stderr per change unless ``settings.quiet``;
     returns the `perfloop.actuators.JobAgent` (listening within a second, never blocking
     here)."""
-    from perfloop.actuators.agent import JobAgent
+    from perfloop.actuators.agent import JobAgent, keyring_for
     from perfloop.actuators.config_patch import ConfigPatch, patch_path
-    from perfloop.identity import KeyringFile
 
     path = settings.config_patch or patch_path(settings.home_dir, job_id)
-    ring = getattr(settings, "command_keyring", None)
     agent = JobAgent(
         settings,
         job_id=job_id,
         node=node,
         rank=rank,
         signing_key=settings.signing_key.get_secret_value().encode(),
-        keyring=KeyringFile(ring) if ring is not None else None,
+        keyring=keyring_for(settings),
         handlers=knobs.handlers,
         bounds=knobs.bounds,
         read=knobs.value,

@@ -128,7 +128,7 @@ def _simulate(
     gt_file: IO[str] | None,
     out: TextIO,
 ) -> int:
-    from perfloop.actuators.agent import JobAgent
+    from perfloop.actuators.agent import JobAgent, keyring_for
     from perfloop.kafka import ping
     from perfloop.producers.publisher import Publisher
     from perfloop.producers.simulator import SimulatedJob
@@ -157,6 +157,7 @@ def _simulate(
         job_id=cfg.job_id,
         node=cfg.node,
         signing_key=signing_key,
+        keyring=keyring_for(settings),
         handlers=job.knob_handlers(),
         read=job.knob_value,
     )

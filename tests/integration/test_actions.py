@@ -27,10 +27,11 @@ from typing import Any
 import pytest
 
 from perfloop.actuators import sign
+from perfloop.identity import PrivateKey
 from perfloop.kafka import producer
 from perfloop.schemas import Command, encode_event
 from perfloop.schemas.topics import Topics
-from perfloop.settings import DEV_SIGNING_KEY, StackSettings
+from perfloop.settings import StackSettings
 from tests.helpers import recommendation
 
 from .conftest import perfloop_cli, private_stack, stack_signed, wait_for
@@ -212,11 +213,13 @@ def test_a_failing_hook_is_audited_as_failed(
 # -- pins, the job's stderr, and the end of a job --------------------------------------------
 
 
-def _command(job: str, seq: int, knob: str, value: Any) -> Command:
+def _command(stack: StackSettings, job: str, seq: int, knob: str, value: Any) -> Command:
+    """Signed as the stack's actuator signs: with its key (`perfloop.stack._keys`), which the
+    jobs of its machine check commands against."""
     now = time.time_ns()
     cmd = Command(ts_ns=now, job_id=job, node="it", rank=-1, seq=seq, knob=knob, value=value,
                   expires_ts_ns=now + 60 * 1_000_000_000)  # fmt: skip
-    return sign(cmd, DEV_SIGNING_KEY.encode())
+    return sign(cmd, PrivateKey.load(stack.home_dir / "keys" / "actuator.key"))
 
 
 def _acks(stack: StackSettings, command_id: str, n: int) -> list[tuple[Any, ...]]:
@@ -244,8 +247,8 @@ def test_a_pinned_knob_is_left_alone_and_the_job_says_what_changed(
         steps = "SELECT count() FROM steps WHERE job_id = {j:String}"
         wait_for(lambda: _query(stack, steps, j=job)[0][0] >= 20, 120, "the job's first steps")
         assert f"perfloop: job {job}: pinned torch.num_threads" in err.read_text()
-        pinned, other = (_command(job, 1, "torch.num_threads", 2),
-                         _command(job, 2, "train.grad_accum_steps", 8))  # fmt: skip
+        pinned, other = (_command(stack, job, 1, "torch.num_threads", 2),
+                         _command(stack, job, 2, "train.grad_accum_steps", 8))  # fmt: skip
         for cmd in (pinned, other):
             _publish(stack, Topics.CONTROL, cmd)
         [(status, reason, _)] = _acks(stack, pinned.event_id, 1)

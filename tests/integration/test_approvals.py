@@ -113,7 +113,7 @@ def test_approve_releases_a_pending_recommendation_as_a_signed_command(
         30,
         "the command in the warehouse",
     )
-    assert cmd[0][1:4] == (rec.event_id, KNOB, "6") and len(cmd[0][4]) == 64
+    assert cmd[0][1:4] == (rec.event_id, KNOB, "6") and cmd[0][4].startswith("ed25519:")
     approvals = _query(
         stack,
         "SELECT verdict, author, reason, to_value FROM approvals WHERE rec_id = {r:String}",

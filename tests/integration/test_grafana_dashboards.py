@@ -30,6 +30,7 @@ import pytest
 from confluent_kafka import Producer
 
 from perfloop.actuators import JobAgent
+from perfloop.actuators.agent import keyring_for
 from perfloop.kafka import producer
 from perfloop.producers import Fault, Publisher, SimConfig, SimulatedJob
 from perfloop.schemas import JobInfo, JobLifecycle, Recommendation, encode_event
@@ -272,6 +273,7 @@ def _run_looped_job(stack: StackSettings, job: str) -> Callable[[], None]:
     )
     key = ActuatorSettings().signing_key.get_secret_value().encode()
     agent = JobAgent(stack, job_id=job, node=sim.cfg.node, signing_key=key,
+                     keyring=keyring_for(stack),  # the stack's actuator key signs commands
                      handlers=sim.knob_handlers(), read=sim.knob_value)  # fmt: skip
     assert agent.start(20.0), "the control topic was never assigned"
     failed: list[BaseException] = []

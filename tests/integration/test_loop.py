@@ -12,6 +12,7 @@ import pytest
 from confluent_kafka import Producer
 
 from perfloop.actuators import JobAgent
+from perfloop.actuators.agent import keyring_for
 from perfloop.kafka import consumer
 from perfloop.producers import Fault, Publisher, SimConfig, SimulatedJob
 from perfloop.schemas import BatchBuilder
@@ -159,6 +160,7 @@ def test_command_reaches_the_job_and_is_acked(stack: StackSettings) -> None:
         job_id=job,
         node=sim.cfg.node,
         signing_key=key,
+        keyring=keyring_for(stack),  # the stack's actuator key signs commands
         handlers={KNOB_NUM_WORKERS: sim.set_num_workers},
     )
     assert agent.start(20.0), "control topic never assigned"
@@ -225,7 +227,9 @@ def test_command_reaches_the_job_and_is_acked(stack: StackSettings) -> None:
         ch.close()
     assert kept == [(cmd_id, verdict.evidence["ratio"], verdict.evidence["p_value"])]
     assert cmd_rec == rec_id and value == to_value == str(result.value)
-    assert len(sig) == 64 and ack_cmd == cmd_id == result.command_id and ack_status == "applied"
+    # signed with the stack's actuator key, which the job checked it against (`_keys`)
+    assert sig.startswith("ed25519:") and ack_cmd == cmd_id == result.command_id
+    assert ack_status == "applied"
 
 
 def test_poison_messages_go_to_the_dlq_and_workers_live_on(stack: StackSettings) -> None:

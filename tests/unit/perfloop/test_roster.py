@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from perfloop.exceptions import ConfigError
-from perfloop.identity import PrivateKey
+from perfloop.identity import Keyring, PrivateKey
 from perfloop.roster import Principal, Role, Roster, RosterFile, owner_roster
 from perfloop.stack._keys import stack_key_settings
 
@@ -83,8 +83,17 @@ def test_the_stack_makes_its_keys_once_and_keeps_them(tmp_path: Path) -> None:
         "PERFLOOP_RECOMMENDATION_PRIVATE_KEY": str(keys / "streams.key"),
         "PERFLOOP_RECOMMENDATION_KEYRING": str(keys / "recommenders.json"),
         "PERFLOOP_ROSTER": str(keys / "roster.json"),
+        "PERFLOOP_SIGNING_PRIVATE_KEY": str(keys / "actuator.key"),
+        "PERFLOOP_COMMAND_KEYRING": str(keys / "commands.json"),
     }
     streams, owner = PrivateKey.load(keys / "streams.key"), PrivateKey.load(keys / "owner.key")
+    actuator = PrivateKey.load(keys / "actuator.key")  # the jobs here trust it, and it only
+    assert list(Keyring.load(keys / "commands.json").keys) == [actuator.key_id]
+    from perfloop.settings import ProducerSettings
+
+    job = ProducerSettings(home=tmp_path)
+    assert job.command_keyring_path == keys / "commands.json"
+    assert ProducerSettings(home=tmp_path / "elsewhere").command_keyring_path is None
     assert Roster.load(keys / "roster.json").principal_of(owner.key_id) == "owner"
     assert (keys.stat().st_mode & 0o777) == 0o700
     assert ((keys / "owner.key").stat().st_mode & 0o777) == 0o600
