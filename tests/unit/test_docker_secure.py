@@ -32,12 +32,18 @@ def _load(name: str) -> dict[str, Any]:
     return yaml.safe_load((DOCKER / name).read_text())
 
 
+REPLACED = {"command", "entrypoint", "test"}
+"""Sequences an override file replaces (compose's merge rules: ``command``, ``entrypoint``,
+``healthcheck.test``); every other sequence is appended to."""
+
+
 def _merge(base: Any, over: Any) -> Any:
-    """Compose's merge of an override file: mappings key by key, sequences appended."""
+    """Compose's merge of an override file: mappings key by key, sequences appended but for
+    `REPLACED`."""
     if isinstance(base, dict) and isinstance(over, dict):
         out = dict(base)
         for k, v in over.items():
-            out[k] = _merge(base[k], v) if k in base else v
+            out[k] = v if k in REPLACED or k not in base else _merge(base[k], v)
         return out
     if isinstance(base, list) and isinstance(over, list):
         return base + [v for v in over if v not in base]
@@ -164,8 +170,13 @@ def test_the_broker_takes_only_authenticated_tls_clients(
         and "user_" not in plain.replace("user_admin", "")
     ), "PLAIN knows the admin only"
     assert props["ssl.keystore.type"] == props["ssl.truststore.type"] == "PEM"
-    health = " ".join(services["kafka"]["healthcheck"]["test"])
-    assert "SASL_SSL" in health and "--command-config" in health
+    health = services["kafka"]["healthcheck"]["test"]
+    assert health[0] == "CMD-SHELL" and len(health) == 2, "the overlay's check replaces the base's"
+    assert "SASL_SSL" in health[1] and "--command-config" in health[1]
+    assert "$$ADMIN_PASSWORD" in health[1] and "ADMIN_PASSWORD" in env
+    assert not [k for k in env if k.startswith("KAFKA_") and "PASSWORD" in k], (
+        "a KAFKA_* variable becomes a server property"
+    )
 
 
 def _covers(acls: list[tuple[str, ...]], principal: str, op: str, topic: str) -> bool:
