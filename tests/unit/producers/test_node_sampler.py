@@ -160,9 +160,16 @@ def test_flat_signals_are_read_less_often_than_moving_ones() -> None:
     pub = Collect()
     s = _sampler(gpu, pub, gpu_max_interval_ms=200)
     s.run(duration_s=1.0)
-    util = sum("utilization" in r for r in gpu.requests)
-    power = sum("power_limit" in r for r in gpu.requests)
-    assert util > 3 * power
+    # The intervals chosen are the contract (the rates below: 10 ms against 200 ms). How many
+    # reads they come to depends on how busy the machine is: a sampler woken every ~80 ms on a
+    # loaded 2-core host reads the utilization at every wake-up and the flat power limit at
+    # every second or third (a CI run counted 26 against 9 over the whole second, while the
+    # power limit's interval was still growing); so the reads, counted once the intervals
+    # have settled (the later half), only say which is read more often.
+    late = gpu.requests[len(gpu.requests) // 2 :]
+    util = sum("utilization" in r for r in late)
+    power = sum("power_limit" in r for r in late)
+    assert util > power, (util, power, len(gpu.requests))
     rates = pub.events(ProducerStats)[-1].rates_hz
     assert rates["gpu.utilization"] == pytest.approx(100.0)  # the minimum interval, 10 ms
     assert rates["gpu.power_limit"] == pytest.approx(5.0)  # the maximum, 200 ms
