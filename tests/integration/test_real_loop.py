@@ -75,10 +75,16 @@ def test_a_real_job_is_diagnosed_changed_between_steps_and_verified(
             "ORDER BY ts DESC LIMIT 1",
             j=job,
         )
-        expected = "1" if verdicts[applied["torch.num_threads"].command_id] == "kept" else None
-        assert expected is None or infos == [(expected,)]
-    # Every step of the job is there, and every decision and ack.
-    assert run.before and run.after and run.after["steps"] > 50
+        # the value the change set (the rank's budget: 1 or 2 on 2 CPUs, as many loader
+        # workers run beside it), when it was kept
+        change = applied["torch.num_threads"]
+        expected = str(change.value) if verdicts[change.command_id] == "kept" else None
+        assert expected is None or infos == [(expected,)], (infos, change)
+    # Every step of the job is there, and every decision and ack. How many steps are left after
+    # the last verdict depends on how many changes were verified one after the other (an
+    # I/O-bound loader's workers grow one verified change at a time; 24-48 on a loaded
+    # machine): at least a verification window's worth (the agent's 20 steps).
+    assert run.before and run.after and run.after["steps"] >= 20, (run.before, run.after)
     rows = _query(
         stack,
         "SELECT status, knob FROM actuations WHERE job_id = {j:String} ORDER BY ts",
