@@ -83,12 +83,20 @@ def check_signature(
     ''
     >>> check_signature(sign(c, b"job-host-key"), key=b"job-host-key", keyring=ring, now_ns=5)
     'signed with a shared key: this job trusts only the public keys in its keyring'
+    >>> why = check_signature(sign(c, key), key=b"job-host-key", keyring=None, now_ns=5)
+    >>> why.startswith(f"signed with Ed25519 key {key.key_id}"), "PERFLOOP_COMMAND_KEYRING" in why
+    (True, True)
     """
     if not event.signature:
         return "unsigned: it carries no signature"
     if keyring is None:
         if key is not None and verify(event, key):
             return ""
+        if event.signature.startswith(ED25519):  # an actuator with its own key: say how to trust it
+            return (
+                f"signed with Ed25519 key {event.key_id}, and this job has no keyring to check "
+                "it with: set PERFLOOP_COMMAND_KEYRING (the stack's keys/commands.json)"
+            )
         return "signature does not verify"
     if not event.signature.startswith(ED25519):
         return "signed with a shared key: this job trusts only the public keys in its keyring"
