@@ -32,10 +32,10 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -43,9 +43,19 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from perfloop.exceptions import ConfigError
 
-__all__ = ["ED25519", "Keyring", "KeyringFile", "PrivateKey", "TrustedKey", "key_id_of"]
+__all__ = [
+    "ED25519",
+    "Keyring",
+    "KeyringFile",
+    "PrivateKey",
+    "TrustedKey",
+    "WatchedFile",
+    "key_id_of",
+]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 ED25519 = "ed25519:"
 """The prefix of an Ed25519 key id and signature (an HMAC signature is bare hex)."""
@@ -207,15 +217,17 @@ class Keyring:
         return ""
 
 
-class KeyringFile:
-    """A keyring file read again whenever it changes (a rotation or a revocation takes effect
-    at the next check, with no restart). A change that does not read leaves the last good
-    keyring in force, with a warning; the file must read at the start (`ConfigError`)."""
+class WatchedFile(Generic[T]):
+    """A file read again whenever it changes (its modification time or size): a rotation, a
+    revocation or a new entry takes effect at the next `current`, with no restart. A change
+    that does not read leaves the last good content in force, with a warning; the file must
+    read at the start (`ConfigError`). ``load`` reads it; ``what`` names it in the warning."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, load: Callable[[Path], T], what: str) -> None:
         self.path = Path(path)
+        self._load, self._what = load, what
         self._stamp = self._stat()
-        self._ring = Keyring.load(self.path)
+        self._content = load(self.path)
 
     def _stat(self) -> tuple[int, int] | None:
         try:
@@ -224,15 +236,22 @@ class KeyringFile:
             return None
         return (st.st_mtime_ns, st.st_size)
 
-    def current(self) -> Keyring:
+    def current(self) -> T:
         stamp = self._stat()
         if stamp is not None and stamp != self._stamp:
             self._stamp = stamp
             try:
-                self._ring = Keyring.load(self.path)
+                self._content = self._load(self.path)
             except ConfigError as e:
-                log.warning("keyring change not taken, the last one stays: %s", e)
-        return self._ring
+                log.warning("%s change not taken, the last one stays: %s", self._what, e)
+        return self._content
+
+
+class KeyringFile(WatchedFile[Keyring]):
+    """A keyring file read again whenever it changes (`WatchedFile`)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, Keyring.load, "keyring")
 
 
 def _ns(value: Any) -> int | None:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from perfloop.exceptions import ConfigError
-from perfloop.identity import Keyring, PrivateKey, TrustedKey
+from perfloop.identity import Keyring, PrivateKey, TrustedKey, WatchedFile
 from perfloop.schemas import AUTOMATION_TIERS
 
 __all__ = ["Principal", "Role", "Roster", "RosterFile", "owner_roster"]
@@ -169,32 +169,12 @@ class Roster:
         )
 
 
-class RosterFile:
+class RosterFile(WatchedFile[Roster]):
     """A roster file read again whenever it changes (a new principal, a rotated or revoked key
-    takes effect at the next check). A change that does not read leaves the last good roster
-    in force, with a warning; the file must read at the start (`ConfigError`)."""
+    takes effect at the next check: `perfloop.identity.WatchedFile`)."""
 
     def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._stamp = self._stat()
-        self._roster = Roster.load(self.path)
-
-    def _stat(self) -> tuple[int, int] | None:
-        try:
-            st = self.path.stat()
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size)
-
-    def current(self) -> Roster:
-        stamp = self._stat()
-        if stamp is not None and stamp != self._stamp:
-            self._stamp = stamp
-            try:
-                self._roster = Roster.load(self.path)
-            except ConfigError as e:
-                log.warning("roster change not taken, the last one stays: %s", e)
-        return self._roster
+        super().__init__(path, Roster.load, "roster")
 
 
 def owner_roster(key: PrivateKey, name: str = "owner") -> Roster:
