@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 from perfloop._settings_base import BaseServiceSettings
+from perfloop.listening import reach_listening_stack
 
 __all__ = ["INTERNAL_ENV", "check_environment", "known_settings", "load_settings"]
 
@@ -33,9 +34,12 @@ def load_settings(cls: type[_S]) -> _S:
     from perfloop.exceptions import ConfigError
 
     try:
-        return cls()
+        settings = cls()
     except ValidationError as e:
         raise ConfigError(_one_line(e.errors()[0])) from None
+    if isinstance(settings, BaseServiceSettings):  # the listening stack of this machine
+        settings = reach_listening_stack(settings)
+    return settings
 
 
 def _one_line(err: Any) -> str:

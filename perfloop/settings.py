@@ -164,6 +164,12 @@ class StackSettings(BaseServiceSettings):
     12 s: the stream tier's output waits that long)."""
     broker_recycle_retry_s: float = Field(60.0, gt=0)
     """When a recycle did not find the broker quiet, how long before it tries again."""
+    listen: str | None = None
+    """`perfloop up --listen ADDR`: serve the embedded broker and warehouse at ``ADDR`` (an IP
+    address or DNS name the other nodes reach this machine at) instead of loopback, with TLS
+    and authentication on both: a client certificate the stack's CA signed at the broker,
+    HTTPS and a password at the warehouse (`perfloop keys client` gives a node what it
+    needs; docs/security.md)."""
     accounting: bool = True
     """`up` starts the accountant (`AccountantSettings`), which stores each ended job's
     accounting in the warehouse's ``job_accounting`` table."""

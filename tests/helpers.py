@@ -9,6 +9,7 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +149,31 @@ def devtools_read(path: Path) -> dict[str, Any]:
     )  # fmt: skip
     assert out.returncode == 0, f"DevTools' trace engine could not read {path}: {out.stderr}"
     return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+class Echo:
+    """A server that answers each line with its name and the line: which process answered."""
+
+    def __init__(self, name: bytes) -> None:
+        self.name = name
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(1 << 16):
+                conn.sendall(self.name + b":" + data)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -12,6 +12,11 @@
   missing, `perfloop.roster`) with a role: the jobs (ids, prefixes ending in ``*``, or ``*``),
   the actuator settings (keys, or prefixes ending in ``*``; default ``actuator.*``) and the
   highest tier (default ``approve``: they may approve these jobs' recommendations).
+- ``perfloop keys client NAME [--out DIR] [--warehouse]``: for a stack that listens beyond
+  loopback (`perfloop up --listen ADDR`), a client certificate ``NAME`` its CA signs, the CA,
+  the stack's command keyring and ``DIR/perfloop.env`` (the settings a node sources to reach
+  it); ``--warehouse`` adds the warehouse's password (a person's machine that queries it; a
+  job's host needs none).
 
 Rotating the actuator's key: ``keys new actuator-2``; ``keys trust`` it in every job's keyring;
 point ``PERFLOOP_SIGNING_PRIVATE_KEY`` at the new key and restart the actuator; ``keys trust``
@@ -67,7 +72,9 @@ def until_ns(text: str, now_ns: int | None = None) -> int:
 
 def add_keys(sub: Any) -> None:
     """Register ``keys`` on the CLI's subparsers."""
-    k = sub.add_parser("keys", help="Ed25519 keys and keyrings: new, trust, revoke, list")
+    k = sub.add_parser(
+        "keys", help="Ed25519 keys and keyrings (new, trust, revoke, list, grant); client"
+    )
     ks = k.add_subparsers(dest="keys_command", required=True)
     new = ks.add_parser("new", help="a private key and its keyring entry")
     new.add_argument("name", metavar="NAME")
@@ -82,6 +89,11 @@ def add_keys(sub: Any) -> None:
     rv.add_argument("key_id", metavar="KEY_ID")
     ls = ks.add_parser("list", help="a keyring's entries")
     ls.add_argument("keyring", type=Path, metavar="KEYRING")
+    cl = ks.add_parser("client", help="a node's certificate and settings for a listening stack")
+    cl.add_argument("name", metavar="NAME")
+    cl.add_argument("--out", type=Path, help="where to write them (default: ./NAME)")
+    cl.add_argument("--warehouse", action="store_true",
+                    help="add the warehouse's password (to query it from there)")  # fmt: skip
     gr = ks.add_parser("grant", help="add a principal's key and a role to a roster")
     gr.add_argument("roster", type=Path, metavar="ROSTER")
     gr.add_argument("entry", type=Path, metavar="NAME.pub.json")
@@ -122,9 +134,24 @@ def _grant(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client(args: argparse.Namespace) -> int:
+    """``keys client``: a node's bundle for the stack of ``PERFLOOP_HOME``."""
+    from perfloop.settings import BaseServiceSettings, load_settings
+    from perfloop.stack import client_bundle
+
+    home = load_settings(BaseServiceSettings).home_dir
+    out = args.out if args.out is not None else Path(args.name)
+    env = client_bundle(home, args.name, out, warehouse=args.warehouse)
+    print(f"{args.name}: certificate and settings in {out}; on the node: "
+          f"set -a; . {env}; set +a")  # fmt: skip
+    return 0
+
+
 def keys_command(args: argparse.Namespace) -> int:
     if args.keys_command == "grant":
         return _grant(args)
+    if args.keys_command == "client":
+        return _client(args)
     if args.keys_command == "new":
         args.dir.mkdir(parents=True, exist_ok=True)
         path, pub = args.dir / f"{args.name}.key", args.dir / f"{args.name}.pub.json"

@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="bring the stack up (embedded broker and warehouse by default)")
     up.add_argument("--detach", action="store_true", help="run in the background and return")
+    up.add_argument(
+        "--listen",
+        metavar="ADDR",
+        help="serve the broker and warehouse at ADDR (the address other nodes reach) with TLS "
+        "and authentication, not on loopback (PERFLOOP_LISTEN)",
+    )
     sub.add_parser("down", help="stop everything `up` started")
     st = sub.add_parser("status", help="what is running and whether it answers")
     st.add_argument("--json", action="store_true", help="print JSON")

@@ -33,6 +33,8 @@ def up_command(args: argparse.Namespace) -> int:
     from perfloop.stack import Supervisor, up_detached
 
     settings = load_settings(StackSettings)
+    if getattr(args, "listen", None):
+        settings = settings.model_copy(update={"listen": args.listen})
     if args.detach:
         state = up_detached(settings)
         print(

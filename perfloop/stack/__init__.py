@@ -6,10 +6,14 @@
   (``from perfloop.stack import Supervisor``);
 - `perfloop.stack.broker`: the embedded Kafka-API broker (the Tansu binary) and its limits;
 - `perfloop.stack.warehouse_server`: chDB served over the ClickHouse HTTP interface
-  (``python -m perfloop.stack.warehouse_server``).
+  (``python -m perfloop.stack.warehouse_server``);
+- `perfloop.stack.listen`: the stack beyond loopback (`perfloop up --listen`): its
+  certificates and password, and what a node needs to reach it (`client_bundle`, `perfloop
+  keys client`).
 """
 
 from perfloop.stack.control import STATE_FILE, check_external, down, read_state, status
+from perfloop.stack.listen import client_bundle
 from perfloop.stack.supervisor import AUTOGROUP_NICE, SERVICES, Supervisor, up_detached
 
 __all__ = [
@@ -18,6 +22,7 @@ __all__ = [
     "STATE_FILE",
     "Supervisor",
     "check_external",
+    "client_bundle",
     "down",
     "read_state",
     "status",

@@ -59,22 +59,25 @@ def tansu_binary() -> Path:
     return path
 
 
-def broker_argv(settings: BaseServiceSettings, port: int | None = None) -> list[str]:
-    """Command line of the embedded broker: memory storage, loopback only, listening on and
-    advertising ``port`` (default ``kafka_port``; the supervisor gives each broker process a
-    port of its own behind the stack's address, `perfloop.stack._front`).
+def broker_argv(
+    settings: BaseServiceSettings, listener: str | None = None, advertised: str | None = None
+) -> list[str]:
+    """Command line of the embedded broker: memory storage, listening on ``listener`` and
+    advertising ``advertised`` (``tcp://host:port`` URLs; default both the stack's address:
+    the supervisor gives each broker process ports of its own behind it,
+    `perfloop.stack._fronts`).
 
     Each start gets a cluster id of its own: its memory log starts empty, so offsets from an
     earlier start (a stream snapshot's positions) mean nothing in it, and a client that
     compares cluster ids (`perfloop.kafka.cluster_id`) can tell."""
-    url = f"tcp://{settings.host}:{settings.kafka_port if port is None else port}"
+    listener = listener or f"tcp://{settings.host}:{settings.kafka_port}"
     return [
         str(tansu_binary()),
         "broker",
         "--listener-url",
-        url,
+        listener,
         "--advertised-listener-url",
-        url,
+        advertised or listener,
         "--storage-engine",
         "memory://tansu/",
         "--cluster-id",

@@ -64,7 +64,7 @@ from perfloop.autogroup import CATCH_UP_NICE, set_autogroup_nice
 from perfloop.exceptions import PerfloopError, StackError
 from perfloop.kafka import ensure_topics
 from perfloop.settings import StackSettings
-from perfloop.stack._front import Front, free_port
+from perfloop.stack._fronts import BrokerFronts
 from perfloop.stack._headroom import SAMPLE_S, SAMPLES, rss_bytes
 from perfloop.stack._keys import stack_key_settings
 from perfloop.stack._recycle import Recycler
@@ -77,6 +77,7 @@ from perfloop.stack.control import (
     check_external,
     read_state,
 )
+from perfloop.stack.listen import listen_settings
 from perfloop.warehouse import migrate
 
 __all__ = [
@@ -168,12 +169,6 @@ def _require_free(host: str, port: int, setting: str) -> None:
         raise StackError(f"port {port} on {host} is in use; stop what holds it or set {setting}")
 
 
-def _port_open(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.5)
-        return s.connect_ex((host, port)) == 0
-
-
 @dataclass
 class _Child:
     name: str
@@ -190,14 +185,15 @@ class Supervisor:
     """Runs the stack in the foreground until `stop()` (SIGTERM/SIGINT call it)."""
 
     def __init__(self, settings: StackSettings) -> None:
-        self.settings = settings
         self.home = settings.home_dir
+        # beyond loopback: TLS and a password everywhere, the services' settings say so
+        self._listen = listen_settings(settings)
+        settings = self.settings = settings.model_copy(update=self._listen.fields)
         self.logs = self.home / "logs"
         self._stop = threading.Event()
         self._children: list[_Child] = []
         self._broker_rss: collections.deque[list[float]] = collections.deque(maxlen=SAMPLES)
-        self._front: Front | None = None  # the embedded broker's address (`._front`)
-        self._ports: list[int] = []  # each broker process's own port, in order
+        self._fronts: BrokerFronts | None = None  # where clients reach the broker (`._fronts`)
         self._groups: StackGroups | None = None  # idle CPU control groups, where they can be
         self._keys: dict[str, str] = {}  # the settings naming the stack's keys (`_keys`)
         self._recycler = Recycler(
@@ -214,6 +210,7 @@ class Supervisor:
                 f"the stack is already up (supervisor pid {existing['supervisor_pid']}, "
                 f"home {self.home}); run `perfloop down` first"
             )
+        self._listen.check(s)
         if not s.external_kafka:
             broker_argv(s)  # raises if the tansu binary is missing
             _require_free(s.host, s.kafka_port, "PERFLOOP_KAFKA_PORT")
@@ -227,6 +224,7 @@ class Supervisor:
         self.preflight()
         self.logs.mkdir(parents=True, exist_ok=True)
         self._keys = stack_key_settings(self.home)  # made at the first start (`_keys`)
+        self._listen.running(os.getpid())
         if s.stack_priority == "idle":
             groups = StackGroups()
             if groups.ok:
@@ -239,11 +237,10 @@ class Supervisor:
                 )
         py = sys.executable
         if not s.external_kafka:
-            self._front = Front(s.host, s.kafka_port)
-            self._front.start()
-            port = self._broker_port()
+            self._fronts = BrokerFronts(s.host, s.kafka_port, self._listen.context())
+            self._fronts.start()
             self._children.append(
-                self._child("broker", broker_argv(s, port), lambda: self._broker_ready())
+                self._child("broker", self._broker_argv(), lambda: self._broker_ready())
             )
         if not s.external_clickhouse:
             self._children.append(
@@ -256,9 +253,10 @@ class Supervisor:
         for child in self._children:
             self._spawn(child)
         self._await_ready(self._children)
-        if self._front is not None:  # its topics first: clients reach it through the front
-            ensure_topics(s.model_copy(update={"kafka_port": self._ports[-1]}))
-            self._front.point_at(self._ports[-1])
+        if self._fronts is not None:  # its topics first: clients reach it through the front
+            port = self._fronts.advertised[-1]
+            ensure_topics(s.model_copy(update={"kafka_port": port}))
+            self._fronts.point_at(port)
         else:
             ensure_topics(s)
         migrate(s)
@@ -320,8 +318,8 @@ class Supervisor:
         broker = self._broker()
         assert broker is not None and broker.proc is not None
         broker.state = "restarting"
-        if self._front is not None:
-            self._front.point_at(None)  # new connections wait for the next broker
+        if self._fronts is not None:
+            self._fronts.point_at(None)  # new connections wait for the next broker
         broker.proc.kill()
         broker.proc.wait()
         self._start_broker_again(broker)
@@ -330,28 +328,27 @@ class Supervisor:
     def _start_broker_again(self, child: _Child) -> None:
         """An empty log: a cluster of its own (a new cluster id) at a port of its own, its
         topics made before the front relays to it (`perfloop.stack._front`)."""
-        if self._front is not None:
-            self._front.point_at(None)
-        port = self._broker_port()
-        child.argv = broker_argv(self.settings, port)
+        if self._fronts is not None:
+            self._fronts.point_at(None)
+        child.argv = self._broker_argv()
+        assert self._fronts is not None
+        port = self._fronts.advertised[-1]
         self._broker_rss.clear()  # a new process: its growth starts again
         self._spawn(child)
         self._await_ready([child])
         ensure_topics(self.settings.model_copy(update={"kafka_port": port}))
-        if self._front is not None:
-            self._front.point_at(port)
+        self._fronts.point_at(port)
         assert child.proc is not None
         self._recycler.broker_started(child.proc.pid)
 
-    def _broker_port(self) -> int:
-        """A port for the next broker process: one no broker of this stack had, so a client
-        that knew an earlier one is refused there (`perfloop.stack._front`)."""
-        port = free_port(self.settings.host, avoid={self.settings.kafka_port, *self._ports})
-        self._ports.append(port)
-        return port
+    def _broker_argv(self) -> list[str]:
+        """The next broker process's command line, at ports no broker of this stack had, so
+        a client that knew an earlier one is refused there (`perfloop.stack._fronts`)."""
+        assert self._fronts is not None
+        return broker_argv(self.settings, *self._fronts.next_broker())
 
     def _broker_ready(self) -> bool:
-        return bool(self._ports) and _port_open(self.settings.host, self._ports[-1])
+        return self._fronts is not None and self._fronts.broker_ready()
 
     def _sample_broker(self, *, write: bool = True) -> None:
         """The broker's RSS, once a minute, into the state file (`perfloop.stack._headroom`)."""
@@ -389,11 +386,12 @@ class Supervisor:
                     child.proc.wait()
                 child.state = "stopped"
         self._children.clear()
-        if self._front is not None:
-            self._front.close()
-            self._front = None
+        if self._fronts is not None:
+            self._fronts.close()
+            self._fronts = None
         if self._groups is not None:
             self._groups.remove()
+        self._listen.running(None)
         with contextlib.suppress(FileNotFoundError):
             (self.home / STATE_FILE).unlink()
 
@@ -417,6 +415,7 @@ class Supervisor:
             env["PERFLOOP_BROKER_KEEPS_LOG"] = "false"
         for name, value in self._keys.items():
             env.setdefault(name, value)  # the environment's own keys come first
+        env.update(self._listen.env)
         # glibc gives each thread that allocates its own heap arena (up to 8 per core), and
         # memory freed in one is not reused by another: two keep the services' RSS flat.
         env.setdefault("MALLOC_ARENA_MAX", "2")
@@ -554,6 +553,8 @@ def up_detached(settings: StackSettings) -> dict[str, Any]:
     (home / "logs").mkdir(parents=True, exist_ok=True)
     log_path = home / "logs" / "supervisor.log"
     env = dict(os.environ, PERFLOOP_HOME=str(home))
+    if settings.listen:
+        env["PERFLOOP_LISTEN"] = settings.listen
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "perfloop.cli", "up"],

@@ -184,11 +184,12 @@ def stream_settled(settings: StackSettings, job: str, last_step: int, *, at_most
 
 
 @contextlib.contextmanager
-def private_stack(home: Path, **env: str) -> Iterator[StackSettings]:
-    """`perfloop up --detach` on ``home`` and free ports (plus ``env``); on exit `down`, and
-    wait until every process of the stack (restarted ones included) has exited."""
+def private_stack(home: Path, *up_args: str, **env: str) -> Iterator[StackSettings]:
+    """`perfloop up --detach` (and ``up_args``) on ``home`` and free ports (plus ``env``); on
+    exit `down`, and wait until every process of the stack (restarted ones included) has
+    exited."""
     full = stack_env(home) | env
-    up = perfloop_cli("up", "--detach", env=full)
+    up = perfloop_cli("up", "--detach", *up_args, env=full)
     assert up.returncode == 0, f"perfloop up failed: {up.stdout}{up.stderr}"
     settings = settings_for(full)
     state = read_state(settings)

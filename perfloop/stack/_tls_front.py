@@ -1,0 +1,159 @@
+"""The embedded broker's fronts beyond loopback (`perfloop up --listen ADDR`): TLS with a
+client certificate required, relayed in the clear to the broker process on loopback.
+
+tansu speaks plaintext only, so with ``--listen`` it listens on loopback and two kinds of
+front stand at the stack's address, each a `TlsFront`: the bootstrap front at
+``PERFLOOP_KAFKA_PORT`` (relayed to the broker of the moment, as `perfloop.stack._front` does
+on loopback), and one per broker process at the port that process advertises in its
+metadata, closed when the process ends (so a client that knew it is refused and bootstraps
+again: `perfloop.stack._front` says why). Every byte of every client passes a front, so
+unlike the loopback front these carry the telemetry itself; each runs an asyncio loop in a
+thread of its own, where the TLS of all its connections is done (the handshake included,
+within `HANDSHAKE_S`).
+
+A client without a certificate the stack's CA signed fails the handshake and reaches nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+import threading
+
+from perfloop.exceptions import StackError
+
+__all__ = ["HANDSHAKE_S", "TlsFront"]
+
+HANDSHAKE_S = 10.0
+"""How long a client may take over its TLS handshake."""
+WAIT_S = 10.0
+"""How long a connection that arrived with no broker to relay to waits for one."""
+_CHUNK = 1 << 16
+
+
+class TlsFront:
+    """Listens on ``host:port`` with ``context`` (a server context that requires a client
+    certificate) and relays each connection to ``upstream:<the target port>`` (`point_at`)."""
+
+    def __init__(
+        self, host: str, port: int, context: ssl.SSLContext, upstream: str = "127.0.0.1"
+    ) -> None:
+        self.host, self.upstream = host, upstream
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as e:
+            self._sock.close()
+            raise StackError(f"cannot listen on {host}:{port} for the broker: {e.strerror}") from e
+        self._sock.listen(128)
+        self._sock.setblocking(False)
+        self.port = int(self._sock.getsockname()[1])
+        self._context = context
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"perfloop-tls-front-{self.port}", daemon=True
+        )
+        self._target: int | None = None
+        self._pointed: asyncio.Event | None = None  # set when a target is given
+        self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self._server: asyncio.Server | None = None
+        self.relayed = 0
+        """Connections relayed so far."""
+
+    def start(self) -> None:
+        self._thread.start()
+        fut = asyncio.run_coroutine_threadsafe(self._serve(), self._loop)
+        try:
+            fut.result(timeout=10)
+        except Exception as e:
+            self.close()
+            raise StackError(f"cannot serve TLS on {self.host}:{self.port}: {e}") from e
+
+    def point_at(self, port: int | None) -> None:
+        """Relay new connections to ``port`` (None: hold them until the next broker); those
+        relayed before are closed (their broker is gone)."""
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._point(port), self._loop).result(timeout=10)
+        else:
+            self._target = port
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+        if not self._loop.is_running():
+            self._loop.close()
+        self._sock.close()
+
+    # -- in the front's loop ---------------------------------------------------------------
+    async def _serve(self) -> None:
+        self._pointed = asyncio.Event()
+        if self._target is not None:
+            self._pointed.set()
+        self._server = await asyncio.start_server(
+            self._handle, sock=self._sock, ssl=self._context, ssl_handshake_timeout=HANDSHAKE_S
+        )
+
+    async def _point(self, port: int | None) -> None:
+        self._target = port
+        for pair in list(self._pairs):
+            for w in pair:
+                w.close()
+        self._pairs.clear()
+        assert self._pointed is not None
+        if port is None:
+            self._pointed.clear()
+        else:
+            self._pointed.set()
+
+    async def _stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        await self._point(None)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self._pointed is not None
+        try:
+            await asyncio.wait_for(self._pointed.wait(), WAIT_S)
+            target = self._target
+            if target is None:
+                raise TimeoutError
+            up_reader, up_writer = await asyncio.wait_for(
+                asyncio.open_connection(self.upstream, target), 2.0
+            )
+        except (OSError, TimeoutError):  # no broker: the client tries again
+            writer.close()
+            return
+        for w in (writer, up_writer):
+            sock = w.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pair = (writer, up_writer)
+        self._pairs.add(pair)
+        self.relayed += 1
+        try:
+            await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
+        finally:
+            self._pairs.discard(pair)
+            for w in pair:
+                w.close()
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy ``reader`` to ``writer`` until either ends; then close ``writer`` (so the other
+    direction ends too)."""
+    try:
+        while data := await reader.read(_CHUNK):
+            writer.write(data)
+            await writer.drain()
+    except (OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
