@@ -5,8 +5,9 @@
   key id.
 - ``perfloop keys trust KEYRING NAME.pub.json [--until TIME]``: add (or replace) an entry in
   a keyring (made if missing), trusted until TIME (an ISO time, or 30s/10m/2h/1d from now).
-- ``perfloop keys revoke KEYRING KEY_ID``: refuse that key from now on.
-- ``perfloop keys list KEYRING``: the entries, one a line.
+- ``perfloop keys revoke KEYRING KEY_ID``: refuse that key from now on (KEYRING may be a
+  roster: a person's key is revoked there).
+- ``perfloop keys list KEYRING``: the entries, one a line (of a roster: every principal's).
 - ``perfloop keys grant ROSTER NAME.pub.json --jobs J[,J…] [--settings S[,S…]]
   [--max-tier T]``: add the entry's principal (or another key of theirs) to a roster (made if
   missing, `perfloop.roster`) with a role: the jobs (ids, prefixes ending in ``*``, or ``*``),
@@ -84,7 +85,7 @@ def add_keys(sub: Any) -> None:
     tr.add_argument("keyring", type=Path, metavar="KEYRING")
     tr.add_argument("entry", type=Path, metavar="NAME.pub.json")
     tr.add_argument("--until", type=until_ns, metavar="TIME", help="trusted until (ISO or 10m)")
-    rv = ks.add_parser("revoke", help="refuse a key from now on")
+    rv = ks.add_parser("revoke", help="refuse a key from now on (in a keyring or a roster)")
     rv.add_argument("keyring", type=Path, metavar="KEYRING")
     rv.add_argument("key_id", metavar="KEY_ID")
     ls = ks.add_parser("list", help="a keyring's entries")
@@ -163,7 +164,10 @@ def keys_command(args: argparse.Namespace) -> int:
         pub.write_text(json.dumps(entry.to_json(), indent=2) + "\n")
         print(f"{key.key_id}  private key {path} (owner only), keyring entry {pub}")
         return 0
-    ring = _ring(args.keyring, missing_ok=args.keys_command == "trust")
+    roster = _roster(args.keyring) if args.keys_command in ("revoke", "list") else None
+    ring = (
+        roster.keyring if roster else _ring(args.keyring, missing_ok=args.keys_command == "trust")
+    )
     if args.keys_command == "trust":
         entry = _entry(args.entry)
         if args.until is not None:
@@ -178,12 +182,24 @@ def keys_command(args: argparse.Namespace) -> int:
         ring.keys[old.key_id] = TrustedKey(
             old.key_id, old.principal, old.public, old.not_after_ns, revoked=True
         )
-        ring.save(args.keyring)
+        if roster is not None:  # a person's key, in the roster the actuator reads
+            roster.save(args.keyring)
+        else:
+            ring.save(args.keyring)
         print(f"{args.keyring}: {_line(ring.keys[old.key_id])}")
     else:
         for entry in ring.keys.values():
             print(_line(entry))
     return 0
+
+
+def _roster(path: Path) -> Roster | None:
+    """The roster at ``path``, where the file is one (a ``"principals"`` list), else None."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # the keyring's own reading says what is wrong
+    return Roster.load(path) if isinstance(doc, dict) and "principals" in doc else None
 
 
 def _ring(path: Path, *, missing_ok: bool) -> Keyring:

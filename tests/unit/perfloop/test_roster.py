@@ -121,3 +121,21 @@ def test_keys_grant_adds_a_principal_with_a_role(
     assert "up to tier recommend" in got.may_set("ana", "team-a/x", "actuator.tier", "approve")
     assert got.may_approve("ana", "solo") == "" and got.may_approve("ana", "team-a/x") != ""
     assert "may set actuator.* of jobs solo up to tier approve" in capsys.readouterr().out
+
+
+def test_keys_revoke_revokes_a_persons_key_in_the_roster(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from perfloop.cli.parser import main
+
+    roster = tmp_path / "roster.json"
+    owner = PrivateKey.generate()
+    owner_roster(owner).save(roster)
+    assert main(["keys", "list", str(roster)]) == 0
+    assert f"{owner.key_id}  owner  trusted" in capsys.readouterr().out
+    assert main(["keys", "revoke", str(roster), owner.key_id]) == 0
+    got = Roster.load(roster)  # still a roster: the principal and roles kept, the key revoked
+    assert got.principal_of(owner.key_id) == "owner" and got.may_approve("owner", "any") == ""
+    signature = owner.sign(b"setting")
+    why = got.keyring.check(owner.key_id, b"setting", signature, now_ns=0)
+    assert "revoked" in why
