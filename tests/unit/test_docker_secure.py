@@ -101,6 +101,35 @@ def test_every_warehouse_client_has_a_user_of_its_own(
     assert _env(services["grafana"])["CLICKHOUSE_USER"] == "perfloop-grafana"
 
 
+def test_the_warehouse_speaks_https_only_and_every_client_checks_its_certificate(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    import xml.etree.ElementTree as ET
+
+    for name in ("migrate", "streams", "sink", "actuator", "accountant"):
+        env = _env(services[name])
+        assert env["PERFLOOP_CLICKHOUSE_URL"] == "https://clickhouse:8443", name
+        assert env["PERFLOOP_CLICKHOUSE_CA"] == "/etc/perfloop/secrets/ca.pem", name
+        assert "./secure:/etc/perfloop/secrets:ro" in services[name]["volumes"], name
+    ch = services["clickhouse"]
+    mounts = dict(
+        str(v).rsplit(":", 1)[0].split(":", 1) for v in ch["volumes"] if v.startswith(".")
+    )
+    config = mounts["./clickhouse-tls.xml"]
+    assert config.startswith("/etc/clickhouse-server/config.d/") and config.endswith(".xml")
+    root = ET.parse(DOCKER / "clickhouse-tls.xml").getroot()
+    assert root.tag == "clickhouse"
+    assert root.find("http_port").get("remove") == "1"  # no plain HTTP
+    assert root.findtext("https_port") == "8443" and root.findtext("tcp_port_secure") == "9440"
+    server = root.find("openSSL/server")
+    for key in ("certificateFile", "privateKeyFile"):
+        path = server.findtext(key)
+        assert path.startswith(mounts["./secure"] + "/"), f"{key} {path} is not mounted"
+    assert {"tlsv1", "tlsv1_1"} <= set(server.findtext("disableProtocols").split(","))
+    assert "8443:8443" in ch["ports"]
+    assert ch["healthcheck"]["test"][-1] == "https://clickhouse:8443/ping"
+
+
 def test_the_services_settings_are_settings_fields(services: dict[str, dict[str, Any]]) -> None:
     classes = (StreamsSettings, SinkSettings, ActuatorSettings, NotifierSettings)
     fields = {
