@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import json
 import time
+from pathlib import Path
 from typing import TypeVar
 
 from perfloop.actuators.signing import SignedEvent, check_signature, sign
@@ -49,7 +50,7 @@ from perfloop.identity import ED25519, Keyring, KeyringFile, PrivateKey
 from perfloop.roster import Roster, RosterFile
 from perfloop.schemas import Approval, ConfigChange, Decision, Recommendation
 
-__all__ = ["SIGNED_TTL_S", "Gate", "refusal", "signed_by"]
+__all__ = ["SIGNED_TTL_S", "Gate", "refusal", "roster_gate", "signed_by"]
 
 SEEN_MEMORY = 50_000
 """Event ids remembered as taken (a replay of one is refused); past it, the expiry bounds how
@@ -157,6 +158,20 @@ class Gate:
         """Count ``event`` as taken (a setting read back at a start: the same one sent again
         is a replay)."""
         self._remember(event)
+
+
+_ROSTERS: dict[Path, RosterFile] = {}
+
+
+def roster_gate(roster: Path | None) -> Gate | None:
+    """A `Gate` that checks settings against the roster file ``roster`` (None without one).
+    The gates of one process share one `RosterFile` per path: each keeps its own memory of
+    the ids it took (a stream worker has one per partition, and a change for every job comes
+    on every partition)."""
+    if roster is None:
+        return None
+    shared = _ROSTERS.get(roster) or _ROSTERS.setdefault(roster, RosterFile(roster))
+    return Gate(roster=shared)
 
 
 def _owner(ring: Keyring, key_id: str) -> str:

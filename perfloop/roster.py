@@ -178,7 +178,7 @@ class RosterFile(WatchedFile[Roster]):
 
 
 def owner_roster(key: PrivateKey, name: str = "owner") -> Roster:
-    """A roster of one principal with every role: every job, every actuator setting, every
-    tier (the embedded stack's, `perfloop up`)."""
-    role = Role(("*",), ("actuator.*",), AUTOMATION_TIERS[-1])
+    """A roster of one principal with every role: every job, every setting (the actuator's
+    and the stream tier's), every tier (the embedded stack's, `perfloop up`)."""
+    role = Role(("*",), ("*",), AUTOMATION_TIERS[-1])
     return Roster([Principal(name, (role,))], [TrustedKey.of(key.public_bytes(), name)])

@@ -271,6 +271,11 @@ class StreamsSettings(BaseServiceSettings):
     is signed with it and given an expiry, for an actuator holding its public key
     (``PERFLOOP_RECOMMENDATION_KEYRING``). Unset: recommendations go unsigned. `perfloop up`
     makes one under ``$PERFLOOP_HOME/keys`` (docs/security.md)."""
+    roster: Path | None = None
+    """`ActuatorSettings.roster`: with it a change of the stream tier's settings (``perfloop
+    config set`` with target ``streams``) counts only signed by a principal whose role covers
+    the setting, not expired and not seen before; every other is refused, dead-lettered and
+    audited. `perfloop up` gives the stack's own. Unset: changes are taken unsigned."""
     recommendation_ttl_s: float = Field(300.0, gt=0, le=86_400)
     """A signed recommendation expires this long after it is published: an actuator acts on
     none later (a pending one is approved separately, within ``approval_ttl_s``)."""

@@ -315,6 +315,7 @@ def create_app(settings: StreamsSettings, on_error: OnError = streams_policy) ->
             (Topics.DIAGNOSES, o.diagnoses),
             (Topics.RECOMMENDATIONS, signed(o.recommendations)),
             (Topics.PREDICTIONS, o.predictions),
+            (Topics.ACTUATIONS, o.refusals),  # settings changes refused: the sink audits them
         ):
             for ev in events:
                 await output.send(name, ev.job_id.encode(), encode_event(ev))

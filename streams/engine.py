@@ -64,12 +64,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from perfloop.actuators.trust import refusal, roster_gate
 from perfloop.exceptions import ConfigError
 from perfloop.schemas import (
     ActuationResult,
     Batch,
     Command,
     ConfigChange,
+    Decision,
     Diagnosis,
     PhaseChange,
     Prediction,
@@ -143,6 +145,7 @@ class Outputs:
     diagnoses: list[Diagnosis] = field(default_factory=list)
     recommendations: list[Recommendation] = field(default_factory=list)
     predictions: list[Prediction] = field(default_factory=list)
+    refusals: list[Decision] = field(default_factory=list)  # settings changes refused
 
     @property
     def window_rows(self) -> int:
@@ -155,6 +158,7 @@ class Outputs:
             or self.diagnoses
             or self.recommendations
             or self.predictions
+            or self.refusals
         )
 
 
@@ -163,6 +167,7 @@ _EVENT_OUTPUTS = {
     "diagnoses": Diagnosis,
     "recommendations": Recommendation,
     "predictions": Prediction,
+    "refusals": Decision,
 }
 
 
@@ -210,6 +215,7 @@ class StreamEngine(EventTime):
         self._ended: dict[str, int] = {}  # job → event time it ended (-1: its state freed)
         self._seq = 0  # arrival order (ties of event time, within a source)
         self._out = Outputs()  # what the analyses produced since the last `tick`
+        self.gate = roster_gate(settings.roster)  # who may change the settings, where signed
 
     # -- input -------------------------------------------------------------------------------
     def ingest(
@@ -282,7 +288,7 @@ class StreamEngine(EventTime):
                 return 0
             self.stats["events"] += 1
             if isinstance(event, ConfigChange):
-                self._config(event)
+                self._config(event, wall_ns)
             elif isinstance(event, Command):  # its verdict teaches the rules
                 self.outcomes.expect(event.event_id, event.from_value, event.value)
             elif isinstance(event, ActuationResult):
@@ -380,9 +386,17 @@ class StreamEngine(EventTime):
         return batch
 
     # -- live configuration ------------------------------------------------------------------
-    def _config(self, change: ConfigChange) -> None:
+    def _config(self, change: ConfigChange, wall_ns: int) -> None:
         if change.target != "streams":
             return  # sampling changes are for the producers
+        if self.gate is not None:  # a roster: signed, in time, once, within the signer's role
+            who, why = self.gate.check(change, now_ns=wall_ns)
+            if why:  # on record in `audit` (one row, whichever partitions it came on)
+                refused = refusal(change, tier="observe", actor=who, now_ns=wall_ns,
+                                  reason=f"by the stream tier: {why}")  # fmt: skip
+                self._out.refusals.append(refused.model_copy(
+                    update={"event_id": f"{change.event_id}-refused"}))  # fmt: skip
+                raise SchemaError(f"config change {change.key} refused: {why} (claimed by {who})")
         try:
             old, new = self.configure(change.key, change.value, job=change.applies_to)
         except ConfigError as e:

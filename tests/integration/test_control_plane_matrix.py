@@ -45,6 +45,11 @@ NS = 1_000_000_000
 KNOB = "dataloader.num_workers"
 CASES = ("unsigned", "wrong key", "replayed", "expired", "out of role", "tampered")
 AUDITED = (*CASES, "revoked")
+STREAM_CASES = tuple(c for c in AUDITED if c != "replayed")
+"""What the stream tier is sent (a change of a detector's threshold for one job). A replay of
+the change it took comes on the same partition and is dropped there as a repeat before any
+check (its at-least-once dedup): nothing changes, and nothing is audited."""
+STREAM_KEY = "detect.hang.floor_s"
 """What the actuator is sent: the cases above, and one signed with a key revoked since (a
 command's keys are the job's: `test_signed_commands` revokes one)."""
 MALLORY = PrivateKey.generate()  # a key nobody trusts
@@ -66,6 +71,9 @@ class Matrix:
     decided about a good recommendation for the approve job sent after everything bad."""
     pending_ids: list[str] = field(default_factory=list)
     bad_rec_ids: list[str] = field(default_factory=list)
+    stream_changes: list[str] = field(default_factory=list)
+    """The lines of the stream worker's log that say it changed ``STREAM_KEY`` for the auto
+    job (the owner's change, once)."""
     command_audit: dict[str, list[str]] = field(default_factory=dict)
     """case: the reasons of the ``refused`` rows in audit for its command (the actuator
     records each command a job refused, `perfloop.actuators.service.refused_at_job`)."""
@@ -141,6 +149,12 @@ def matrix(
             applies_to=m.approve_job, key="actuator.tier", value=value,
             author="mallory@nowhere", expires_ts_ns=later) | kw))  # fmt: skip
 
+    def stream_setting(value: float = 1.0, **kw: Any) -> ConfigChange:
+        return ConfigChange(**(dict(
+            ts_ns=now, job_id=m.auto_job, node="cli", rank=-1, target="streams",
+            applies_to=m.auto_job, key=STREAM_KEY, value=value, author="mallory@nowhere",
+            expires_ts_ns=later) | kw))  # fmt: skip
+
     def command(seq: int, **kw: Any) -> Command:
         return Command(**(dict(
             ts_ns=now, job_id=m.cmd_job, node="n0", rank=-1, seq=seq, knob=KNOB, from_value=2,
@@ -155,6 +169,13 @@ def matrix(
         log = stack.home / "logs" / "actuator.log"
         wait_for(lambda: f"actuator.tier for job {m.approve_job}: 'auto' -> 'approve'"
                  in log.read_text(), 30, "the actuator to take the owner's setting")  # fmt: skip
+
+        # the stream tier: a detector's threshold for the auto job, by a change the owner signed
+        stream_good = sign(stream_setting(45.0, author="owner@it"), owner)
+        _publish(stack, Topics.CONTROL, stream_good)
+        streams_log = stack.home / "logs" / "streams.log"
+        changed = f"config {STREAM_KEY} for {m.auto_job}"
+        wait_for(lambda: changed in streams_log.read_text(), 30, "the stream tier to take it")
 
         # recommendations, for the job in tier auto (a good one would be issued)
         good = sign(rec(m.approve_job, 7), streams)  # pending, then sent again
@@ -195,6 +216,14 @@ def matrix(
             "tampered": sign(setting("observe"), owner).model_copy(update={"value": "auto"}),
             "revoked": sign(setting(author="eve@it"), EVE),
         }
+        bad_streams = {
+            "unsigned": stream_setting(),
+            "wrong key": sign(stream_setting(), MALLORY),
+            "expired": sign(stream_setting(expires_ts_ns=gone), owner),
+            "out of role": sign(stream_setting(author="ana@it"), ANA),
+            "tampered": sign(stream_setting(2.0), owner).model_copy(update={"value": 1.0}),
+            "revoked": sign(stream_setting(author="eve@it"), EVE),
+        }
         # commands, straight to the job (signed with what the actuator signs with here)
         key = DEV_SIGNING_KEY.encode()
         valid = sign(command(2**60), key)
@@ -210,12 +239,14 @@ def matrix(
         wait_for(lambda: any(o == "rejected" for o, *_ in _audit(stack, rejected.rec_id)), 30,
                  "the owner's rejection")  # fmt: skip
         _publish(stack, Topics.RECOMMENDATIONS, *bad_recs.values(), *bad_approvals.values())
-        _publish(stack, Topics.CONTROL, *bad_settings.values(), valid, *bad_commands.values())
+        _publish(stack, Topics.CONTROL, *bad_settings.values(), valid, *bad_commands.values(),
+                 *bad_streams.values(), stream_good)  # fmt: skip
 
         def refusals() -> dict[tuple[str, str], list[tuple[Any, ...]]]:
             got: dict[tuple[str, str], list[tuple[Any, ...]]] = {}
-            for kind, sent in (("recommendation", bad_recs), ("approval", bad_approvals),
-                               ("config", bad_settings)):  # fmt: skip
+            sends = (("recommendation", bad_recs), ("approval", bad_approvals),
+                     ("config", bad_settings), ("stream config", bad_streams))  # fmt: skip
+            for kind, sent in sends:
                 for case, ev in sent.items():
                     rec_id = ev.rec_id if isinstance(ev, Approval) else ev.event_id
                     rows = [r for r in _audit(stack, rec_id) if r[0] == "refused"]
@@ -223,8 +254,10 @@ def matrix(
                         got[(kind, case)] = rows
             return got
 
-        m.refused = wait_for(lambda: len(got := refusals()) == 3 * len(AUDITED) and got, 60,
+        every = 3 * len(AUDITED) + len(STREAM_CASES)
+        m.refused = wait_for(lambda: len(got := refusals()) == every and got, 60,
                              "every refusal in audit")  # fmt: skip
+        m.stream_changes = [ln for ln in streams_log.read_text().splitlines() if changed in ln]
         cmd_agent = agents[m.cmd_job]
         wait_for(lambda: len(cmd_agent.results) >= len(CASES), 30, "the job's acks")
         for agent in agents.values():
@@ -308,6 +341,12 @@ EXPECTED = {
     ("recommendation", "revoked"): "of 'eve-streams' is revoked",
     ("approval", "revoked"): "of 'eve' is revoked",
     ("config", "revoked"): "of 'eve' is revoked",
+    ("stream config", "unsigned"): "by the stream tier: unsigned: it carries no signature",
+    ("stream config", "wrong key"): "is not in the keyring",
+    ("stream config", "expired"): "by the stream tier: expired: its expiry passed",
+    ("stream config", "out of role"): f"principal 'ana' has no role that sets {STREAM_KEY}",
+    ("stream config", "tampered"): "by the stream tier: signature does not verify under key",
+    ("stream config", "revoked"): "of 'eve' is revoked",
     ("command", "unsigned"): "unsigned: it carries no signature",
     ("command", "wrong key"): "signature does not verify",
     ("command", "replayed"): "already seen",
@@ -323,6 +362,7 @@ CLAIMED = {"unsigned": "mallory@nowhere", "wrong key": "mallory@nowhere", "repla
 @pytest.mark.parametrize(
     ("kind", "case"),
     [(kind, case) for kind in ("recommendation", "approval", "config") for case in AUDITED]
+    + [("stream config", case) for case in STREAM_CASES]
     + [("command", case) for case in CASES],
 )
 def test_a_bad_event_is_refused_and_on_record(matrix: Matrix, kind: str, case: str) -> None:
@@ -356,3 +396,7 @@ def test_nothing_changed_at_the_jobs_or_in_the_policy(matrix: Matrix, stack: Sta
     jobs = [matrix.auto_job, matrix.approve_job]
     sent = query(stack, "SELECT count() FROM commands WHERE job_id IN {j:Array(String)}", j=jobs)
     assert sent == [(0,)]
+    # the stream tier changed the threshold once, to the owner's value, and for nothing else
+    assert len(matrix.stream_changes) == 1 and "-> 45" in matrix.stream_changes[0], (
+        matrix.stream_changes
+    )

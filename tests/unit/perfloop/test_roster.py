@@ -24,11 +24,10 @@ def test_a_roster_reads_back_as_written(tmp_path: Path) -> None:
     roster = Roster.load(path)
     assert roster.principal_of(KEY.key_id) == "owner"
     assert roster.may_set("owner", "*", "actuator.tier", "auto") == ""
+    assert roster.may_set("owner", "*", "detect.hang.after_s", 30) == ""  # the stream tier's too
     assert roster.may_approve("owner", "any/job") == ""
     doc = json.loads(path.read_text())
-    assert doc["principals"][0]["roles"] == [
-        {"jobs": ["*"], "settings": ["actuator.*"], "max_tier": "auto"}
-    ]
+    assert doc["principals"][0]["roles"] == [{"jobs": ["*"], "settings": ["*"], "max_tier": "auto"}]
 
 
 @pytest.mark.parametrize(

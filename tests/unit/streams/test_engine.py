@@ -4,6 +4,7 @@ the whole path (ingest → windows, phases, funnel → recommendation) on a simu
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -126,6 +127,66 @@ def test_a_detector_setting_for_one_job_reaches_that_job_only() -> None:
     assert (change.applies_to, old, new) == ("j1", eng.funnel.config.hang.floor_s, 45)
     assert eng.funnel.config_for("j1").hang.floor_s == 45
     assert eng.funnel.config_for("j2").hang.floor_s == eng.funnel.config.hang.floor_s != 45
+
+
+def test_with_a_roster_only_a_signed_change_within_the_signers_role_applies(
+    tmp_path: Path,
+) -> None:
+    from perfloop.actuators.signing import sign
+    from perfloop.actuators.trust import signed_by
+    from perfloop.identity import PrivateKey, TrustedKey
+    from perfloop.roster import Principal, Role, owner_roster
+    from perfloop.schemas import decode_event
+
+    owner, ana, stranger = PrivateKey.generate(), PrivateKey.generate(), PrivateKey.generate()
+    roster = owner_roster(owner)
+    roster.principals["ana"] = Principal("ana", (Role(("*",), ("actuator.*",), "auto"),))
+    roster.keyring.keys.update({k.key_id: k for k in [TrustedKey.of(ana.public_bytes(), "ana")]})
+    path = tmp_path / "roster.json"
+    roster.save(path)
+    eng = _engine(roster=path)
+    before = eng.windows.lateness_s
+    wall = time.time_ns()  # what the signatures' expiries are counted from
+
+    def change(value: float) -> ConfigChange:
+        return decode_event(_config("windows.lateness_s", value))  # type: ignore[return-value]
+
+    tampered = signed_by(change(4.0), owner).model_copy(update={"value": 5.0})
+    replay = signed_by(change(3.0), owner)
+    bad = {
+        "unsigned": change(1.0),
+        "a key not in the roster": signed_by(change(1.5), stranger),
+        "out of role": signed_by(change(2.0), ana),  # ana may set actuator.* only
+        "tampered": tampered,
+        "expired": sign(change(6.0).model_copy(update={"expires_ts_ns": wall - NS}), owner),
+        "shared key": sign(change(7.0), b"shared"),
+    }
+    for what, event in bad.items():
+        with pytest.raises(SchemaError, match="refused"):
+            eng.ingest(Topics.CONTROL, encode_event(event), wall_ns=wall)
+        assert eng.windows.lateness_s == before, what
+    eng.ingest(Topics.CONTROL, encode_event(replay), wall_ns=wall)
+    assert eng.windows.lateness_s == 3.0  # the owner's, signed: applied
+    again = replay.model_copy(update={"event_id": replay.event_id})  # the same event resent
+    eng._recent = type(eng._recent)(10)  # as a worker that forgot it read it (a restore)
+    with pytest.raises(SchemaError, match="replayed"):
+        eng.ingest(Topics.CONTROL, encode_event(again), wall_ns=wall)
+    refusals = eng.tick(wall).refusals
+    assert len(refusals) == len(bad) + 1
+    assert {r.outcome for r in refusals} == {"refused"}
+    assert all(r.reason.startswith("config refused: by the stream tier") for r in refusals)
+    by_id = {r.rec_id: r for r in refusals}
+    assert by_id[bad["out of role"].event_id].actor == "ana"
+    assert "no role that sets windows.lateness_s" in by_id[bad["out of role"].event_id].reason
+    assert by_id[bad["unsigned"].event_id].knob == "windows.lateness_s"
+    # a change for every job comes on every partition: one audit row, whichever engine refused
+    assert all(r.event_id == f"{r.rec_id}-refused" for r in refusals)
+
+
+def test_without_a_roster_changes_are_taken_unsigned() -> None:
+    eng = _engine()
+    eng.ingest(Topics.CONTROL, _config("windows.lateness_s", 0.5), wall_ns=NOW)
+    assert eng.windows.lateness_s == 0.5 and not eng.tick(NOW).refusals
 
 
 def _run(
