@@ -330,6 +330,7 @@ def client_bundle(home: Path, name: str, out: Path, *, warehouse: bool = False) 
     lines = [
         f"PERFLOOP_KAFKA_BOOTSTRAP={addr}:{info['kafka_port']}",
         "PERFLOOP_KAFKA_SECURITY_PROTOCOL=SSL",
+        "PERFLOOP_BROKER_KEEPS_LOG=false",  # the embedded broker restarts empty
         f"PERFLOOP_KAFKA_SSL_CA={(out / 'ca.pem').resolve()}",
         f"PERFLOOP_KAFKA_SSL_CERT={cert.resolve()}",
         f"PERFLOOP_KAFKA_SSL_KEY={key.resolve()}",
