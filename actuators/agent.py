@@ -58,6 +58,7 @@ from typing import Any
 from perfloop.actuators._notice import notice, say
 from perfloop.actuators.config_patch import ConfigPatch
 from perfloop.actuators.signing import check_signature
+from perfloop.actuators.trust import Gate, refusal, roster_gate
 from perfloop.actuators.verification import ChangeVerifier, Verdict
 from perfloop.exceptions import ConfigError
 from perfloop.identity import KeyringFile
@@ -125,18 +126,31 @@ def _one_line(text: str, limit: int = 300) -> str:
     return " ".join(text.split())[:limit]
 
 
+class Refused(str):
+    """The reason a roster refused a change (``"refused: …"``), and ``by``: who it claimed to
+    come from."""
+
+    by: str = "unknown"
+
+
 def apply_config(
-    change: ConfigChange, job_id: str, handler: ConfigHandler | None
+    change: ConfigChange, job_id: str, handler: ConfigHandler | None, gate: Gate | None = None
 ) -> tuple[Any, Any] | str | None:
     """Apply ``change`` if it is for the producers of ``job_id``; never raises.
 
     Returns ``(old, new)`` when applied, the one-line reason when it was for this job and
     refused (also logged as a warning), and ``None`` when it is not for this job's producers.
+    With a ``gate`` (a roster), a change not signed by a principal whose role covers it, or
+    expired, or seen before, is refused: the reason then starts with ``"refused: "``.
     """
     if change.target != "producers" or change.applies_to not in ("*", job_id):
         return None
     what = f"config change {change.key}={change.value!r} for job {job_id}"
-    if handler is None:
+    who, why = gate.check(change, now_ns=time.time_ns()) if gate is not None else ("", "")
+    if why:
+        reason: str = Refused(f"refused: {why} (claimed by {who})")
+        reason.by = who  # type: ignore[attr-defined]
+    elif handler is None:
         reason = "no sampling control is registered in this process"
     else:
         try:
@@ -187,6 +201,7 @@ class ConfigListener:
             f"perfloop-config-{job_id}-{uuid.uuid4().hex[:8]}",
             **CONTROL_CONSUMER,
         )
+        self.gate = roster_gate(settings.roster_path)  # who may change sampling, where signed
         self._stop = threading.Event()
         self._assigned = threading.Event()
         self._thread = threading.Thread(target=self.run, name="perfloop-config", daemon=True)
@@ -223,7 +238,7 @@ class ConfigListener:
             return None  # the job agent and the stream tier report bad control messages
         if not isinstance(event, ConfigChange):
             return None
-        return apply_config(event, self.job_id, self.on_config)
+        return apply_config(event, self.job_id, self.on_config, self.gate)
 
 
 class JobAgent:
@@ -289,6 +304,7 @@ class JobAgent:
         self._on_result = on_result
         self.on_config = on_config
         """Where live `ConfigChange` events for this job's producers go (see the module)."""
+        self.gate = roster_gate(settings.roster_path)  # who may change sampling, where signed
         # Each agent reads every control partition from its start (`follow`: no group to join).
         self._consumer = consumer(
             settings,
@@ -353,7 +369,9 @@ class JobAgent:
             log.warning("rejected unreadable control message: %s", e)
             return str(e)
         if isinstance(cmd, ConfigChange):
-            outcome = apply_config(cmd, self.job_id, self.on_config)
+            outcome = apply_config(cmd, self.job_id, self.on_config, self.gate)
+            if isinstance(outcome, Refused):
+                self._refused(cmd, outcome)
             return outcome if isinstance(outcome, str) else None
         if not isinstance(cmd, Command) or cmd.job_id != self.job_id:
             return None
@@ -511,6 +529,22 @@ class JobAgent:
     def verifying(self) -> bool:
         """Whether a change is being verified (or rolled back at the next boundary)."""
         return self._trial is not None or self._undo is not None
+
+    def _refused(self, change: ConfigChange, reason: Refused) -> None:
+        """A sampling change refused: on ``perfloop.actuations`` for ``audit``, one row per job
+        (every rank's agent refuses it alike, under the same id)."""
+        why = reason.removeprefix("refused: ").rpartition(" (claimed by ")[0]
+        decision = refusal(change, tier="observe", actor=reason.by,
+                           reason=f"by job {self.job_id}: {why}")  # fmt: skip
+        ids = {"job_id": self.job_id, "event_id": f"{change.event_id}-{self.job_id}"[:64]}
+        decision = decision.model_copy(update=ids)
+        try:
+            if self._producer is not None:
+                self._producer.produce(
+                    Topics.ACTUATIONS, key=self.job_id.encode(), value=encode_event(decision)
+                )
+        except Exception as e:  # never raise into training
+            log.warning("cannot publish the refusal of %s: %s", change.event_id, e)
 
     def _ack(
         self,

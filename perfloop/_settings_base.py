@@ -135,6 +135,17 @@ class BaseServiceSettings(BaseSettings):
         return ring if ring.exists() else None
 
     @property
+    def roster_path(self) -> Path | None:
+        """``roster`` where the settings have one, else the embedded stack's roster
+        (``$PERFLOOP_HOME/keys/roster.json``) where it exists: a job on the stack's machine
+        then takes only the sampling changes a principal signed within their role."""
+        own = getattr(self, "roster", None)
+        if own is not None:
+            return Path(own)
+        roster = self.home_dir / "keys" / "roster.json"
+        return roster if roster.exists() else None
+
+    @property
     def principal_key_path(self) -> Path | None:
         """``principal_key``, else the embedded stack's owner key where it exists."""
         if self.principal_key is not None:

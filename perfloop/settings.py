@@ -106,6 +106,12 @@ class ProducerSettings(BaseServiceSettings):
     """A keyring of the public keys commands to this job must be signed with (the actuator's,
     `perfloop keys`; read again when it changes). With it, a command signed with the shared
     ``signing_key`` is refused: this job's host holds nothing that can sign a command."""
+    roster: Path | None = None
+    """The roster of principals (`perfloop.roster`; read again when it changes): with it (or,
+    unset, the embedded stack's ``$PERFLOOP_HOME/keys/roster.json`` where it exists) this job
+    takes a sampling change (``perfloop config set sampling.*``) only signed by a principal
+    whose role covers it, not expired and not seen before; every other is refused, in the
+    job's log and in ``audit``."""
     power_helper: Path | None = None
     """The socket of the node's GPU power-limit helper (`perfloop power-helper`, run as root):
     the job's ``gpu.power_limit_w`` commands go to it, and it checks each one itself

@@ -7,9 +7,9 @@
 tier, dry run, limits and pinned knobs, e.g. ``actuator.pinned '["torch.num_threads"]'``,
 `perfloop.actuators.policy`) and "streams" otherwise; a producers or
 actuator change is checked here before it is sent, a streams change by the stream workers
-(which refuse a bad one to ``perfloop.dlq``). An actuator or streams change is signed with this
-person's key (``PERFLOOP_PRINCIPAL_KEY``, by default the embedded stack's owner key) and
-expires in five minutes: an actuator or a stream worker with a roster applies it only if the
+(which refuse a bad one to ``perfloop.dlq``). Every change is signed with this person's key
+(``PERFLOOP_PRINCIPAL_KEY``, by default the embedded stack's owner key) and expires in five
+minutes: an actuator, a stream worker or a job with a roster applies it only if the
 principal's role allows it.
 
 ``perfloop config history [--job JOB] [--limit N] [--json]`` reads the warehouse table
@@ -199,9 +199,7 @@ def publish_change(settings: Any, change: Any, timeout_s: float = 10.0) -> str:
         if err is not None:
             errors.append(err.str())
 
-    if change.target != "producers":  # signed by this person, for a roster (`trust`): the
-        # producers take their (sampling) changes unsigned
-        change = signed_by(change, principal_key(settings))
+    change = signed_by(change, principal_key(settings))  # by this person, for a roster
     try:
         p = producer(settings, **{"linger.ms": 0, "message.timeout.ms": int(timeout_s * 1000)})
         partitions: list[int | None] = [None]

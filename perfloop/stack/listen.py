@@ -308,8 +308,9 @@ def server_context(files: ListenFiles) -> ssl.SSLContext:
 
 def client_bundle(home: Path, name: str, out: Path, *, warehouse: bool = False) -> Path:
     """Issue a client certificate ``name`` and write, under ``out``, what a node needs to
-    reach the stack: the CA, the certificate and its key, the command keyring (its jobs then
-    take only commands the stack's actuator signed) and ``perfloop.env``, the settings to
+    reach the stack: the CA, the certificate and its key, the command keyring and the roster
+    (its jobs then take only commands the stack's actuator signed, and sampling changes its
+    principals signed) and ``perfloop.env``, the settings to
     source. With ``warehouse`` the env file also holds the warehouse's password (a person's
     machine that queries it); a job's host needs none. Returns the env file's path."""
     if not _NAME.match(name):
@@ -335,10 +336,11 @@ def client_bundle(home: Path, name: str, out: Path, *, warehouse: bool = False) 
         f"PERFLOOP_KAFKA_SSL_CERT={cert.resolve()}",
         f"PERFLOOP_KAFKA_SSL_KEY={key.resolve()}",
     ]
-    ring = home / "keys" / "commands.json"
-    if ring.exists():
-        shutil.copyfile(ring, out / "commands.json")
-        lines.append(f"PERFLOOP_COMMAND_KEYRING={(out / 'commands.json').resolve()}")
+    for name, setting in (("commands.json", "COMMAND_KEYRING"), ("roster.json", "ROSTER")):
+        public = home / "keys" / name  # public keys only: what signs commands and settings
+        if public.exists():
+            shutil.copyfile(public, out / name)
+            lines.append(f"PERFLOOP_{setting}={(out / name).resolve()}")
     if warehouse:
         lines += [
             f"PERFLOOP_CLICKHOUSE_URL=https://{addr}:{info['clickhouse_port']}",

@@ -19,7 +19,9 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from perfloop.actuators.agent import ConfigListener
+from perfloop.actuators.trust import signed_by
 from perfloop.cli.config import build_change
+from perfloop.identity import PrivateKey
 from perfloop.kafka import consumer, producer
 from perfloop.producers.node_sampler import NodeSampler
 from perfloop.schemas import ConfigChange, decode_event, encode_event
@@ -140,6 +142,20 @@ def test_a_sampler_follows_changes_for_its_job_and_for_every_job(
         wait_for(lambda: sampler.controller.interval("host") == 0.1, 30, "the new host interval")
         assert sampler.settings.host_interval_ms == 100.0
 
+        # unsigned (the job's roster is the stack's: the owner's signature counts): refused,
+        # as the owner's change sent after it on the same partition shows
+        p = producer(stack, **{"linger.ms": 0})
+        forged = build_change("sampling.host_interval_ms", 40, job=job, reason="forged")
+        p.produce(Topics.CONTROL, key=job.encode(), value=encode_event(forged))
+        assert p.flush(10) == 0
+        out = perfloop_cli(
+            "config", "set", "sampling.overhead_budget_pct", "4", "--job", job,
+            env=stack_env_vars,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        wait_for(lambda: sampler.controller.budget_pct == 4.0, 30, "the owner's budget")
+        assert sampler.settings.host_interval_ms == 100.0, "the unsigned change was applied"
+
         out = perfloop_cli(
             "config", "set", "sampling.overhead_budget_pct", "3", env=stack_env_vars
         )  # fmt: skip
@@ -164,12 +180,14 @@ def test_perfloop_sample_follows_a_live_change(
         stdin=subprocess.DEVNULL,
     )
     stop = threading.Event()
-    change = build_change("sampling.host_interval_ms", 200, job=job, reason="it")
+    owner = PrivateKey.load(stack.home / "keys" / "owner.key")  # the stack's roster trusts it
     p = producer(stack, **{"linger.ms": 0})
 
     def resend() -> None:  # the sampler's listener counts from when it is assigned
         while not stop.wait(1.0):
-            p.produce(Topics.CONTROL, key=job.encode(), value=encode_event(change))
+            change = build_change("sampling.host_interval_ms", 200, job=job, reason="it")
+            p.produce(Topics.CONTROL, key=job.encode(),
+                      value=encode_event(signed_by(change, owner)))  # fmt: skip
             p.flush(5)
 
     sender = threading.Thread(target=resend, daemon=True)

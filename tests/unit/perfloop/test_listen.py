@@ -103,12 +103,14 @@ def test_a_node_bundle_holds_a_client_certificate_and_no_password_by_default(
     files = prepare(home, "10.1.2.3", 19092, 18123)
     (home / "keys").mkdir()
     (home / "keys" / "commands.json").write_text('{"keys": []}')
+    (home / "keys" / "roster.json").write_text('{"principals": []}')
     env = client_bundle(home, "node-1", tmp_path / "node-1")
     lines = dict(line.split("=", 1) for line in env.read_text().splitlines())
     assert lines["PERFLOOP_KAFKA_BOOTSTRAP"] == "10.1.2.3:19092"
     assert lines["PERFLOOP_KAFKA_SECURITY_PROTOCOL"] == "SSL"
     assert lines["PERFLOOP_BROKER_KEEPS_LOG"] == "false"  # its clients know it restarts empty
     assert Path(lines["PERFLOOP_COMMAND_KEYRING"]).read_text() == '{"keys": []}'
+    assert Path(lines["PERFLOOP_ROSTER"]).read_text() == '{"principals": []}'
     assert not any(k.startswith("PERFLOOP_CLICKHOUSE") for k in lines)
     cert = x509.load_pem_x509_certificate(Path(lines["PERFLOOP_KAFKA_SSL_CERT"]).read_bytes())
     ca = x509.load_pem_x509_certificate(files.ca.read_bytes())
