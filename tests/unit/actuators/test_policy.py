@@ -414,6 +414,24 @@ def test_a_successor_reads_back_its_predecessors_commands() -> None:
     assert after.decide(_rec(to_value=3), now_ns=T0 + 6 * S)[0] is not None
 
 
+@pytest.mark.parametrize("verdict", ["approve", "reject"])
+def test_an_approval_replayed_after_a_restart_is_refused_by_what_was_decided(
+    verdict: str,
+) -> None:
+    """The actuator's memory of the approvals it took is gone after a restart, but its recall
+    reads back the decisions (`observe_decision`): an approval sent again is refused."""
+    before = _policy(tier="approve", min_gain_pct=50)
+    rec = _rec(expected_gain_pct=10)
+    assert before.decide(rec, now_ns=T0)[1].outcome == "pending"
+    taken = _approval(rec, verdict)
+    _, decided = before.approve(taken, now_ns=T0 + S)
+    assert decided.outcome == ("issued" if verdict == "approve" else "rejected")
+    after = _policy(tier="approve", min_gain_pct=50)
+    after.observe_decision(decided)  # read back by the recall
+    cmd, d = after.approve(taken, now_ns=T0 + 2 * S)
+    assert cmd is None and d.outcome == "refused" and d.reason.startswith("already ")
+
+
 def test_its_own_command_read_back_after_a_kept_verdict_starts_no_cooldown() -> None:
     policy = _policy(cooldown_s=30)
     cmd, _ = policy.decide(_rec(to_value=2), now_ns=T0)
