@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+from collections.abc import Callable
 
 from perfloop.stack._front import Front, free_port
 from perfloop.stack._tls_front import TlsFront
@@ -37,8 +38,14 @@ class BrokerFronts:
     ``context`` None: loopback, at ``host``; else the fronts serve TLS with it at ``host``
     and the broker processes listen on 127.0.0.1."""
 
-    def __init__(self, host: str, port: int, context: ssl.SSLContext | None = None) -> None:
-        self.host, self.port, self._context = host, port, context
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        context: ssl.SSLContext | None = None,
+        say: Callable[[str], None] | None = None,
+    ) -> None:
+        self.host, self.port, self._context, self._say = host, port, context, say
         self._bootstrap: Front | TlsFront | None = None
         self.advertised: list[int] = []
         """Each broker process's advertised port, in order (the last is the current one)."""
@@ -53,7 +60,7 @@ class BrokerFronts:
         if self._context is None:
             self._bootstrap = Front(self.host, self.port)
         else:
-            self._bootstrap = TlsFront(self.host, self.port, self._context)
+            self._bootstrap = TlsFront(self.host, self.port, self._context, say=self._say)
         self._bootstrap.start()
 
     def next_broker(self) -> tuple[str, str]:
@@ -66,7 +73,7 @@ class BrokerFronts:
         listen = advertised
         if self._context is not None:
             listen = free_port(LOOPBACK, avoid=avoid | set(self._listens.values()) | {advertised})
-            front = TlsFront(self.host, advertised, self._context)
+            front = TlsFront(self.host, advertised, self._context, say=self._say)
             front.start()
             front.point_at(listen)
             self._tls[advertised] = front

@@ -11,16 +11,21 @@ unlike the loopback front these carry the telemetry itself; each runs an asyncio
 thread of its own, where the TLS of all its connections is done (the handshake included,
 within `HANDSHAKE_S`).
 
-A client without a certificate the stack's CA signed fails the handshake and reaches nothing.
+A client without a certificate the stack's CA signed fails the handshake and reaches nothing;
+each such refusal is a line in the supervisor's log (one a minute per client address, with how
+many more there were).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import ssl
 import threading
+import time
+from collections.abc import Callable
 
 from perfloop.exceptions import StackError
 
@@ -31,6 +36,10 @@ HANDSHAKE_S = 10.0
 WAIT_S = 10.0
 """How long a connection that arrived with no broker to relay to waits for one."""
 _CHUNK = 1 << 16
+SAY_EVERY_S = 60.0
+"""At most one line a minute per client address about its refused handshakes."""
+
+log = logging.getLogger("perfloop.stack.supervisor")
 
 
 class TlsFront:
@@ -38,9 +47,15 @@ class TlsFront:
     certificate) and relays each connection to ``upstream:<the target port>`` (`point_at`)."""
 
     def __init__(
-        self, host: str, port: int, context: ssl.SSLContext, upstream: str = "127.0.0.1"
+        self,
+        host: str,
+        port: int,
+        context: ssl.SSLContext,
+        upstream: str = "127.0.0.1",
+        say: Callable[[str], None] | None = None,
     ) -> None:
         self.host, self.upstream = host, upstream
+        self._say = say or log.warning  # a line for the supervisor's log
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -63,6 +78,10 @@ class TlsFront:
         self._server: asyncio.Server | None = None
         self.relayed = 0
         """Connections relayed so far."""
+        self.refused = 0
+        """Connections whose TLS handshake failed (no certificate the CA signed, no TLS)."""
+        self._said: dict[str, tuple[float, int]] = {}  # address -> (last line, refused since)
+        self._tasks: set[asyncio.Future[None]] = set()  # each connection's, held while it runs
 
     def start(self) -> None:
         self._thread.start()
@@ -96,9 +115,16 @@ class TlsFront:
         self._pointed = asyncio.Event()
         if self._target is not None:
             self._pointed.set()
-        self._server = await asyncio.start_server(
-            self._handle, sock=self._sock, ssl=self._context, ssl_handshake_timeout=HANDSHAKE_S
-        )
+        # TLS is started in `_handle`, so that a failed handshake is seen and said
+        self._server = await asyncio.start_server(self._accepted, sock=self._sock)
+
+    def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Called as the connection is made, before anything is read: reading waits for the
+        TLS handshake (bytes read before it would never reach it)."""
+        writer.transport.pause_reading()
+        task = asyncio.ensure_future(self._handle(reader, writer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _point(self, port: int | None) -> None:
         self._target = port
@@ -119,6 +145,13 @@ class TlsFront:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self._pointed is not None
+        peer = str((writer.get_extra_info("peername") or ("?",))[0])
+        try:
+            await asyncio.wait_for(writer.start_tls(self._context), HANDSHAKE_S)
+        except (OSError, TimeoutError, EOFError) as e:
+            self._refuse(peer, e)
+            writer.close()
+            return
         try:
             await asyncio.wait_for(self._pointed.wait(), WAIT_S)
             target = self._target
@@ -144,6 +177,24 @@ class TlsFront:
             self._pairs.discard(pair)
             for w in pair:
                 w.close()
+
+    def _refuse(self, peer: str, why: BaseException) -> None:
+        self.refused += 1
+        now = time.monotonic()
+        last, since = self._said.get(peer, (-SAY_EVERY_S, 0))
+        if now - last < SAY_EVERY_S:
+            self._said[peer] = (last, since + 1)
+            return
+        more = f" (and {since} more since the last line)" if since else ""
+        what = getattr(why, "reason", None) or type(why).__name__
+        self._say(
+            f"broker front {self.host}:{self.port} refused a client at {peer}: "
+            f"TLS handshake failed ({what}){more}"
+        )
+        self._said[peer] = (now, 0)
+        if len(self._said) > 10_000:  # many addresses: forget the oldest lines
+            for key in list(self._said)[:5_000]:
+                del self._said[key]
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

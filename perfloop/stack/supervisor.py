@@ -237,7 +237,7 @@ class Supervisor:
                 )
         py = sys.executable
         if not s.external_kafka:
-            self._fronts = BrokerFronts(s.host, s.kafka_port, self._listen.context())
+            self._fronts = BrokerFronts(s.host, s.kafka_port, self._listen.context(), self._say)
             self._fronts.start()
             self._children.append(
                 self._child("broker", self._broker_argv(), lambda: self._broker_ready())

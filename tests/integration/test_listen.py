@@ -123,6 +123,8 @@ def test_a_node_reaches_the_listening_stack_only_with_its_certificate(
     assert _metadata({"port": port, "security.protocol": "SSL", "ssl.ca.location": ca,
                       "ssl.certificate.location": node["PERFLOOP_KAFKA_SSL_CERT"],
                       "ssl.key.location": node["PERFLOOP_KAFKA_SSL_KEY"]})  # fmt: skip
+    said = (stack.home / "logs" / "supervisor.log").read_text()
+    assert f"refused a client at {ADDR}: TLS handshake failed" in said  # on record
     url = f"{ADDR}:{stack.clickhouse_port}/?query=SELECT%201"
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         urllib.request.urlopen(f"http://{url}", timeout=5)

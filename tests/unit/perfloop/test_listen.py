@@ -5,9 +5,11 @@ the settings a process on the stack's machine reaches it with (`perfloop.listeni
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import ssl
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -230,14 +232,25 @@ def test_a_client_without_a_certificate_the_stack_signed_reaches_nothing(
     a.close()
 
 
-def test_a_plaintext_client_reaches_nothing(front: TlsFront) -> None:
+def test_a_plaintext_client_reaches_nothing_and_refusals_are_said_once_a_minute(
+    front: TlsFront, caplog: pytest.LogCaptureFixture
+) -> None:
     a = Echo(b"a")
     front.point_at(a.port)
-    with socket.create_connection(("127.0.0.1", front.port), timeout=5) as c:
-        c.sendall(b"\x00\x00\x00\x10plaintext kafka")
-        c.settimeout(5)
-        assert not c.recv(1 << 16).startswith(b"a:")
-    assert front.relayed == 0
+    caplog.set_level(logging.WARNING, logger="perfloop.stack.supervisor")
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", front.port), timeout=5) as c:
+            c.sendall(b"\x00\x00\x00\x10plaintext kafka")
+            c.settimeout(5)
+            assert not c.recv(1 << 16).startswith(b"a:")
+    deadline = time.monotonic() + 5
+    while front.refused < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (front.relayed, front.refused) == (0, 3)
+    lines = [r.getMessage() for r in caplog.records if "refused a client" in r.getMessage()]
+    assert len(lines) == 1, lines  # the next two within the minute: counted, not said
+    assert f"broker front 127.0.0.1:{front.port} refused a client at 127.0.0.1" in lines[0]
+    assert "TLS handshake failed" in lines[0]
     a.close()
 
 
