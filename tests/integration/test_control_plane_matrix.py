@@ -13,8 +13,9 @@ cell of the matrix is then one parametrized test of what was recorded. The jobs:
   where a good one would be issued at once;
 - ``approve-…``, put in tier ``approve`` by a setting the owner signs here: the bad settings
   try to raise its tier, the bad approvals try to release its pending recommendations;
-- ``cmd-…``: bad commands sent straight to its agent (what the actuator signs with, here the
-  shared development key: `test_signed_commands` covers the Ed25519 commands).
+- ``cmd-…``: bad commands sent straight to its agent, which checks them against the stack's
+  command keyring as a job on its machine does (the actuator's Ed25519 key,
+  ``keys/commands.json``); the good ones are signed with the actuator's key.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import pytest
 from confluent_kafka import Producer
 
 from perfloop.actuators import JobAgent, sign
+from perfloop.actuators.agent import keyring_for
 from perfloop.identity import Keyring, PrivateKey, TrustedKey
 from perfloop.roster import Principal, Role, Roster
 from perfloop.schemas import Approval, Command, ConfigChange, Recommendation, encode_event
@@ -124,7 +126,7 @@ def matrix(
 
     agents = {
         job: JobAgent(stack, job_id=job, node="n0", signing_key=DEV_SIGNING_KEY.encode(),
-                      verify_changes=False,
+                      keyring=keyring_for(stack), verify_changes=False,
                       handlers={KNOB: lambda v, job=job: m.applied.append((job, v))})
         for job in (m.auto_job, m.approve_job, m.cmd_job)
     }  # fmt: skip
@@ -225,11 +227,11 @@ def matrix(
             "revoked": sign(stream_setting(author="eve@it"), EVE),
         }
         # commands, straight to the job (signed with what the actuator signs with here)
-        key = DEV_SIGNING_KEY.encode()
+        key = PrivateKey.load(keys / "actuator.key")  # what the stack's actuator signs with
         valid = sign(command(2**60), key)
         bad_commands = {
             "unsigned": command(2**60 + 1),
-            "wrong key": sign(command(2**60 + 2), b"not the actuator's key"),
+            "wrong key": sign(command(2**60 + 2), MALLORY),
             "replayed": valid,
             "expired": sign(command(2**60 + 3, expires_ts_ns=gone), key),
             "out of role": sign(command(2**60 + 4, value=10_000), key),  # out of its bounds
@@ -348,7 +350,7 @@ EXPECTED = {
     ("stream config", "tampered"): "by the stream tier: signature does not verify under key",
     ("stream config", "revoked"): "of 'eve' is revoked",
     ("command", "unsigned"): "unsigned: it carries no signature",
-    ("command", "wrong key"): "signature does not verify",
+    ("command", "wrong key"): "is not in the keyring",
     ("command", "replayed"): "already seen",
     ("command", "expired"): "expired",
     ("command", "out of role"): "is outside",
