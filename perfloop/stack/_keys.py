@@ -11,7 +11,9 @@
   job, every actuator setting, every tier). The CLI signs approvals and settings with it by
   default (`BaseServiceSettings.principal_key_path`).
 
-Existing files are kept as they are (a rotated key, principals added to the roster). The
+Existing files are kept as they are (a rotated key, principals added to the roster), but for
+a roster of the owner alone with the one role earlier stacks gave them (every actuator
+setting): the owner then gets every setting, as a new stack's owner has. The
 supervisor gives its services the settings naming them (`stack_key_settings`), unless the
 environment names others.
 """
@@ -20,8 +22,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from perfloop.exceptions import ConfigError
 from perfloop.identity import Keyring, PrivateKey, TrustedKey
-from perfloop.roster import owner_roster
+from perfloop.roster import Principal, Role, Roster, owner_roster
 
 __all__ = ["stack_key_settings"]
 
@@ -32,6 +35,25 @@ def _key(path: Path) -> PrivateKey:
     key = PrivateKey.generate()
     key.save(path)
     return key
+
+
+_FIRST_OWNER_ROLE = Role(("*",), ("actuator.*",), "auto")
+"""The owner's one role in the rosters the stack made before the stream tier and the jobs
+checked settings (they then covered the actuator's only)."""
+
+
+def _widen_owner(path: Path) -> None:
+    """A roster the stack made with `_FIRST_OWNER_ROLE`, unchanged since: its owner gets every
+    setting, as a new stack's owner has. A roster someone edited is left as it is."""
+    try:
+        roster = Roster.load(path)
+    except ConfigError:
+        return  # the actuator says what is wrong with it
+    owner = roster.principals.get("owner")
+    if owner is None or owner.roles != (_FIRST_OWNER_ROLE,) or len(roster.principals) != 1:
+        return
+    roster.principals["owner"] = Principal("owner", (Role(("*",), ("*",), "auto"),))
+    roster.save(path)
 
 
 def stack_key_settings(home: Path) -> dict[str, str]:
@@ -53,6 +75,8 @@ def stack_key_settings(home: Path) -> dict[str, str]:
     key = _key(owner)
     if not roster.exists():
         owner_roster(key).save(roster)
+    else:
+        _widen_owner(roster)
     return {
         "PERFLOOP_RECOMMENDATION_PRIVATE_KEY": str(streams),
         "PERFLOOP_RECOMMENDATION_KEYRING": str(ring),

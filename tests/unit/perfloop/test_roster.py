@@ -138,3 +138,26 @@ def test_keys_revoke_revokes_a_persons_key_in_the_roster(
     signature = owner.sign(b"setting")
     why = got.keyring.check(owner.key_id, b"setting", signature, now_ns=0)
     assert "revoked" in why
+
+
+def test_an_earlier_stacks_owner_only_roster_is_widened_and_an_edited_one_kept(
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys"
+    keys.mkdir(mode=0o700)
+    owner = PrivateKey.generate()
+    owner.save(keys / "owner.key")
+    first = Role(("*",), ("actuator.*",), "auto")  # what earlier stacks gave the owner
+    Roster([Principal("owner", (first,))], owner_roster(owner).keyring.keys.values()).save(
+        keys / "roster.json"
+    )
+    stack_key_settings(tmp_path)
+    widened = Roster.load(keys / "roster.json")
+    assert widened.may_set("owner", "*", "detect.hang.floor_s", 30) == ""
+    assert widened.principal_of(owner.key_id) == "owner"
+
+    edited = Roster([Principal("owner", (first,)), Principal("ana", (first,))], [])
+    edited.save(keys / "roster.json")
+    before = (keys / "roster.json").read_text()
+    stack_key_settings(tmp_path)
+    assert (keys / "roster.json").read_text() == before  # someone's roster: not ours to change
