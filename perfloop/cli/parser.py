@@ -5,7 +5,9 @@ and a non-zero exit."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -358,6 +360,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`perfloop … | head`): stop, quietly
+        with contextlib.suppress(Exception):  # and nothing more at exit's flush
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command its pipe ended
 
 
 if __name__ == "__main__":

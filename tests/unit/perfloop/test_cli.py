@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from perfloop import __version__
@@ -121,3 +125,21 @@ def test_aliases_internal_and_compose_variables_are_not_unknown() -> None:
             "PERFLOOP_TIER": "approve",
         }
     )
+
+
+def test_output_into_a_pipe_its_reader_closed_ends_quietly(tmp_path: Path) -> None:
+    """``perfloop keys list RING | head -1``: no traceback when ``head`` stops reading."""
+    from perfloop.identity import Keyring, PrivateKey, TrustedKey
+
+    ring = Keyring([TrustedKey.of(PrivateKey.generate().public_bytes(), f"p{i}")
+                    for i in range(3000)])  # fmt: skip
+    ring.save(tmp_path / "ring.json")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "perfloop.cli", "keys", "list", str(tmp_path / "ring.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.read(20)
+    proc.stdout.close()  # the reader goes away with most of the output unread
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141, err
+    assert b"Traceback" not in err and b"Exception ignored" not in err, err
