@@ -41,6 +41,11 @@ def up_command(args: argparse.Namespace) -> int:
             f"perfloop is up: kafka {state['kafka_bootstrap']}, "
             f"clickhouse {state['clickhouse_url']}, home {state['home']}"
         )
+        if settings.listen:
+            print(
+                "  beyond loopback: mutual TLS at the broker, HTTPS and a password at the "
+                "warehouse; a node's settings: `perfloop keys client NAME`"
+            )
         return 0
     supervisor = Supervisor(settings)
     supervisor.preflight()  # one-line errors before anything starts
