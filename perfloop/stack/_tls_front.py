@@ -142,6 +142,22 @@ class TlsFront:
         if self._server is not None:
             self._server.close()
         await self._point(None)
+        # the connections end with their sockets closed; one still in its handshake is cut
+        if self._tasks:
+            _, left = await asyncio.wait(set(self._tasks), timeout=2)
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
+
+    def cpu_s(self) -> float:
+        """CPU seconds the front's thread has used (its TLS and relaying)."""
+        if not self._thread.is_alive():
+            return 0.0
+
+        async def now() -> float:
+            return time.thread_time()
+
+        return float(asyncio.run_coroutine_threadsafe(now(), self._loop).result(timeout=10))
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self._pointed is not None
