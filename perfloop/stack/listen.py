@@ -43,6 +43,7 @@ from pydantic import SecretStr
 
 from perfloop.exceptions import StackError
 from perfloop.listening import ListenFiles, stack_fields
+from perfloop.stack.control import _alive, read_state
 
 __all__ = [
     "Listen",
@@ -276,6 +277,12 @@ def listen_settings(settings: Any) -> Listen:
         raise StackError(
             f"--listen {addr}: give the address the other nodes reach this machine at (its "
             "certificate and the broker's metadata name it), not a wildcard"
+        )
+    running = read_state(settings)
+    if running and _alive(running["supervisor_pid"]):  # its files are not to be touched
+        raise StackError(
+            f"the stack is already up (supervisor pid {running['supervisor_pid']}, home "
+            f"{settings.home_dir}); run `perfloop down` first"
         )
     files = prepare(
         settings.home_dir,

@@ -72,6 +72,15 @@ def test_listen_settings_give_the_services_tls_and_the_password(tmp_path: Path) 
     assert listen.env["PERFLOOP_KAFKA_SSL_KEY"] == str(tmp_path / "listen" / "stack.key")
 
 
+def test_a_running_stacks_files_are_left_alone(tmp_path: Path) -> None:
+    files = prepare(tmp_path, "10.1.2.3", 19092, 18123)
+    before = {p.name: p.read_bytes() for p in files.dir.iterdir()}
+    (tmp_path / "stack.json").write_text(json.dumps({"supervisor_pid": os.getpid()}))
+    with pytest.raises(StackError, match="already up"):
+        listen_settings(StackSettings(home=tmp_path, listen="10.9.9.9"))
+    assert {p.name: p.read_bytes() for p in files.dir.iterdir()} == before
+
+
 @pytest.mark.parametrize("wildcard", ["0.0.0.0", "::"])
 def test_a_wildcard_address_is_refused(tmp_path: Path, wildcard: str) -> None:
     with pytest.raises(StackError, match="not a wildcard"):
