@@ -46,6 +46,10 @@ from bench._common import (
 )
 
 NS = 1_000_000_000
+SETTLE_S = 20.0
+SETTLE_MAX_S = 180.0
+PUBLISHER_COUNTS = ("broker_losses", "resent", "dropped", "dropped_samples", "failed", "spooled",
+                    "replayed")  # fmt: skip
 
 
 def _pids(settings: Any) -> dict[str, int]:
@@ -163,8 +167,14 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
         stop.set()
         for t in threads:
             t.join(30)
-    pub.flush(60)
+    left = pub.flush(120)  # what a recycle in the last minute left in the spool goes out too
+    pub_stats = pub.stats
     pub.close()  # before the stack goes down, or its thread reports the broker lost
+    say(
+        f"  publisher at the end: {left} message(s) not delivered; broker losses "
+        f"{pub_stats.broker_losses}, resent {pub_stats.resent:,}, dropped {pub_stats.dropped} "
+        f"({pub_stats.dropped_samples:,} samples), failed {pub_stats.failed}"
+    )
     samples = sum(j.samples for j in jobs)
     elapsed = time.monotonic() - t0
     job_ids = [j.cfg.job_id for j in jobs]
@@ -175,14 +185,32 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
     ch = client(settings)
     try:
         q = {"jobs": job_ids}
-        rows = ch.query(
-            "SELECT (SELECT count() FROM steps WHERE job_id IN {jobs:Array(String)}) + "
-            "(SELECT count() FROM gpu_samples WHERE job_id IN {jobs:Array(String)}) + "
-            "(SELECT count() FROM host_samples WHERE job_id IN {jobs:Array(String)}) + "
-            "(SELECT count() FROM spans WHERE job_id IN {jobs:Array(String)}) + "
-            "(SELECT count() FROM collectives WHERE job_id IN {jobs:Array(String)})",
-            parameters=q,
-        ).result_rows[0][0]
+
+        def landed() -> int:
+            return int(ch.query(
+                "SELECT (SELECT count() FROM steps WHERE job_id IN {jobs:Array(String)}) + "
+                "(SELECT count() FROM gpu_samples WHERE job_id IN {jobs:Array(String)}) + "
+                "(SELECT count() FROM host_samples WHERE job_id IN {jobs:Array(String)}) + "
+                "(SELECT count() FROM spans WHERE job_id IN {jobs:Array(String)}) + "
+                "(SELECT count() FROM collectives WHERE job_id IN {jobs:Array(String)})",
+                parameters=q,
+            ).result_rows[0][0])  # fmt: skip
+
+        # Late rows (a recycle in the last minute: what was resent lands after the end) are
+        # told from lost ones: the count is read again until it reaches the samples or has
+        # not moved for SETTLE_S (at most SETTLE_MAX_S).
+        at_end = rows = landed()
+        since, settle_t0 = time.monotonic(), time.monotonic()
+        while rows < samples and time.monotonic() - settle_t0 < SETTLE_MAX_S:
+            time.sleep(2)
+            now_rows = landed()
+            if now_rows != rows:
+                rows, since = now_rows, time.monotonic()
+            elif time.monotonic() - since >= SETTLE_S:
+                break
+        settled_s = time.monotonic() - settle_t0
+        say(f"  rows landed: {at_end:,} at the first count, {rows:,} {settled_s:.0f} s later "
+            f"(of {samples:,} generated)")  # fmt: skip
         steps, covered = ch.query(
             "SELECT (SELECT count() FROM steps WHERE job_id IN {jobs:Array(String)}), "
             "(SELECT sum(count) FROM windows WHERE job_id IN {jobs:Array(String)} "
@@ -205,6 +233,10 @@ def run(args: argparse.Namespace, settings: Any) -> dict[str, Any]:
         "samples": samples,
         "samples_per_s": samples / elapsed,
         "rows_landed": rows,
+        "rows_landed_at_first_count": at_end,
+        "settle_s": settled_s,
+        "publisher_undelivered": left,
+        "publisher": {k: getattr(pub_stats, k) for k in PUBLISHER_COUNTS},
         "service_restarts": restarts,
         "windows_1s": len(lat),
         "step_samples": steps,
