@@ -112,6 +112,31 @@ def stack_signed(settings: StackSettings, event: Any) -> Any:
     return sign(event.model_copy(update={"expires_ts_ns": time.time_ns() + 300 * NS}), key)
 
 
+def publish(settings: StackSettings, topic: str, *events: Any) -> None:
+    """Publish control-plane events as a bare client would (keyed by their job, a setting by
+    whom it applies to), and wait for the broker to take them."""
+    from confluent_kafka import Producer
+
+    from perfloop.schemas import ConfigChange, encode_event
+
+    p = Producer({"bootstrap.servers": settings.kafka_bootstrap, "linger.ms": 0})
+    for ev in events:
+        key = ev.applies_to if isinstance(ev, ConfigChange) else ev.job_id
+        p.produce(topic, key=key.encode(), value=encode_event(ev))
+    assert p.flush(15) == 0
+
+
+def audit_of(settings: StackSettings, rec_id: str) -> list[tuple[Any, ...]]:
+    """The ``audit`` rows of a recommendation (or a setting, by its event id): (outcome,
+    actor, reason, command_id), oldest first, each once."""
+    return query(
+        settings,
+        "SELECT outcome, actor, reason, command_id FROM audit WHERE rec_id = {r:String} "
+        "ORDER BY ts LIMIT 1 BY event_id",
+        r=rec_id,
+    )
+
+
 def wait_for(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

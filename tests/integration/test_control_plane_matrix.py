@@ -28,17 +28,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from confluent_kafka import Producer
 
 from perfloop.actuators import JobAgent, sign
 from perfloop.actuators.agent import keyring_for
 from perfloop.identity import Keyring, PrivateKey, TrustedKey
 from perfloop.roster import Principal, Role, Roster
-from perfloop.schemas import Approval, Command, ConfigChange, Recommendation, encode_event
+from perfloop.schemas import Approval, Command, ConfigChange, Recommendation
 from perfloop.schemas.topics import Topics
 from perfloop.settings import DEV_SIGNING_KEY, StackSettings
 
-from .conftest import query, wait_for
+from .conftest import audit_of, publish, query, wait_for
 from .test_actuator_failover import _position
 
 pytestmark = pytest.mark.integration
@@ -84,23 +83,6 @@ class Matrix:
 def _revoked(key: PrivateKey, principal: str) -> TrustedKey:
     k = TrustedKey.of(key.public_bytes(), principal)
     return TrustedKey(k.key_id, k.principal, k.public, None, revoked=True)
-
-
-def _publish(settings: StackSettings, topic: str, *events: Any) -> None:
-    p = Producer({"bootstrap.servers": settings.kafka_bootstrap, "linger.ms": 0})
-    for ev in events:
-        key = ev.applies_to if isinstance(ev, ConfigChange) else ev.job_id
-        p.produce(topic, key=key.encode(), value=encode_event(ev))
-    assert p.flush(15) == 0
-
-
-def _audit(settings: StackSettings, rec_id: str) -> list[tuple[Any, ...]]:
-    return query(
-        settings,
-        "SELECT outcome, actor, reason, command_id FROM audit WHERE rec_id = {r:String} "
-        "ORDER BY ts LIMIT 1 BY event_id",
-        r=rec_id,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -167,14 +149,14 @@ def matrix(
             assert agent.start(wait_assigned_s=30), "the agent reads the control topic"
         # the approve job, by a setting the owner signed: taken (and, sent again, a replay)
         to_approve = sign(setting("approve", author="owner@it"), owner)
-        _publish(stack, Topics.CONTROL, to_approve)
+        publish(stack, Topics.CONTROL, to_approve)
         log = stack.home / "logs" / "actuator.log"
         wait_for(lambda: f"actuator.tier for job {m.approve_job}: 'auto' -> 'approve'"
                  in log.read_text(), 30, "the actuator to take the owner's setting")  # fmt: skip
 
         # the stream tier: a detector's threshold for the auto job, by a change the owner signed
         stream_good = sign(stream_setting(45.0, author="owner@it"), owner)
-        _publish(stack, Topics.CONTROL, stream_good)
+        publish(stack, Topics.CONTROL, stream_good)
         streams_log = stack.home / "logs" / "streams.log"
         changed = f"config {STREAM_KEY} for {m.auto_job}"
         wait_for(lambda: changed in streams_log.read_text(), 30, "the stream tier to take it")
@@ -193,8 +175,8 @@ def matrix(
         # approvals, each of a recommendation of its own pending for the approve job
         pending = {case: sign(rec(m.approve_job, 3 + i), streams)
                    for i, case in enumerate(AUDITED)}  # fmt: skip
-        _publish(stack, Topics.RECOMMENDATIONS, good, *pending.values())
-        wait_for(lambda: all(_audit(stack, r.event_id) for r in (good, *pending.values())), 30,
+        publish(stack, Topics.RECOMMENDATIONS, good, *pending.values())
+        wait_for(lambda: all(audit_of(stack, r.event_id) for r in (good, *pending.values())), 30,
                  "the good recommendations pending")  # fmt: skip
         rejected = sign(approval(pending["replayed"], verdict="reject", author="owner@it"), owner)
         bad_approvals = {
@@ -237,11 +219,11 @@ def matrix(
             "out of role": sign(command(2**60 + 4, value=10_000), key),  # out of its bounds
             "tampered": sign(command(2**60 + 5), key).model_copy(update={"value": 64}),
         }
-        _publish(stack, Topics.RECOMMENDATIONS, rejected)
-        wait_for(lambda: any(o == "rejected" for o, *_ in _audit(stack, rejected.rec_id)), 30,
+        publish(stack, Topics.RECOMMENDATIONS, rejected)
+        wait_for(lambda: any(o == "rejected" for o, *_ in audit_of(stack, rejected.rec_id)), 30,
                  "the owner's rejection")  # fmt: skip
-        _publish(stack, Topics.RECOMMENDATIONS, *bad_recs.values(), *bad_approvals.values())
-        _publish(stack, Topics.CONTROL, *bad_settings.values(), valid, *bad_commands.values(),
+        publish(stack, Topics.RECOMMENDATIONS, *bad_recs.values(), *bad_approvals.values())
+        publish(stack, Topics.CONTROL, *bad_settings.values(), valid, *bad_commands.values(),
                  *bad_streams.values(), stream_good)  # fmt: skip
 
         def refusals() -> dict[tuple[str, str], list[tuple[Any, ...]]]:
@@ -251,7 +233,7 @@ def matrix(
             for kind, sent in sends:
                 for case, ev in sent.items():
                     rec_id = ev.rec_id if isinstance(ev, Approval) else ev.event_id
-                    rows = [r for r in _audit(stack, rec_id) if r[0] == "refused"]
+                    rows = [r for r in audit_of(stack, rec_id) if r[0] == "refused"]
                     if rows:
                         got[(kind, case)] = rows
             return got
@@ -306,8 +288,8 @@ def matrix(
         try:
             wait_for(lambda: "assigned" in log_path.read_text(), 60, "the fresh actuator")
             last = sign(rec(m.approve_job, 9), streams)
-            _publish(stack, Topics.RECOMMENDATIONS, last)
-            decided = wait_for(lambda: len(d := _audit(stack, last.event_id)) >= 2 and d, 30,
+            publish(stack, Topics.RECOMMENDATIONS, last)
+            decided = wait_for(lambda: len(d := audit_of(stack, last.event_id)) >= 2 and d, 30,
                                "both actuators' decisions")  # fmt: skip
             m.last_decisions = sorted(str(d[0]) for d in decided)
         finally:

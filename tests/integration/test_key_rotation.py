@@ -22,17 +22,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from confluent_kafka import Producer
 
 from perfloop.actuators import sign
 from perfloop.identity import Keyring, PrivateKey, TrustedKey
 from perfloop.roster import Roster
-from perfloop.schemas import ConfigChange, Recommendation, encode_event
+from perfloop.schemas import ConfigChange, Recommendation
 from perfloop.schemas.topics import Topics
 from perfloop.settings import StackSettings
 from perfloop.stack import read_state
 
-from .conftest import perfloop_cli, private_stack, query, stack_env, wait_for
+from .conftest import audit_of, perfloop_cli, private_stack, publish, query, stack_env, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -46,22 +45,6 @@ def rotating(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackSettings
         tmp_path_factory.mktemp("perfloop-rotation"), PERFLOOP_BROKER_RECYCLE_MB="0"
     ) as settings:
         yield settings
-
-
-def _publish(settings: StackSettings, topic: str, *events: Any) -> None:
-    p = Producer({"bootstrap.servers": settings.kafka_bootstrap, "linger.ms": 0})
-    for ev in events:
-        key = ev.applies_to if isinstance(ev, ConfigChange) else ev.job_id
-        p.produce(topic, key=key.encode(), value=encode_event(ev))
-    assert p.flush(15) == 0
-
-
-def _audit(settings: StackSettings, rec_id: str) -> list[tuple[Any, ...]]:
-    return query(
-        settings,
-        "SELECT outcome, actor, reason FROM audit WHERE rec_id = {r:String} LIMIT 1 BY event_id",
-        r=rec_id,
-    )
 
 
 def _retire(entry: TrustedKey, after_ns: int) -> TrustedKey:
@@ -107,8 +90,8 @@ def test_the_stream_tier_and_a_person_rotate_their_keys_mid_run(
 
     # within the overlap, the old stream key still counts
     early = rec(f"rot-early-{run}", old_streams)
-    _publish(stack, Topics.RECOMMENDATIONS, early)
-    taken = wait_for(lambda: _audit(stack, early.event_id), 30, "the early recommendation")
+    publish(stack, Topics.RECOMMENDATIONS, early)
+    taken = wait_for(lambda: audit_of(stack, early.event_id), 30, "the early recommendation")
     assert taken[0][0] == "issued", taken
 
     # the stream worker gets the new key: written over the old file, the worker restarted
@@ -151,7 +134,7 @@ def test_the_stream_tier_and_a_person_rotate_their_keys_mid_run(
     recs = wait_for(lambda: query(stack, recs_sql, j=job), 30, "the job's recommendations")
     assert {k for _, k in recs} == {new_streams.key_id}, recs
     decided = wait_for(
-        lambda: all(_audit(stack, r) for r, _ in recs) and [_audit(stack, r) for r, _ in recs],
+        lambda: all(audit_of(stack, r) for r, _ in recs) and [audit_of(stack, r) for r, _ in recs],
         30,
         "the actuator's decisions on them",
     )
@@ -161,9 +144,9 @@ def test_the_stream_tier_and_a_person_rotate_their_keys_mid_run(
     # after the overlap, the old keys count for nothing, and their refusals are on record
     time.sleep(max(0.0, (overlap_ends - time.time_ns()) / NS) + 1)
     late_rec, late_setting = rec(f"rot-late-{run}", old_streams), setting(old_owner, False)
-    _publish(stack, Topics.RECOMMENDATIONS, late_rec)
-    _publish(stack, Topics.CONTROL, late_setting)
+    publish(stack, Topics.RECOMMENDATIONS, late_rec)
+    publish(stack, Topics.CONTROL, late_setting)
     for ev in (late_rec, late_setting):
-        rows = wait_for(lambda ev=ev: _audit(stack, ev.event_id), 30, "the late refusal")
+        rows = wait_for(lambda ev=ev: audit_of(stack, ev.event_id), 30, "the late refusal")
         assert rows[0][0] == "refused" and "no longer trusted" in rows[0][2], rows
     assert log.read_text().count(f"actuator.dry_run for job rot-{run}") == 1  # the new key's
