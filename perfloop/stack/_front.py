@@ -31,7 +31,7 @@ import time
 
 from perfloop.exceptions import StackError
 
-__all__ = ["WAIT_S", "Front", "free_port"]
+__all__ = ["WAIT_S", "Front", "free_port", "listening_socket"]
 
 WAIT_S = 10.0
 """How long a connection that arrived with no broker to relay to waits for one."""
@@ -49,6 +49,22 @@ def free_port(host: str, avoid: set[int] | frozenset[int] = frozenset()) -> int:
     raise StackError(f"no free port on {host} for the broker")
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A non-blocking socket listening on ``host:port`` for the broker's clients; one
+    `StackError` line if the address cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise StackError(f"cannot listen on {host}:{port} for the broker: {e.strerror}") from e
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
 class Front:
     """Listens on ``host:port`` and relays each connection to ``host:<the broker's port>``
     (`point_at`), in one thread.
@@ -59,15 +75,7 @@ class Front:
 
     def __init__(self, host: str, port: int) -> None:
         self.host = host
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._listener.bind((host, port))
-        except OSError as e:
-            self._listener.close()
-            raise StackError(f"cannot listen on {host}:{port} for the broker: {e.strerror}") from e
-        self._listener.listen(128)
-        self._listener.setblocking(False)
+        self._listener = listening_socket(host, port)
         self.port = int(self._listener.getsockname()[1])
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ)

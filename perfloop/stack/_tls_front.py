@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 from perfloop.exceptions import StackError
+from perfloop.stack._front import listening_socket
 
 __all__ = ["HANDSHAKE_S", "TlsFront"]
 
@@ -56,16 +57,7 @@ class TlsFront:
     ) -> None:
         self.host, self.upstream = host, upstream
         self._say = say or log.warning  # a line for the supervisor's log
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((host, port))
-        except OSError as e:
-            self._sock.close()
-            raise StackError(f"cannot listen on {host}:{port} for the broker: {e.strerror}") from e
-        self._sock.listen(128)
-        self._sock.setblocking(False)
+        self._sock = listening_socket(host, port)
         self.port = int(self._sock.getsockname()[1])
         self._context = context
         self._loop = asyncio.new_event_loop()
