@@ -52,10 +52,6 @@ class BrokerFronts:
         self._listens: dict[int, int] = {}  # advertised port -> the port its broker listens on
         self._tls: dict[int, TlsFront] = {}  # advertised port -> its front (with ``--listen``)
 
-    @property
-    def listening(self) -> bool:
-        return self._context is not None
-
     def start(self) -> None:
         if self._context is None:
             self._bootstrap = Front(self.host, self.port)
